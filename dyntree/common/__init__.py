@@ -1,0 +1,1 @@
+"""Framework-free speculator core (torch only; never imports vllm or sglang)."""

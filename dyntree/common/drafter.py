@@ -1,0 +1,128 @@
+"""The drafter contract: what every draft source (n-gram lookup, Hydra heads, quantized
+self-draft) implements, and the registry that turns a ``--drafter`` spec into an instance.
+
+A drafter sees one :class:`DraftRequest` per live request and returns one
+:class:`~dyntree.common.tree.DraftTree` per request, rooted at the request's last committed
+token. It never sees engine internals beyond what the request carries; engines translate their
+own state into requests (the standalone engine, the vLLM and SGLang adapters).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Hashable, Sequence
+
+import torch
+
+from dyntree.common.tree import DraftTree
+
+__all__ = ["DraftRequest", "Drafter", "NoDrafter", "register_drafter", "make_drafter", "drafter_names"]
+
+
+@dataclass
+class DraftRequest:
+    """Everything a drafter may use to propose a tree for one request.
+
+    Attributes:
+        request_id: engine-unique id, stable for the request's life.
+        token_ids: all committed tokens (prompt + generated); the last one is the tree root.
+        max_nodes: the most *draft* nodes the tree may hold (the root is not counted).
+        max_depth: the deepest a draft node may sit (root depth 0).
+        hidden: the target's last-layer hidden state (after the final norm, i.e. the LM-head
+            input) at the committed token *before* the root: the state whose logits produced the
+            root. ``None`` when the engine has none (a one-token prompt) or the drafter does not
+            ask for it.
+        row: the request's row in the engine's batched target KV cache (for self-drafting).
+        kv_len: how many committed tokens the target KV cache holds for this request
+            (``len(token_ids) - 1``: the root is not cached yet).
+    """
+
+    request_id: Hashable
+    token_ids: Sequence[int]
+    max_nodes: int
+    max_depth: int
+    hidden: torch.Tensor | None = None
+    row: int = 0
+    kv_len: int = 0
+
+    @property
+    def root(self) -> int:
+        return int(self.token_ids[-1])
+
+
+class Drafter(ABC):
+    """Proposes draft trees. Subclasses set ``name`` and implement :meth:`propose`.
+
+    Class flags tell the engine what to supply:
+        needs_hidden: fill :attr:`DraftRequest.hidden`.
+        needs_target_kv: pass the engine's target KV cache object as ``target_kv`` to
+            :meth:`propose` (self-drafting reads the target's prefix KV; it must not modify it).
+        samples: the trees carry ``draft_dists`` (required for lossless sampling).
+    """
+
+    name: ClassVar[str] = ""
+    needs_hidden: ClassVar[bool] = False
+    needs_target_kv: ClassVar[bool] = False
+    samples: ClassVar[bool] = False
+
+    @abstractmethod
+    def propose(self, requests: Sequence[DraftRequest], target_kv: Any = None) -> list[DraftTree]:
+        """One tree per request, in order; a tree may be just the root (no speculation)."""
+
+    def observe(self, request_id: Hashable, token_ids: Sequence[int], accepted_depth: int) -> None:
+        """Called after each verify step with the request's full committed tokens and how many
+        draft tokens were accepted (0 = only the bonus token). Default: nothing."""
+
+    def release(self, request_id: Hashable) -> None:
+        """The request finished; drop any per-request state. Default: nothing."""
+
+
+class NoDrafter(Drafter):
+    """Plain decoding through the same engine: every tree is just the root."""
+
+    name = "none"
+
+    def propose(self, requests: Sequence[DraftRequest], target_kv: Any = None) -> list[DraftTree]:
+        return [DraftTree.root_only(r.root) for r in requests]
+
+
+_REGISTRY: dict[str, Callable[..., Drafter]] = {}
+
+
+def register_drafter(name: str) -> Callable[[Callable[..., Drafter]], Callable[..., Drafter]]:
+    """Register a factory ``factory(options: str | None, **context) -> Drafter`` under ``name``.
+
+    ``options`` is the text after ``name:`` in a spec such as ``qspec:w4a16,g128``; ``context``
+    carries what the engine can offer (``model``, ``tokenizer``, ...), which a factory takes or
+    ignores by keyword.
+    """
+
+    def deco(factory: Callable[..., Drafter]) -> Callable[..., Drafter]:
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+register_drafter("none")(lambda options=None, **_: NoDrafter())
+
+
+def drafter_names() -> list[str]:
+    _load_builtin_drafters()
+    return sorted(_REGISTRY)
+
+
+def make_drafter(spec: str, **context: Any) -> Drafter:
+    """Build a drafter from a spec ``name[:options]``; unknown names raise ``ValueError``."""
+    _load_builtin_drafters()
+    name, _, options = spec.partition(":")
+    name = name.strip().lower()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown drafter {spec!r}; choose one of: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name](options or None, **context)
+
+
+def _load_builtin_drafters() -> None:
+    """Import the modules whose import registers the built-in drafters."""
+    import dyntree.common.ngram  # noqa: F401

@@ -1,0 +1,1 @@
+"""Triton kernels for tree verification, each with a readable torch reference beside it."""

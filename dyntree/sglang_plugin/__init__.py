@@ -1,0 +1,1 @@
+"""SGLang adapter (filled by the engine-plugin issue)."""

@@ -1,0 +1,1 @@
+"""Standalone speculative engine over Hugging Face transformers causal LMs."""

@@ -1,0 +1,1 @@
+"""vLLM adapter (filled by the engine-plugin issue)."""
