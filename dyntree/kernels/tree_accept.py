@@ -178,7 +178,7 @@ if HAS_TRITON:
         for _ in range(1, num_nodes):
             nxt = tl.min(tl.where(passes & (par == cur), idx, BLOCK_T), 0)
             found = nxt < BLOCK_T
-            on_path = on_path | ((idx == nxt) & found)
+            on_path = on_path | (idx == tl.where(found, nxt, -1))
             cur = tl.where(found, nxt, cur)
             length += found.to(tl.int32)
         # Along a path indices increase, so rank among on-path nodes = position in the path.

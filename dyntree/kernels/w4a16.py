@@ -21,28 +21,16 @@ without a GPU, Triton runs only under ``TRITON_INTERPRET=1`` (tests, small shape
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from dyntree.common.quant import QuantizedWeight, dequantize_weight
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    HAS_TRITON = False
+from dyntree.kernels._triton import HAS_TRITON, interpreting, tl, triton
 
 __all__ = ["HAS_TRITON", "W4A16Config", "w4a16_matmul", "w4a16_matmul_reference", "kernel_supports", "default_config"]
 
 _BLOCK_KS = (128, 64, 32)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -130,8 +118,8 @@ def w4a16_matmul(
     m, n, k = _check_inputs(x, packed, scales, zeros, group_size)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"w4a16: x must be fp16, bf16 or fp32, got {x.dtype}")
-    interpreting = _interpreting()
-    if not x.is_cuda and not interpreting:
+    in_interpreter = interpreting()
+    if not x.is_cuda and not in_interpreter:
         raise RuntimeError("w4a16_matmul needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests)")
     if config is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
@@ -155,7 +143,7 @@ def w4a16_matmul(
         HAS_ZEROS=zeros is not None,
         ATOMIC=split > 1,
         # bf16 tl.dot is broken in the interpreter; fp32 inputs get exact (ieee) dots
-        DOT_FP32=x.dtype == torch.float32 or (interpreting and x.dtype == torch.bfloat16),
+        DOT_FP32=x.dtype == torch.float32 or (in_interpreter and x.dtype == torch.bfloat16),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -213,7 +201,7 @@ if HAS_TRITON:
                 w_odd = (hi - zero[:, None]) * scale[:, None]
             else:
                 w_even = (lo - 8.0) * scale[:, None]
-                w_odd = (hi - 7.0) * scale[:, None]
+                w_odd = (hi - 8.0) * scale[:, None]
             if DOT_FP32:
                 acc += tl.dot(x_even.to(tl.float32), tl.trans(w_even), input_precision="ieee")
                 acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_odd), input_precision="ieee")
