@@ -1,0 +1,147 @@
+"""Options for the dynamic tree builder and the adaptive speculation controller.
+
+Both are pydantic v2 models with ``extra="forbid"``: an unknown or invalid field raises a
+``pydantic.ValidationError`` whose message names the field. The defaults work out of the box for
+a small draft source (n-gram, draft heads, self-draft) against a target whose verify forward of a
+few dozen tokens costs about one decode step.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["TreeOptions", "CalibrationOptions", "ControllerOptions", "TreeMode", "SamplingScheme"]
+
+TreeMode = Literal["chain", "static", "dyntree"]
+SamplingScheme = Literal["without_replacement", "iid"]
+
+
+class CalibrationOptions(BaseModel):
+    """Online calibration of draft confidence to measured acceptance (see ``calibration.py``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    confidence_bins: int = Field(10, ge=1, le=100, description="equal-width bins over draft confidence [0, 1]")
+    entropy_edges: tuple[float, ...] = Field(
+        (0.5, 1.5, 3.0), description="increasing entropy (nats) bin edges; len+1 entropy bins"
+    )
+    max_depth: int = Field(16, ge=1, le=256, description="depths beyond this share the last depth's table")
+    prior_strength: float = Field(
+        8.0, gt=0, description="pseudo-observations of the identity map per bin (higher = slower to move)"
+    )
+    decay: float = Field(
+        0.999, gt=0, le=1, description="per-observation decay of old evidence (1 = never forget)"
+    )
+
+    @model_validator(mode="after")
+    def _edges_increasing(self) -> "CalibrationOptions":
+        e = self.entropy_edges
+        if any(b <= a for a, b in zip(e, e[1:])) or any(x < 0 for x in e):
+            raise ValueError(f"entropy_edges must be non-negative and strictly increasing, got {e}")
+        return self
+
+
+class TreeOptions(BaseModel):
+    """How the builder shapes a draft tree.
+
+    The dynamic (``dyntree``) mode grows the tree depth by depth: a frontier node of draft entropy
+    ``H`` may get up to ``k(H)`` children, ``k = 1`` for ``H <= entropy_low``, ``max_children`` for
+    ``H >= entropy_high``, linear in between; a child is kept only if its path value (the product
+    of calibrated acceptance probabilities along its path) is at least ``threshold``; the tree is
+    bounded by ``max_nodes`` draft nodes and ``max_depth``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: TreeMode = "dyntree"
+    max_nodes: int = Field(32, ge=0, le=1024, description="draft nodes per tree (root not counted)")
+    max_depth: int = Field(8, ge=0, le=128, description="deepest draft node (root depth 0)")
+    threshold: float = Field(0.02, ge=0, le=1, description="stop a branch whose path value is below this")
+    max_children: int = Field(4, ge=1, le=64, description="most children of one node in dyntree mode")
+    entropy_low: float = Field(0.3, ge=0, description="at or below this draft entropy (nats): one child")
+    entropy_high: float = Field(2.0, ge=0, description="at or above this draft entropy (nats): max_children")
+    max_frontier: int = Field(
+        32, ge=1, le=1024, description="most nodes expanded per depth (bounds the drafter's batch)"
+    )
+    static_shape: tuple[tuple[int, ...], ...] | None = Field(
+        None,
+        description="static mode: rank paths like ((0,), (0, 0), (1,)), each path's prefix listed "
+        "before it; default: Medusa's 63-node mc_sim_7b_63",
+    )
+    sampling_scheme: SamplingScheme = Field(
+        "without_replacement",
+        description="how sampled children of one node are drawn (the verifier must assume the same)",
+    )
+    calibration: CalibrationOptions = CalibrationOptions()
+
+    @model_validator(mode="after")
+    def _check(self) -> "TreeOptions":
+        if self.entropy_high < self.entropy_low:
+            raise ValueError(
+                f"entropy_high ({self.entropy_high}) must be >= entropy_low ({self.entropy_low})"
+            )
+        if self.static_shape is not None:
+            seen: set[tuple[int, ...]] = {()}
+            for path in self.static_shape:
+                if not path or any(r < 0 for r in path):
+                    raise ValueError(f"static_shape path {path} must be non-empty non-negative ranks")
+                if path[:-1] not in seen:
+                    raise ValueError(f"static_shape path {path} comes before its prefix {path[:-1]}")
+                if path in seen:
+                    raise ValueError(f"static_shape path {path} is repeated")
+                seen.add(path)
+        return self
+
+
+class ControllerOptions(BaseModel):
+    """How the adaptive controller sizes speculation per request and per batch."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_nodes: int = Field(32, ge=0, le=1024, description="largest tree per request (draft nodes)")
+    max_depth: int = Field(8, ge=0, le=128, description="deepest tree per request")
+    max_batch_tokens: int = Field(
+        4096, ge=1, description="most query tokens (roots + drafts) in one verify forward"
+    )
+    allow_trees: bool = Field(True, description="False: only chains (or nothing)")
+    ema: float = Field(0.3, gt=0, le=1, description="weight of the newest step in the acceptance EMA")
+    alpha_prior: float = Field(
+        0.5, ge=0, le=1, description="top-1 draft acceptance assumed for a new request"
+    )
+    prior_weight: float = Field(2.0, gt=0, description="pseudo-levels of the prior in the EMA start")
+    relax: float = Field(
+        0.02,
+        ge=0,
+        le=1,
+        description="per step without speculation, a request's acceptance estimate moves this far "
+        "back toward alpha_prior (so a failing request is retried now and then)",
+    )
+    sibling_gain_prior: float = Field(
+        0.3,
+        ge=0,
+        lt=1,
+        description="chance that each extra sibling catches a token the first child missed",
+    )
+    min_node_value: float = Field(
+        0.05, ge=0, le=1, description="skip draft nodes expected to add fewer accepted tokens than this"
+    )
+    min_gain: float = Field(
+        1.03,
+        ge=1,
+        description="speculate only if predicted throughput beats plain decoding by this factor",
+    )
+    draft_ms_fixed: float = Field(0.0, ge=0, description="drafter cost per step when any request drafts")
+    draft_ms_per_depth: float = Field(0.0, ge=0, description="drafter cost per tree depth level")
+    draft_ms_per_node: float = Field(0.0, ge=0, description="drafter cost per draft node in the batch")
+    cost_lr: float = Field(0.2, ge=0, le=1, description="online learning rate of the cost model")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ControllerOptions":
+        if self.max_depth > self.max_nodes:
+            raise ValueError(
+                f"max_depth ({self.max_depth}) must be <= max_nodes ({self.max_nodes}): "
+                "a deeper tree needs more nodes"
+            )
+        return self
