@@ -33,33 +33,18 @@ children after looking at them (see ``builder.py``, which decides counts before 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from typing import get_args
 
 import torch
 
+from dyntree.common.options import SamplingScheme
 from dyntree.common.tree import DraftTree
+from dyntree.common.verify import VerifyResult
 
-__all__ = ["VerifyResult", "SamplingScheme", "process_logits", "node_outcomes", "sample_verify"]
+__all__ = ["SamplingScheme", "process_logits", "node_outcomes", "sample_verify"]
 
-SamplingScheme = Literal["without_replacement", "iid"]
-_SCHEMES = ("without_replacement", "iid")
+_SCHEMES = get_args(SamplingScheme)
 _EPS = 1e-12
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """Outcome of verifying one draft tree.
-
-    Attributes:
-        accepted_nodes: node indices along the accepted path, root (0) first; the engine keeps
-            these nodes' KV entries.
-        tokens: the newly committed tokens: the accepted draft tokens (the tokens of
-            ``accepted_nodes[1:]``) followed by the bonus/residual token.
-    """
-
-    accepted_nodes: list[int]
-    tokens: list[int]
 
 
 def process_logits(
