@@ -366,7 +366,7 @@ def paged_tree_attention_triton(
         return out
     rows = max_query_len * group
     bm = block_m or min(64, max(16, next_pow2(rows)))
-    bn = block_n or 64
+    bn = block_n or (64 if d <= 64 else 32)  # sm_90 fp16, BLOCK_M 64: no register spills (ptxas)
     q_tiles = math.ceil(rows / bm)
     if num_splits is None:
         programs = b * q_tiles * hkv
