@@ -1,0 +1,230 @@
+"""Tree builder invariants (hypothesis), dyntree optimality and shaping, sampled draws,
+online calibration, and the options' validation."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from dyntree.common.builder import MEDUSA_63, PartialTree, TreeBuilder, draw_children
+from dyntree.common.calibration import Calibrator, entropy
+from dyntree.common.options import CalibrationOptions, ControllerOptions, TreeOptions
+from dyntree.common.sampling import sample_verify
+from dyntree.common.tree import DraftTree
+
+
+class ToyDrafter:
+    """Draft distribution as a fixed function of the path's tokens; records expand calls."""
+
+    def __init__(self, vocab: int, sharpness: float, seed: int = 0) -> None:
+        self.vocab, self.sharpness, self.seed = vocab, sharpness, seed
+        self.calls: list[list[int]] = []
+
+    def dist(self, path: list[int]) -> torch.Tensor:
+        g = torch.Generator().manual_seed(hash((self.seed, *path)) % (2**31))
+        return torch.softmax(torch.randn(self.vocab, generator=g) * self.sharpness, -1)
+
+    def __call__(self, frontier: list[int], partial: PartialTree) -> torch.Tensor:
+        self.calls.append([partial.depths[i] for i in frontier])
+        return torch.stack([self.dist(partial.path_tokens(i)) for i in frontier])
+
+
+def _path_tokens(tree: DraftTree, i: int) -> list[int]:
+    return [int(tree.tokens[j]) for j in tree.path(i)]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    vocab=st.integers(3, 24),
+    sharpness=st.sampled_from([0.3, 1.5, 4.0, 10.0]),
+    seed=st.integers(0, 10_000),
+    mode=st.sampled_from(["chain", "static", "dyntree"]),
+    sampling=st.booleans(),
+    iid=st.booleans(),
+    max_nodes=st.integers(0, 40),
+    max_depth=st.integers(0, 9),
+    max_children=st.integers(1, 6),
+    threshold=st.sampled_from([0.0, 0.01, 0.1, 0.5]),
+    max_frontier=st.integers(1, 12),
+)
+def test_builder_invariants(
+    vocab: int, sharpness: float, seed: int, mode: str, sampling: bool, iid: bool, max_nodes: int,
+    max_depth: int, max_children: int, threshold: float, max_frontier: int,
+) -> None:
+    opts = TreeOptions(
+        max_children=max_children, threshold=threshold, max_frontier=max_frontier,
+        sampling_scheme="iid" if iid else "without_replacement",
+    )
+    drafter = ToyDrafter(vocab, sharpness, seed)
+    tree = TreeBuilder(opts).build(
+        5, drafter, max_nodes=max_nodes, max_depth=max_depth, mode=mode,  # type: ignore[arg-type]
+        sampling=sampling, generator=torch.Generator().manual_seed(seed),
+    )
+    n = tree.size
+    assert tree.root == 5 and n - 1 <= max_nodes and tree.max_depth <= max_depth
+    assert all(0 <= int(tree.parents[i]) < i for i in range(1, n))  # parents before children
+    assert len(drafter.calls) <= max_depth  # one expand call per depth ...
+    for depth, call in enumerate(drafter.calls):
+        assert call and set(call) == {depth}  # ... over that depth's frontier only
+    assert (tree.draft_dists is not None) == (sampling and bool(drafter.calls))
+    for i in range(1, n):
+        par = int(tree.parents[i])
+        q = drafter.dist(_path_tokens(tree, par))
+        tok = int(tree.tokens[i])
+        assert abs(float(tree.draft_probs[i]) - float(q[tok])) < 1e-5
+        assert abs(float(tree.node_entropy[i]) - float(entropy(q))) < 1e-4
+        # identity calibration: path value = product of draft probabilities along the path
+        assert abs(float(tree.values[i]) - float(tree.values[par]) * float(q[tok])) < 1e-5
+        if sampling:
+            assert torch.allclose(tree.draft_dists[par], q)
+    for i in range(n):
+        toks = [int(tree.tokens[c]) for c in tree.children(i)]
+        if not (sampling and iid):
+            assert len(set(toks)) == len(toks), "siblings repeat a token"
+        if mode == "dyntree":
+            assert len(toks) <= max_children
+        if mode == "dyntree" and not sampling:
+            q = drafter.dist(_path_tokens(tree, i)) if toks else None
+            if toks:  # greedy children are the most likely tokens, in rank order
+                assert toks == torch.topk(q, len(toks)).indices.tolist()
+    if mode == "dyntree" and not sampling and n > 1:
+        assert float(tree.values[1:].min()) >= threshold
+    if mode == "chain":
+        assert n - 1 == min(max_nodes, max_depth) and tree.max_depth == n - 1
+    if mode == "static":
+        kept = [p for p in MEDUSA_63 if len(p) <= max_depth][:max_nodes]
+        # softmax rows have full support: the whole truncated shape, minus ranks >= vocab
+        assert n - 1 == sum(1 for p in kept if max(p) < vocab)
+
+
+def _best_closed_value(drafter: ToyDrafter, opts: TreeOptions, n_max: int, d_max: int) -> float:
+    """Reference: grow every candidate (no budget), then the best ancestor-closed n_max nodes."""
+    big = TreeBuilder(opts.model_copy(update={"max_frontier": 1024}))
+    full = big.build(0, drafter, max_nodes=1024, max_depth=d_max)
+    vals = sorted(full.values[1:].tolist(), reverse=True)
+    return sum(vals[:n_max])
+
+
+@pytest.mark.parametrize("sharpness", [0.5, 2.0, 4.0])
+def test_greedy_dyntree_keeps_the_most_valuable_nodes(sharpness: float) -> None:
+    opts = TreeOptions(max_children=3, threshold=0.001, max_frontier=64)
+    drafter = ToyDrafter(12, sharpness, seed=3)
+    for n_max in (1, 5, 16):
+        tree = TreeBuilder(opts).build(0, drafter, max_nodes=n_max, max_depth=4)
+        want = _best_closed_value(drafter, opts, n_max, 4)
+        assert tree.size - 1 == min(n_max, tree.size - 1)
+        assert abs(tree.expected_accepted - want) < 1e-5
+
+
+def test_entropy_shapes_the_tree() -> None:
+    opts = TreeOptions(max_children=4, entropy_low=0.3, entropy_high=2.0, threshold=0.0)
+    peaked = TreeBuilder(opts).build(0, ToyDrafter(32, 60.0), max_nodes=8, max_depth=8)
+    flat = TreeBuilder(opts).build(0, ToyDrafter(32, 0.05), max_nodes=8, max_depth=8)
+    assert peaked.max_depth == 8 and len(peaked.children(0)) == 1  # confident: a deep chain
+    assert len(flat.children(0)) == 4 and flat.max_depth <= 3  # uncertain: wide and shallow
+
+
+def test_threshold_stops_weak_branches() -> None:
+    tree = TreeBuilder(TreeOptions(threshold=0.2)).build(0, ToyDrafter(40, 0.1), max_nodes=32, max_depth=8)
+    assert tree.size == 1  # a near-uniform draft over 40 tokens never reaches 0.2
+
+
+def test_sampled_child_counts_are_decided_before_drawing() -> None:
+    # The root's number of children may depend on its distribution, never on the draws.
+    drafter = ToyDrafter(16, 1.0, seed=7)
+    sizes = set()
+    for seed in range(12):
+        tree = TreeBuilder(TreeOptions(threshold=0.0)).build(
+            0, drafter, max_nodes=3, max_depth=3, sampling=True, generator=torch.Generator().manual_seed(seed)
+        )
+        sizes.add(len(tree.children(0)))
+    assert len(sizes) == 1
+
+
+def _chi2_pvalue(counts: Counter, probs: dict, n: int) -> float:
+    stat = sum((counts.get(k, 0) - p * n) ** 2 / (p * n) for k, p in probs.items())
+    assert set(counts) <= set(probs)
+    return float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2), torch.tensor(stat / 2)))
+
+
+@pytest.mark.parametrize("scheme", ["without_replacement", "iid"])
+def test_draw_children_matches_the_scheme(scheme: str) -> None:
+    q = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    n = 40_000
+    drawn = draw_children(q.expand(n, 5), [2] * n, scheme, torch.Generator().manual_seed(5))  # type: ignore[arg-type]
+    counts = Counter(tuple(d) for d in drawn)
+    probs = {}
+    for a, b in itertools.product(range(4), repeat=2):
+        if scheme == "iid":
+            probs[(a, b)] = float(q[a] * q[b])
+        elif a != b:
+            probs[(a, b)] = float(q[a] * q[b] / (1 - q[a]))
+    assert _chi2_pvalue(counts, probs, n) > 1e-3
+
+
+def test_sampled_builder_with_sample_verify_matches_target_first_token() -> None:
+    """End to end: builder-drawn trees + sample_verify give the target's first-token law."""
+    vocab, n = 4, 2000
+    drafter = ToyDrafter(vocab, 1.0, seed=11)
+    target = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    builder = TreeBuilder(TreeOptions(threshold=0.0, max_children=2))
+    g = torch.Generator().manual_seed(0)
+    counts: Counter = Counter()
+    for _ in range(n):
+        tree = builder.build(0, drafter, max_nodes=3, max_depth=2, sampling=True, generator=g)
+        tp = torch.stack([torch.roll(target, int(tree.tokens[i])) for i in range(tree.size)])
+        counts[(sample_verify(tree, tp, g).tokens[0],)] += 1
+    assert _chi2_pvalue(counts, {(y,): float(target[y]) for y in range(vocab)}, n) > 1e-3
+
+
+def test_calibrator_starts_at_identity_and_learns() -> None:
+    cal = Calibrator(CalibrationOptions(confidence_bins=5, prior_strength=4.0, decay=1.0))
+    conf = torch.tensor([0.05, 0.5, 0.93])
+    depth, ent = torch.ones(3, dtype=torch.int64), torch.zeros(3)
+    assert torch.allclose(cal.predict(depth, conf, ent), conf)
+    # At depth 2 the draft is twice as confident as it should be.
+    g = torch.Generator().manual_seed(0)
+    c = torch.full((4000,), 0.9)
+    acc = torch.rand(4000, generator=g) < 0.45
+    cal.update(torch.full((4000,), 2), c, torch.zeros(4000), acc)
+    pred2 = float(cal.predict(torch.tensor([2]), torch.tensor([0.9]), torch.zeros(1)))
+    assert abs(pred2 - float(acc.float().mean())) < 0.01
+    assert torch.allclose(cal.predict(depth, conf, ent), conf)  # depth 1 untouched
+    with pytest.raises(ValueError, match="depth"):
+        cal.predict(torch.tensor([0]), torch.tensor([0.5]), torch.zeros(1))
+
+
+def test_calibrator_observe_judges_only_reached_nodes() -> None:
+    tree = TreeBuilder(TreeOptions(threshold=0.0, max_children=3)).build(
+        0, ToyDrafter(8, 0.5, seed=1), max_nodes=10, max_depth=3
+    )
+    accepted = tree.path(max(tree.children(tree.children(0)[0])))  # root -> first child -> a child
+    cal = Calibrator()
+    judged = cal.observe(tree, accepted)
+    reached = set(accepted)
+    want = sum(1 for i in range(1, tree.size) if int(tree.parents[i]) in reached)
+    assert judged == want == cal.observations
+    with pytest.raises(ValueError, match="node_entropy"):
+        Calibrator().observe(DraftTree.chain(1, [2, 3]), [0, 1])
+
+
+def test_options_validate_and_name_fields() -> None:
+    with pytest.raises(ValidationError, match="max_nodes"):
+        TreeOptions(max_nodes=-1)
+    with pytest.raises(ValidationError, match="bogus"):
+        TreeOptions(bogus=1)  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="entropy_high"):
+        TreeOptions(entropy_low=2.0, entropy_high=1.0)
+    with pytest.raises(ValidationError, match="prefix"):
+        TreeOptions(static_shape=((0, 0), (0,)))
+    with pytest.raises(ValidationError, match="max_depth"):
+        ControllerOptions(max_nodes=4, max_depth=8)
+    with pytest.raises(ValidationError, match="entropy_edges"):
+        CalibrationOptions(entropy_edges=(2.0, 1.0))
+    TreeOptions(static_shape=((0,), (1,), (0, 0)))
