@@ -340,6 +340,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", qweight.scales)
         self.register_buffer("zeros", qweight.zeros)
         self.bias = bias
+        self._dense: torch.Tensor | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, spec: QSpec, scale_dtype: torch.dtype = torch.float16) -> "QuantLinear":
@@ -355,8 +356,16 @@ class QuantLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        """Bytes this layer owns (codes, scales, zero points; the shared bias is not counted)."""
-        return self.quantized_weight.nbytes
+        """Bytes this layer owns (codes, scales, zero points; the shared bias is not counted),
+        plus the dense copy if :meth:`materialize` made one."""
+        dense = 0 if self._dense is None else self._dense.numel() * self._dense.element_size()
+        return self.quantized_weight.nbytes + dense
+
+    def materialize(self, dtype: torch.dtype) -> None:
+        """Keep a dequantized ``dtype`` copy of the weight and use it instead of dequantizing on
+        every call: the same numbers, faster on CPU, but it costs a full dense weight. For
+        measuring acceptance on CPU only; it defeats the memory saving."""
+        self._dense = dequantize_weight(self.quantized_weight, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -369,6 +378,8 @@ class QuantLinear(nn.Module):
             from dyntree.kernels.w4a16 import w4a16_matmul
 
             y = w4a16_matmul(x2, self.qweight, self.scales, self.zeros, self.group_size)
+        elif self._dense is not None and self._dense.dtype == x.dtype:
+            y = x2 @ self._dense.t()
         else:
             y = x2 @ dequantize_weight(self.quantized_weight, x.dtype).t()
         if self.bias is not None:

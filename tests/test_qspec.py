@@ -1,0 +1,167 @@
+"""Tests for the quantized self-draft (dyntree.standalone.qspec) on a tiny random Llama and,
+marked slow, on SmolLM2-135M."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dyntree.common.config import SamplingParams, SpecConfig
+from dyntree.common.drafter import DraftRequest, NoDrafter, make_drafter
+from dyntree.common.quant import QSpecError, QuantLinear, parse_qspec
+from dyntree.standalone.engine import SpecEngine
+from dyntree.standalone.qspec import QSpecDrafter
+
+
+class _Tok:
+    eos_token_id = None
+
+    def decode(self, ids, **_):
+        return " ".join(map(str, ids))
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2,
+    )
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg).eval()
+
+
+PROMPTS = [[1, 5, 7, 9, 11, 3, 40, 41], [2, 4, 6], [8]]
+
+
+def _requests(prompts, max_nodes=10, max_depth=4):
+    return [DraftRequest(i, p, max_nodes=max_nodes, max_depth=max_depth, row=i, kv_len=len(p) - 1) for i, p in enumerate(prompts)]
+
+
+def _reference(model: LlamaForCausalLM, spec_text: str) -> LlamaForCausalLM:
+    """An independent dense model computing what the draft should: a deep copy with the kept
+    layers' linears quantized the same way and the skipped layers removed."""
+    spec = parse_qspec(spec_text)
+    ref = copy.deepcopy(model)
+    keep = len(ref.model.layers) - spec.skip_layers
+    ref.model.layers = nn.ModuleList(list(ref.model.layers)[:keep])
+    ref.config.num_hidden_layers = keep
+    if spec.quantized:
+        for layer in ref.model.layers:
+            for name, mod in list(layer.named_modules()):
+                for child_name, child in list(mod.named_children()):
+                    if isinstance(child, nn.Linear):
+                        setattr(mod, child_name, QuantLinear.from_linear(child, spec))
+    return ref
+
+
+def _reference_probs(target, ref, prompt: list[int], path: list[int]) -> torch.Tensor:
+    """Next-token probs after ``prompt[:-1] + path`` (``path`` starts with the root): prefix KV
+    from the target, the path through ``ref``."""
+    n = len(prompt) - 1
+    cache = target(torch.tensor([prompt[:-1]]), use_cache=True).past_key_values if n else None
+    pos = torch.arange(n, n + len(path))[None]
+    out = ref(torch.tensor([path]), position_ids=pos, past_key_values=cache, use_cache=True)
+    return out.logits[0, -1].float().softmax(-1)
+
+
+@pytest.mark.parametrize("spec_text", ["none", "w4a16,g32", "w8a16,perchannel,asym,skip=1", "w8a8,asym", "w4a4,g32"])
+def test_draft_probs_equal_a_full_forward_of_the_draft_model(tiny, spec_text: str) -> None:
+    # every node's draft prob must be what an independent reference computes: the *target's*
+    # (full-precision) KV of the committed prefix, then the node's path through the reference
+    # draft model one sequence at a time: checks prefix-KV reading, scratch KV, mask, positions
+    drafter = QSpecDrafter(tiny, parse_qspec(spec_text), topk=3, width=3)
+    engine = SpecEngine(tiny, _Tok(), NoDrafter())
+    _, cache = engine._prefill(PROMPTS, [0, 1, 2])
+    before = [(layer.keys.clone(), layer.values.clone(), layer.keys.data_ptr()) for layer in cache.layers]
+    trees = drafter.propose(_requests(PROMPTS), cache)
+    ref = _reference(tiny, spec_text)
+    errs, firsts = [], []
+    with torch.no_grad():
+        for prompt, tree in zip(PROMPTS, trees):
+            assert tree.root == prompt[-1] and tree.size - 1 == 10 and tree.max_depth <= 4
+            for i in range(1, tree.size):
+                path = [int(tree.tokens[j]) for j in tree.path(i)]
+                probs = _reference_probs(tiny, ref, prompt, path[:-1])
+                errs.append(abs(float(probs[path[-1]]) - float(tree.draft_probs[i])))
+                firsts.append(tree.children(int(tree.parents[i]))[0] == i and path[-1] == int(probs.argmax()))
+    assert len(errs) == 30
+    # activation rounding is discontinuous: a last-bit difference between the batched draft
+    # forward and the reference can move one activation by one step; allow a rare small flip
+    n_off = sum(e > 1e-4 for e in errs)
+    assert (n_off == 0 if parse_qspec(spec_text).act_bits is None else n_off <= 2) and max(errs) < 0.05
+    assert sum(firsts) >= 9 - n_off  # each tree's first children are their parents' argmax
+    for (k, v, ptr), layer in zip(before, cache.layers):  # the target's KV is read, never written
+        assert torch.equal(k, layer.keys) and torch.equal(v, layer.values) and layer.keys.data_ptr() == ptr
+    assert drafter.last_scratch_bytes > 0
+
+
+def test_memory_overhead_is_the_quantized_weights_only(tiny) -> None:
+    linears = [m for m in tiny.model.layers.modules() if isinstance(m, nn.Linear)]
+    assert QSpecDrafter(tiny, parse_qspec("none")).overhead_bytes == 0
+    w4 = QSpecDrafter(tiny, parse_qspec("w4a16,g32"))
+    expected = sum(m.out_features * (m.in_features // 2) + m.out_features * (m.in_features // 32) * 2 for m in linears)
+    assert w4.overhead_bytes == expected
+    assert QSpecDrafter(tiny, parse_qspec("w4a16,g32,skip=1")).overhead_bytes == expected * 2 // 3
+    assert w4.overhead_bytes < w4.target_bytes / 7  # fp32 target: ~1/8 + scales
+    # the draft shares everything but the linear layers with the target
+    assert w4.decoder.embed_tokens is tiny.model.embed_tokens and w4.decoder.norm is tiny.model.norm
+    assert w4.decoder.layers[0].input_layernorm is tiny.model.layers[0].input_layernorm
+    assert isinstance(tiny.model.layers[0].self_attn.q_proj, nn.Linear)  # target untouched
+
+
+def _generate(model, drafter, max_nodes=4, max_depth=4, n=20):
+    engine = SpecEngine(model, _Tok(), drafter, SpecConfig(drafter="x", max_nodes=max_nodes, max_depth=max_depth))
+    return engine.generate(PROMPTS, SamplingParams(max_new_tokens=n, ignore_eos=True))
+
+
+def test_unquantized_self_draft_is_always_fully_accepted(tiny) -> None:
+    plain = _generate(tiny, NoDrafter())
+    outs = _generate(tiny, QSpecDrafter(tiny, parse_qspec("none"), topk=1, width=1))
+    for p, o in zip(plain, outs):
+        assert o.token_ids == p.token_ids
+        # 4 drafts + bonus per step: 20 tokens in 4 steps; every step accepted all 4 drafts
+        assert o.steps == 4 and o.accepted_per_depth == [4, 4, 4, 4]
+
+
+@pytest.mark.parametrize("spec_text", ["w4a4,g32,asym", "w8a16,skip=2"])
+def test_quantized_self_draft_is_lossless(tiny, spec_text: str) -> None:
+    plain = _generate(tiny, NoDrafter(), n=16)
+    outs = _generate(tiny, QSpecDrafter(tiny, parse_qspec(spec_text)), max_nodes=8, n=16)
+    assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
+    assert sum(o.steps for o in outs) < sum(p.steps for p in plain)  # the draft gets something right
+
+
+def test_factory_and_errors(tiny) -> None:
+    import dyntree.standalone.qspec  # noqa: F401  (registers "qspec")
+
+    d = make_drafter("qspec:w4a8,g32,skip=1", model=tiny)
+    assert isinstance(d, QSpecDrafter) and str(d.spec) == "w4a8,g32,sym,skip=1" and len(d.decoder.layers) == 2
+    assert str(make_drafter("qspec", model=tiny).spec) == "w4a16,g128,sym"
+    with pytest.raises(QSpecError, match="weight bits must be 4 or 8"):
+        make_drafter("qspec:w3a16", model=tiny)
+    with pytest.raises(ValueError, match="needs the loaded target model"):
+        make_drafter("qspec:w4a16")
+    with pytest.raises(QSpecError, match="skip=3 must leave at least one of the target's 3 layers"):
+        make_drafter("qspec:none,skip=3", model=tiny)
+    with pytest.raises(ValueError, match="must pass target_kv"):
+        d.propose(_requests(PROMPTS))
+    assert [t.size for t in d.propose(_requests(PROMPTS, max_nodes=0), object())] == [1, 1, 1]
+
+
+@pytest.mark.slow
+def test_greedy_lossless_on_smollm2() -> None:
+    from dyntree.models import load_model
+
+    model, tok = load_model("smollm2", torch.float32)
+    prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = SpecEngine(model, tok, NoDrafter()).generate(prompts, params)
+    drafter = QSpecDrafter(model, parse_qspec("w4a16,g128,sym"))
+    outs = SpecEngine(model, tok, drafter, SpecConfig(drafter="qspec", max_nodes=8, max_depth=4)).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
+    assert sum(len(o.token_ids) for o in outs) / sum(o.steps for o in outs) > 1.5  # tau
