@@ -1,0 +1,122 @@
+"""``dyntree train-heads``: generate self-distillation data with the target, cache its hidden
+states, train Hydra heads and write a checkpoint directory.
+
+The main CLI wires this in with :func:`add_train_heads_parser`; ``python -m dyntree.training.cli``
+runs the same subcommand on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["add_train_heads_parser", "run_train_heads", "main"]
+
+
+def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "train-heads",
+        help="train Hydra draft heads by self-distillation from a target model",
+        description="The target answers the training prompts (greedy, cached), its last hidden "
+        "states are cached on disk, and K heads learn its soft labels at offsets 1..K.",
+    )
+    p.add_argument("--model", required=True, help="target model (smollm2, a HF directory or hub id)")
+    p.add_argument("--data", required=True, nargs="+", help="jsonl file(s) with a 'prompt' field")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--heads", type=int, default=4, help="number of heads K (default 4)")
+    p.add_argument("--layers", type=int, default=1, help="residual layers per head (default 1)")
+    p.add_argument("--vocab-size", type=int, default=8192,
+                   help="reduced output vocabulary (most frequent tokens of the data); 0 = full LM head")
+    p.add_argument("--independent", action="store_true",
+                   help="Medusa-style ablation: heads do not see the drafted tokens")
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", type=int, default=640, help="training prompts to answer (default 640)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-prompt-tokens", type=int, default=96, help="skip longer prompts")
+    p.add_argument("--gen-batch-size", type=int, default=64)
+    p.add_argument("--gen-dtype", default="fp32", help="target dtype while generating (fp32, bf16, fp16)")
+    p.add_argument("--work-dir", default=None, help="training state and log (default $DYNTREE_CACHE/train-heads/<OUT name>)")
+    p.add_argument("--cache-dir", default=None, help="generated data + hidden states (default WORK/cache)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch default)")
+    p.set_defaults(func=run_train_heads)
+    return p
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def run_train_heads(args: argparse.Namespace) -> int:
+    from dyntree.common.hydra import HydraConfig, HydraHeads, save_heads
+    from dyntree.models import cache_root, load_model, parse_dtype
+    from dyntree.training.data import generate_cache, read_prompts
+    from dyntree.training.target import target_identity, target_weights
+    from dyntree.training.trainer import HeadData, TrainConfig, reduced_token_map, train
+
+    for name in ("heads", "layers", "steps", "batch_size", "prompts", "max_new_tokens", "gen_batch_size"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    work = Path(args.work_dir) if args.work_dir else cache_root() / "train-heads" / out.name
+    cache_dir = Path(args.cache_dir) if args.cache_dir else work / "cache"
+    device = _device(args.device)
+    t0 = time.time()
+
+    model, tok = load_model(args.model, parse_dtype(args.gen_dtype))
+    model.to(device)
+    prompts = read_prompts(args.data, args.prompts, args.seed)
+    cache = generate_cache(model, tok, prompts, cache_dir, batch_size=args.gen_batch_size,
+                           max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
+    t_gen = time.time() - t0
+    print(f"data: {cache.meta['sequences']} responses, {cache.meta['tokens']} tokens ({t_gen:.0f} s)", file=sys.stderr)
+
+    identity = target_identity(model, tok, args.model)
+    embed, lm_head = target_weights(model)
+    vocab = identity.vocab_size
+    token_map = reduced_token_map(cache.token_counts(vocab), args.vocab_size) if args.vocab_size else None
+    command = "dyntree train-heads " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("train-heads") + 1:]) \
+        if "train-heads" in sys.argv else " ".join(shlex.quote(a) for a in sys.argv)
+    cfg = HydraConfig(
+        num_heads=args.heads, num_layers=args.layers, hidden_size=identity.hidden_size, target=identity,
+        independent=args.independent, reduced_vocab=args.vocab_size,
+        training={"command": command, "data": [Path(d).name for d in args.data], "prompts": args.prompts,
+                  "responses": cache.meta["sequences"], "tokens": cache.meta["tokens"], "steps": args.steps,
+                  "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed},
+    )
+    heads = HydraHeads(cfg, embed.float().to(device), lm_head.float().to(device),
+                       token_map.to(device) if token_map is not None else None).to(device)
+    del model
+    data = HeadData(cache, args.heads, val_fraction=0.02, seed=args.seed, device=device)
+    tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    result = train(heads, data, tcfg, work)
+    heads.config.training.update({"val": result["val"], "wall_s": round(time.time() - t0, 1)})
+    save_heads(heads, out, torch.float16)
+    print(json.dumps({"out": str(out), "val": result["val"], "wall_s": round(time.time() - t0, 1)}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dyntree")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_train_heads_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""Self-distillation trainer for Hydra heads on a :class:`~dyntree.training.data.HiddenCache`.
+
+Head ``k`` at cached position ``g`` reads ``hidden[g]`` and tokens ``g+1..g+k`` (teacher-forced on
+the target's own greedy output) and is trained with cross-entropy against the target's softmax at
+``hidden[g+k]`` through the same (full or reduced) output rows: pure teacher distillation, the
+target frozen. The run is seeded (batch ``s`` is drawn from a generator seeded by ``(seed, s)``),
+resumable (``train_state.pt`` every ``save_every`` steps), logs per-head loss and top-1 accuracy
+(against the target's actual next token, full vocabulary) to ``train_log.jsonl`` and a progress bar,
+and evaluates on held-out sequences at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+from tqdm import tqdm
+
+from dyntree.common.hydra import HydraHeads
+from dyntree.training.data import HiddenCache
+
+__all__ = ["TrainConfig", "HeadData", "train", "evaluate", "reduced_token_map"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 3000
+    batch_size: int = 256
+    lr: float = 1e-3
+    warmup: int = 100
+    weight_decay: float = 0.0
+    seed: int = 0
+    save_every: int = 250
+    log_every: int = 25
+    val_fraction: float = 0.02
+
+
+def reduced_token_map(counts: np.ndarray, size: int) -> torch.Tensor:
+    """The ``size`` most frequent token ids (ties: lower id first), sorted by id."""
+    if not 0 < size <= counts.size:
+        raise ValueError(f"--vocab-size {size} must lie in [1, {counts.size}]")
+    order = np.lexsort((np.arange(counts.size), -counts))[:size]
+    return torch.from_numpy(np.sort(order)).to(torch.int64)
+
+
+class HeadData:
+    """The cache held in memory on ``device``, split by sequence into train and validation sets."""
+
+    def __init__(self, cache: HiddenCache, num_heads: int, val_fraction: float, seed: int, device: torch.device):
+        self.num_heads = num_heads
+        self.device = device
+        self.hidden = torch.from_numpy(np.ascontiguousarray(cache.hidden)).to(device)
+        self.tokens = torch.from_numpy(cache.tokens.astype(np.int64)).to(device)
+        pos, valid = cache.positions(num_heads)
+        n_seq = cache.offsets.size - 1
+        n_val = int(round(n_seq * val_fraction)) if n_seq > 1 else 0
+        val_seqs = np.random.default_rng(seed).permutation(n_seq)[:n_val]
+        seq_of = np.searchsorted(cache.offsets, pos, side="right") - 1
+        is_val = np.isin(seq_of, val_seqs)
+        self.train_pos = torch.from_numpy(pos[~is_val]).to(device)
+        self.train_valid = torch.from_numpy(valid[~is_val]).to(device)
+        self.val_pos = torch.from_numpy(pos[is_val]).to(device)
+        self.val_valid = torch.from_numpy(valid[is_val]).to(device)
+        if self.train_pos.numel() == 0:
+            raise ValueError("the cache has no training positions (responses too short?)")
+
+    def batch(self, pos: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        k = torch.arange(1, self.num_heads + 1, device=self.device)
+        mask = k[None, :] <= valid[:, None]  # [B, K]: head k has a target here
+        ahead = torch.where(mask, pos[:, None] + k[None, :], pos[:, None] + 1)  # clamp to a safe row
+        return {
+            "hidden": self.hidden[pos].float(),
+            "tokens": self.tokens[ahead],  # x_{g+1..g+K}
+            "teacher": self.hidden[ahead].float(),  # the state whose softmax is head k's label
+            "next": self.tokens[torch.where(mask, ahead + 1, ahead)],  # the target's actual token
+            "mask": mask,
+        }
+
+
+def _losses(heads: HydraHeads, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head mean CE, top-1 and top-5 accuracy (``[K]`` each) and the total loss."""
+    logits = heads(b["hidden"], b["tokens"])  # [B, K, V']
+    with torch.no_grad():
+        teacher = torch.softmax(b["teacher"] @ heads.out_weight.T, dim=-1)
+    ce = -(teacher * torch.log_softmax(logits, dim=-1)).sum(-1)  # [B, K]
+    mask = b["mask"].float()
+    per_head = (ce * mask).sum(0) / mask.sum(0).clamp(min=1)
+    with torch.no_grad():
+        top5 = heads.to_full_ids(logits.topk(5, dim=-1).indices)  # [B, K, 5]
+        hit1 = (top5[..., 0] == b["next"]).float()
+        hit5 = (top5 == b["next"][..., None]).any(-1).float()
+        acc1 = (hit1 * mask).sum(0) / mask.sum(0).clamp(min=1)
+        acc5 = (hit5 * mask).sum(0) / mask.sum(0).clamp(min=1)
+    total = (ce * mask).sum() / mask.sum().clamp(min=1)
+    return per_head, acc1, acc5, total
+
+
+@torch.no_grad()
+def evaluate(heads: HydraHeads, data: HeadData, batch_size: int = 512) -> dict[str, list[float]]:
+    """Per-head CE and top-1/top-5 accuracy on the held-out positions."""
+    if data.val_pos.numel() == 0:
+        return {}
+    heads.eval()
+    sums = torch.zeros(3, heads.num_heads, dtype=torch.float64)
+    counts = torch.zeros(heads.num_heads, dtype=torch.float64)
+    for i in range(0, data.val_pos.numel(), batch_size):
+        b = data.batch(data.val_pos[i:i + batch_size], data.val_valid[i:i + batch_size])
+        per_head, acc1, acc5, _ = _losses(heads, b)
+        n = b["mask"].sum(0).double().cpu()
+        sums += torch.stack([per_head, acc1, acc5]).double().cpu() * n
+        counts += n
+    heads.train()
+    avg = sums / counts.clamp(min=1)
+    return {"loss": avg[0].tolist(), "top1": avg[1].tolist(), "top5": avg[2].tolist()}
+
+
+def train(heads: HydraHeads, data: HeadData, cfg: TrainConfig, out_dir: str | Path) -> dict[str, object]:
+    """Train ``heads`` in place; resume from ``out_dir/train_state.pt`` when present."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path, log_path = out / "train_state.pt", out / "train_log.jsonl"
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup:
+            return cfg.lr * (step + 1) / cfg.warmup
+        frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+
+    start = 0
+    if state_path.exists():
+        state = torch.load(state_path, map_location=data.device, weights_only=False)
+        if state["config"] != asdict(cfg):
+            raise ValueError(f"{state_path} was written with another training config; use another --out")
+        heads.load_state_dict(state["heads"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    heads.train()
+    n_train = data.train_pos.numel()
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", unit="step")
+    t0 = time.time()
+    for step in bar:
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        idx = torch.randint(0, n_train, (cfg.batch_size,), generator=gen).to(data.device)
+        b = data.batch(data.train_pos[idx], data.train_valid[idx])
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        per_head, acc1, _, total = _losses(heads, b)
+        per_head = per_head.detach()
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            rec = {"step": done, "lr": lr_at(step), "loss": [round(float(x), 4) for x in per_head],
+                   "top1": [round(float(x), 4) for x in acc1], "elapsed_s": round(time.time() - t0, 1)}
+            with log_path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+            bar.set_postfix(loss="/".join(f"{x:.2f}" for x in rec["loss"]),
+                            acc="/".join(f"{x:.2f}" for x in rec["top1"]))
+        if done % cfg.save_every == 0 or done == cfg.steps:
+            tmp = state_path.with_suffix(".tmp")
+            torch.save({"config": asdict(cfg), "heads": heads.state_dict(), "optimizer": opt.state_dict(),
+                        "step": done}, tmp)
+            tmp.replace(state_path)
+    result = {"steps": cfg.steps, "val": evaluate(heads, data)}
+    with log_path.open("a") as f:
+        f.write(json.dumps({"final": result}) + "\n")
+    return result
