@@ -107,8 +107,9 @@ def tree_accept_sampling_reference(
     paths = []
     for r in range(b):
         par = parents[r].tolist()
-        p, q, u = target_probs[r].tolist(), draft_probs[r].tolist(), coins[r].tolist()
-        passes = [i > 0 and 0 <= par[i] < i and u[i] * q[i] < p[i] for i in range(t)]
+        # The test in fp32, as the kernel computes it: coin * q < p.
+        test = (coins[r].float() * draft_probs[r].float() < target_probs[r].float()).tolist()
+        passes = [i > 0 and 0 <= par[i] < i and test[i] for i in range(t)]
         end = 0
         while True:
             nxt = next((i for i in range(end + 1, t) if par[i] == end and passes[i]), None)
