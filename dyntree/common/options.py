@@ -121,8 +121,9 @@ class ControllerOptions(BaseModel):
     sibling_gain_prior: float = Field(
         0.3,
         ge=0,
-        lt=1,
-        description="chance that each extra sibling catches a token the first child missed",
+        le=1,
+        description="what an extra sibling is worth relative to an independent first draft "
+        "(0: nothing, 1: as much); refined online",
     )
     min_node_value: float = Field(
         0.05, ge=0, le=1, description="skip draft nodes expected to add fewer accepted tokens than this"

@@ -1,0 +1,290 @@
+"""Adaptive speculation controller: how much to speculate, per request and per batch.
+
+* Per request, an EMA of the top-1 draft acceptance ``alpha`` (the chance that a node's first
+  child is accepted when the node is reached) and a global *sibling gain* ``g`` (what an extra
+  sibling is worth relative to an independent first draft: 0 nothing, 1 as much) predict the
+  expected accepted draft tokens of a tree with ``n`` nodes and depth ``d``: with ``w = n / d``
+  nodes per level and ``beta = 1 - (1 - alpha)^(1 + g (w - 1))``,
+  ``E(n, d) = beta + beta^2 + ... + beta^d``; the best depth is chosen per ``n``. ``g`` is fitted
+  online from how often later siblings catch the token a first child missed. A request that keeps being accepted gets deep, large trees; one that
+  keeps failing gets a short chain or nothing (each draft node must be worth ``min_node_value``
+  accepted tokens), and drifts back toward the prior while idle so it is retried now and then.
+* Per batch, a :class:`CostModel` (ms of one target forward vs. its number of query tokens,
+  piecewise linear, seeded from start-up timings and refined online) prices the verify forward.
+  Every request's node increments, ordered by expected accepted tokens per added query token
+  (the upper concave hull of its ``E``), are merged across the batch; the controller takes the
+  prefix of that list that maximises predicted tokens per millisecond, and speculates only if
+  that beats plain decoding by ``min_gain``. When a forward's cost grows in proportion to its
+  tokens (compute-bound, high batch) no prefix pays and every request decodes plainly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Hashable, Literal, Mapping, Sequence
+
+import torch
+
+from dyntree.common.options import ControllerOptions
+from dyntree.common.tree import DraftTree
+
+__all__ = ["Plan", "CostModel", "SpeculationController"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one request should draft this step (``none``: plain decoding, a root-only tree)."""
+
+    mode: Literal["none", "chain", "tree"]
+    max_nodes: int
+    max_depth: int
+
+
+class CostModel:
+    """Milliseconds of one target forward as a piecewise-linear function of its query tokens.
+
+    Between measured sizes the cost is interpolated; below the smallest it is that size's cost;
+    above the largest the last segment is extended (with one point: proportional to tokens).
+    """
+
+    def __init__(self, points: Mapping[int, float] | Sequence[tuple[int, float]], lr: float = 0.2) -> None:
+        items = sorted(dict(points).items())
+        if not items:
+            raise ValueError("CostModel needs at least one (n_tokens, ms) point")
+        for n, ms in items:
+            if n < 1 or not ms > 0:
+                raise ValueError(f"CostModel point ({n}, {ms}): n_tokens must be >= 1 and ms > 0")
+        self.xs = [int(n) for n, _ in items]
+        self.ys = [float(ms) for _, ms in items]
+        self._monotone()
+        self.lr = lr
+
+    @classmethod
+    def measure(
+        cls, forward: Callable[[int], object], sizes: Sequence[int], repeats: int = 5, lr: float = 0.2
+    ) -> "CostModel":
+        """Time ``forward(n)`` (which must block until the forward is done) at each size."""
+        points = {}
+        for n in sizes:
+            forward(n)  # warm-up
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                forward(n)
+                times.append((time.perf_counter() - t0) * 1e3)
+            points[int(n)] = statistics.median(times)
+        return cls(points, lr)
+
+    def _monotone(self) -> None:
+        for i in range(1, len(self.ys)):
+            self.ys[i] = max(self.ys[i], self.ys[i - 1])
+
+    def _segment(self, n: float) -> tuple[int, float]:
+        """Left knot index and the weight of the right knot for ``n`` (clamped)."""
+        xs = self.xs
+        if len(xs) == 1 or n <= xs[0]:
+            return 0, 0.0
+        i = min(bisect.bisect_right(xs, n) - 1, len(xs) - 2)
+        return i, (n - xs[i]) / (xs[i + 1] - xs[i])
+
+    def __call__(self, n_tokens: float) -> float:
+        xs, ys = self.xs, self.ys
+        if len(xs) == 1:
+            return ys[0] * max(n_tokens, xs[0]) / xs[0]
+        i, w = self._segment(n_tokens)
+        return ys[i] + w * (ys[i + 1] - ys[i])  # w > 1 extends the last segment
+
+    def observe(self, n_tokens: int, ms: float) -> None:
+        """Move the model toward one measured forward (``ms`` for ``n_tokens`` query tokens)."""
+        if n_tokens < 1 or not ms > 0:
+            raise ValueError(f"observe({n_tokens}, {ms}): n_tokens must be >= 1 and ms > 0")
+        err = ms - self(n_tokens)
+        i, w = self._segment(n_tokens)
+        if len(self.xs) == 1:
+            self.ys[0] += self.lr * err * self.xs[0] / max(n_tokens, self.xs[0])
+        else:
+            w = min(w, 1.0)
+            self.ys[i] += self.lr * (1 - w) * err
+            self.ys[i + 1] += self.lr * w * err
+        self.ys = [max(y, 1e-6) for y in self.ys]
+        self._monotone()
+
+
+@dataclass
+class _RequestState:
+    hits: float
+    trials: float
+
+
+class SpeculationController:
+    """Decides per step and per request: no speculation, a chain, or a tree with ``(N, D)``."""
+
+    def __init__(self, cost: CostModel, options: ControllerOptions | None = None) -> None:
+        self.cost = cost
+        self.options = options or ControllerOptions()
+        o = self.options
+        self._requests: dict[Hashable, _RequestState] = {}
+        # Extra-sibling trials: (decayed) catches, trials, and the sum of the requests' alpha.
+        catch = 1 - (1 - o.alpha_prior) ** o.sibling_gain_prior
+        self._gain_hits = catch * o.prior_weight
+        self._gain_trials = o.prior_weight
+        self._gain_alpha = o.alpha_prior * o.prior_weight
+
+    # -- estimates ------------------------------------------------------------------------------
+    def _state(self, rid: Hashable) -> _RequestState:
+        o = self.options
+        if rid not in self._requests:
+            self._requests[rid] = _RequestState(o.alpha_prior * o.prior_weight, o.prior_weight)
+        return self._requests[rid]
+
+    def alpha(self, request_id: Hashable) -> float:
+        """Current top-1 acceptance estimate of a request."""
+        s = self._state(request_id)
+        return s.hits / s.trials
+
+    @property
+    def sibling_gain(self) -> float:
+        """Fitted ``g``: extra-sibling catch rate ``c = 1 - (1 - alpha)^g`` solved for ``g``."""
+        catch = min(self._gain_hits / self._gain_trials, 1 - 1e-9)
+        log_miss = math.log1p(-min(self._gain_alpha / self._gain_trials, 1 - 1e-9))
+        if log_miss > -1e-9:
+            return self.options.sibling_gain_prior
+        return min(max(math.log1p(-catch) / log_miss, 0.0), 1.0)
+
+    def expected_table(self, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(E[n], best_depth[n])`` for ``n = 0..max_nodes`` draft nodes at acceptance ``alpha``."""
+        o = self.options
+        if o.max_depth == 0:
+            return torch.zeros(o.max_nodes + 1, dtype=torch.float64), torch.zeros(o.max_nodes + 1, dtype=torch.int64)
+        n = torch.arange(o.max_nodes + 1, dtype=torch.float64)[:, None]
+        d = torch.arange(1, o.max_depth + 1, dtype=torch.float64)[None, :]
+        width = (n / d).clamp_min(1.0)
+        beta = 1 - (1 - alpha) ** (1 + self.sibling_gain * (width - 1))
+        beta = beta.clamp(0, 1 - 1e-12)
+        e = beta * (1 - beta**d) / (1 - beta)
+        feasible = (d <= n) & ((d == n) if not o.allow_trees else torch.ones_like(e, dtype=torch.bool))
+        e = torch.where(feasible, e, torch.full_like(e, -1.0))  # -1: no such tree
+        best, arg = e.max(dim=1)
+        best[0] = 0.0
+        depth = arg + 1
+        depth[0] = 0
+        return best, depth
+
+    # -- planning -------------------------------------------------------------------------------
+    def plan(self, request_ids: Sequence[Hashable]) -> list[Plan]:
+        """One plan per live request for the next verify step."""
+        o = self.options
+        b = len(request_ids)
+        if b == 0:
+            return []
+        alphas = [self.alpha(r) for r in request_ids]
+        cache: dict[float, tuple[tuple[torch.Tensor, torch.Tensor], list[tuple[float, int, int]]]] = {}
+        for a in set(alphas):
+            table = self.expected_table(a)
+            cache[a] = (table, self._hull(table[0]))
+        tables = [cache[a][0] for a in alphas]
+        # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
+        segments = [(gain, r, lo, hi) for r, a in enumerate(alphas) for gain, lo, hi in cache[a][1]]
+        segments.sort(key=lambda s: (-s[0], s[1], s[2]))
+        plain = b / self.cost(b)
+        best_rate, best_k = plain, 0
+        tokens, expected, max_depth = b, float(b), 0
+        for k, (_, r, lo, hi) in enumerate(segments, start=1):
+            if tokens + hi - lo > o.max_batch_tokens:
+                break
+            tokens += hi - lo
+            expected += float(tables[r][0][hi] - tables[r][0][lo])
+            max_depth = max(max_depth, int(tables[r][1][hi]))
+            draft_ms = o.draft_ms_fixed + o.draft_ms_per_depth * max_depth + o.draft_ms_per_node * (tokens - b)
+            rate = expected / (self.cost(tokens) + draft_ms)
+            if rate > best_rate:
+                best_rate, best_k = rate, k
+        alloc = [0] * b
+        for _, r, lo, hi in segments[:best_k]:
+            alloc[r] = hi
+        if best_rate < plain * o.min_gain:
+            alloc = [0] * b
+        plans = []
+        for r, (rid, n) in enumerate(zip(request_ids, alloc)):
+            if n == 0:
+                s = self._state(rid)  # idle: drift back toward the prior
+                s.hits += o.relax * (o.alpha_prior * s.trials - s.hits)
+                plans.append(Plan("none", 0, 0))
+            else:
+                d = int(tables[r][1][n])
+                plans.append(Plan("chain" if d == n else "tree", n, d))
+        return plans
+
+    def _hull(self, e: torch.Tensor) -> list[tuple[float, int, int]]:
+        """Upper-concave-hull steps ``(gain per node, n_from, n_to)`` of ``E[n]`` worth taking."""
+        o = self.options
+        steps, n = [], 0
+        while n < o.max_nodes:
+            ahead = torch.arange(n + 1, o.max_nodes + 1)
+            gains = (e[n + 1 :] - e[n]) / (ahead - n)
+            gains = torch.where(e[n + 1 :] < 0, torch.full_like(gains, -1.0), gains)
+            j = int(gains.argmax())
+            if float(gains[j]) < o.min_node_value:
+                break
+            steps.append((float(gains[j]), n, n + j + 1))
+            n = n + j + 1
+        return steps
+
+    # -- feedback -------------------------------------------------------------------------------
+    def observe(self, request_id: Hashable, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:
+        """Learn from one verified tree: top-1 acceptance per reached level, and sibling gain."""
+        if tree.size == 1:
+            return
+        o = self.options
+        children: dict[int, list[int]] = {}
+        for i, par in enumerate(tree.parents.tolist()[1:], start=1):
+            children.setdefault(par, []).append(i)
+        on_path = set(accepted_nodes)
+        hits = trials = 0
+        g_hits = g_trials = 0
+        for node in accepted_nodes:
+            kids = children.get(node, [])
+            if not kids:
+                continue
+            trials += 1
+            if kids[0] in on_path:
+                hits += 1
+                continue
+            extra = kids[1:]
+            won = next((j for j, c in enumerate(extra, start=1) if c in on_path), None)
+            g_trials += won if won is not None else len(extra)
+            g_hits += 1 if won is not None else 0
+        if g_trials:
+            keep = 1 - o.ema / 4  # the sibling gain is a batch-wide, slowly moving statistic
+            self._gain_hits = keep * self._gain_hits + (1 - keep) * g_hits
+            self._gain_trials = keep * self._gain_trials + (1 - keep) * g_trials
+            self._gain_alpha = keep * self._gain_alpha + (1 - keep) * g_trials * self.alpha(request_id)
+        if trials:
+            s = self._state(request_id)
+            s.hits = (1 - o.ema) * s.hits + o.ema * hits
+            s.trials = (1 - o.ema) * s.trials + o.ema * trials
+
+    def observe_step(self, n_query_tokens: int, ms: float) -> None:
+        """Refine the cost model with one measured verify forward."""
+        self.cost.observe(n_query_tokens, ms)
+
+    def release(self, request_id: Hashable) -> None:
+        self._requests.pop(request_id, None)
+
+    def predicted_rate(self, request_ids: Sequence[Hashable], plans: Sequence[Plan]) -> float:
+        """Predicted committed tokens per millisecond of ``plans`` (for logs and tests)."""
+        o = self.options
+        tokens, expected, depth = len(plans), float(len(plans)), 0
+        for rid, p in zip(request_ids, plans):
+            if p.max_nodes:
+                e, _ = self.expected_table(self.alpha(rid))
+                tokens += p.max_nodes
+                expected += float(e[p.max_nodes])
+                depth = max(depth, p.max_depth)
+        spec = tokens > len(plans)
+        draft_ms = (o.draft_ms_fixed + o.draft_ms_per_depth * depth + o.draft_ms_per_node * (tokens - len(plans))) if spec else 0.0
+        return expected / (self.cost(tokens) + draft_ms)

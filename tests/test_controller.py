@@ -1,0 +1,140 @@
+"""The adaptive controller's decisions on synthetic cost and acceptance inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dyntree.common.controller import CostModel, Plan, SpeculationController
+from dyntree.common.options import ControllerOptions
+from dyntree.common.tree import DraftTree
+
+
+def _feed(ctrl: SpeculationController, rid: int, accept_all: bool, steps: int = 20) -> None:
+    """Verified chains of 4: everything accepted, or the first draft rejected."""
+    tree = DraftTree.chain(0, [1, 2, 3, 4])
+    for _ in range(steps):
+        ctrl.observe(rid, tree, [0, 1, 2, 3, 4] if accept_all else [0])
+
+
+def test_cost_model_interpolates_extrapolates_and_learns() -> None:
+    cm = CostModel({1: 10.0, 65: 12.0, 129: 28.0}, lr=0.5)
+    assert cm(1) == 10.0 and cm(33) == pytest.approx(11.0) and cm(97) == pytest.approx(20.0)
+    assert cm(193) == pytest.approx(44.0)  # last segment extended
+    assert cm(0.5) == 10.0
+    for _ in range(60):
+        cm.observe(97, 30.0)
+    assert cm(97) == pytest.approx(30.0, abs=0.05)
+    assert all(b >= a for a, b in zip(cm.ys, cm.ys[1:]))  # stays monotone
+    single = CostModel([(8, 4.0)])
+    assert single(16) == pytest.approx(8.0)
+    with pytest.raises(ValueError, match="n_tokens"):
+        CostModel({0: 1.0})
+    with pytest.raises(ValueError, match="at least one"):
+        CostModel({})
+
+
+def test_cost_model_measure_times_the_forward() -> None:
+    calls: list[int] = []
+    cm = CostModel.measure(calls.append, [1, 8], repeats=3)
+    assert calls == [1, 1, 1, 1, 8, 8, 8, 8] and cm.xs == [1, 8] and all(y > 0 for y in cm.ys)
+
+
+def test_compute_bound_forward_means_plain_decoding() -> None:
+    # Cost proportional to tokens: each draft token costs as much as a whole decode step, and
+    # is accepted with probability < 1, so speculation can never pay, even at batch 1.
+    ctrl = SpeculationController(CostModel({1: 5.0, 4096: 5.0 * 4096}))
+    _feed(ctrl, 0, accept_all=True)
+    for batch in (1, 4, 64):
+        plans = ctrl.plan(list(range(batch)))
+        assert all(p == Plan("none", 0, 0) for p in plans)
+
+
+def test_free_verification_and_high_acceptance_grow_the_tree() -> None:
+    opts = ControllerOptions(max_nodes=32, max_depth=8)
+    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), opts)
+    before = ctrl.plan([0])[0]
+    _feed(ctrl, 0, accept_all=True)
+    after = ctrl.plan([0])[0]
+    assert ctrl.alpha(0) > 0.95
+    assert after.max_depth == 8 > before.max_depth  # deeper ...
+    e_now = ctrl.expected_table(ctrl.alpha(0))[0]
+    assert float(e_now[after.max_nodes]) > 7.5  # ... and nearly all of it expected to be accepted
+
+
+def test_failing_request_stops_speculating_then_retries() -> None:
+    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}))
+    _feed(ctrl, 7, accept_all=False)
+    _feed(ctrl, 8, accept_all=True)
+    plans = ctrl.plan([7, 8])
+    assert plans[0].mode == "none" and plans[1].mode != "none"
+    for step in range(1, 400):  # idle requests drift back toward the prior and get retried
+        if ctrl.plan([7])[0].mode != "none":
+            break
+    else:
+        pytest.fail("a failing request was never retried")
+    assert ctrl.plan([7])[0].max_nodes <= 2  # retried cautiously: a short chain
+
+
+def test_larger_batches_shrink_to_chains_then_plain() -> None:
+    # Memory-bound up to 128 query tokens, then compute-bound.
+    ctrl = SpeculationController(CostModel({1: 10.0, 128: 11.0, 2048: 176.0}))
+    sizes = {}
+    for batch in (1, 16, 64, 200):
+        plans = ctrl.plan(list(range(batch)))
+        sizes[batch] = sum(p.max_nodes for p in plans) / batch
+        if batch == 1:
+            assert plans[0].mode == "tree"
+        if batch == 64:
+            assert all(p.mode in ("chain", "none") for p in plans)
+        if batch == 200:
+            assert all(p.mode == "none" for p in plans)
+    assert sizes[1] > sizes[16] > sizes[64] > sizes[200] == 0
+
+
+def test_budget_goes_to_the_requests_that_accept() -> None:
+    ctrl = SpeculationController(CostModel({1: 10.0, 24: 10.2, 64: 30.0}))
+    _feed(ctrl, 1, accept_all=True)
+    ctrl.observe(2, DraftTree.chain(0, [1, 2]), [0, 1])  # middling: one of two accepted
+    plans = ctrl.plan([1, 2, 3])
+    assert plans[0].max_nodes > plans[1].max_nodes > 0
+
+
+def test_chains_only_when_trees_are_disallowed() -> None:
+    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), ControllerOptions(allow_trees=False))
+    plans = ctrl.plan(list(range(4)))
+    assert all(p.mode == "chain" and p.max_nodes == p.max_depth for p in plans)
+
+
+def test_sibling_gain_is_learned_from_trees() -> None:
+    ctrl = SpeculationController(CostModel({1: 10.0}))
+    tree = DraftTree(torch.tensor([0, 1, 2, 3]), torch.tensor([-1, 0, 0, 0]), torch.ones(4))
+    g0 = ctrl.sibling_gain
+    for _ in range(40):
+        ctrl.observe(0, tree, [0, 2])  # the second sibling keeps catching what the first missed
+    assert ctrl.sibling_gain > g0 + 0.3
+    assert ctrl.alpha(0) < 0.1  # the first child never was accepted
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    knee=st.integers(1, 512),
+    base=st.floats(1.0, 50.0),
+    slope=st.floats(0.0, 2.0),
+    batch=st.integers(1, 96),
+    accept=st.lists(st.booleans(), min_size=1, max_size=6),
+)
+def test_never_predicted_slower_than_plain(knee: int, base: float, slope: float, batch: int, accept: list[bool]) -> None:
+    ctrl = SpeculationController(CostModel({1: base, knee + 1: base * 1.05, knee + 1025: base * 1.05 + slope * 1024}))
+    for rid, ok in enumerate(accept):
+        _feed(ctrl, rid, ok, steps=5)
+    ids = list(range(batch))
+    plans = ctrl.plan(ids)
+    assert sum(p.max_nodes for p in plans) + batch <= ctrl.options.max_batch_tokens
+    plain = [Plan("none", 0, 0)] * batch
+    assert ctrl.predicted_rate(ids, plans) >= ctrl.predicted_rate(ids, plain) - 1e-12
+    for p in plans:
+        assert p.max_depth <= p.max_nodes and (p.mode == "none") == (p.max_nodes == 0)
+        assert p.mode != "chain" or p.max_nodes == p.max_depth
