@@ -55,7 +55,7 @@ class HeadData:
     def __init__(self, cache: HiddenCache, num_heads: int, val_fraction: float, seed: int, device: torch.device):
         self.num_heads = num_heads
         self.device = device
-        self.hidden = torch.from_numpy(np.ascontiguousarray(cache.hidden)).to(device)
+        self.hidden = torch.from_numpy(np.array(cache.hidden)).to(device)
         self.tokens = torch.from_numpy(cache.tokens.astype(np.int64)).to(device)
         pos, valid = cache.positions(num_heads)
         n_seq = cache.offsets.size - 1

@@ -1,0 +1,150 @@
+"""The ``hydra`` drafter: trained Hydra heads propose a draft tree, one batched head forward per depth.
+
+Spec: ``hydra[:OPTIONS]`` where OPTIONS is a comma-separated list of a checkpoint directory
+(default: the heads shipped for SmolLM2 in ``dyntree/assets/hydra-smollm2``) and ``width=W`` /
+``topk=T`` settings. Tree shape (fixed, budget-bound): at depth ``d`` (``1..min(K, max_depth)``)
+every frontier node is expanded with head ``d``'s top-``T`` tokens, the candidates of a request are
+ranked by cumulative head probability (product along the path), and the best
+``min(W, nodes left)`` become the next frontier. ``W`` defaults to ``ceil(max_nodes / depth)`` so
+the node budget is spread evenly over the depths; ``T`` defaults to ``W``.
+
+All frontier nodes of all requests go through the head in one forward per depth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from dyntree.common.drafter import DraftRequest, Drafter, register_drafter
+from dyntree.common.hydra import HydraHeads, load_heads
+from dyntree.common.tree import DraftTree
+from dyntree.training.target import target_identity, target_weights
+
+__all__ = ["HydraDrafter", "SHIPPED_HEADS", "make_hydra_drafter", "parse_hydra_options"]
+
+#: The heads trained for SmolLM2-135M-Instruct that ship with the package.
+SHIPPED_HEADS = Path(__file__).resolve().parents[1] / "assets" / "hydra-smollm2"
+
+
+@dataclass(frozen=True)
+class HydraOptions:
+    path: Path = SHIPPED_HEADS
+    width: int | None = None
+    topk: int | None = None
+
+
+def parse_hydra_options(options: str | None) -> HydraOptions:
+    """Parse ``PATH``, ``width=W``, ``topk=T`` (comma separated, any order, all optional)."""
+    path, ints = SHIPPED_HEADS, {}
+    for item in (options or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        if not eq:
+            path = Path(item).expanduser()
+            continue
+        if key not in ("width", "topk"):
+            raise ValueError(f"hydra option {key!r} is unknown; use PATH, width=W, topk=T")
+        try:
+            ints[key] = int(value)
+        except ValueError:
+            raise ValueError(f"hydra option {key}={value!r} must be an integer") from None
+        if ints[key] < 1:
+            raise ValueError(f"hydra option {key} must be >= 1, got {ints[key]}")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"hydra checkpoint {path} has no config.json (train one with `dyntree train-heads`)")
+    return HydraOptions(path, ints.get("width"), ints.get("topk"))
+
+
+class HydraDrafter(Drafter):
+    """Drafts trees with :class:`~dyntree.common.hydra.HydraHeads` (needs the target's hidden state)."""
+
+    name = "hydra"
+    needs_hidden = True
+
+    def __init__(self, heads: HydraHeads, width: int | None = None, topk: int | None = None) -> None:
+        self.heads = heads.eval()
+        self.width = width
+        self.topk = topk
+        self.device = heads.out_weight.device
+        self.dtype = heads.out_weight.dtype
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[DraftRequest], target_kv: Any = None) -> list[DraftTree]:
+        trees: list[DraftTree | None] = [None] * len(requests)
+        # per active request: node tokens, parents, probs, cumulative log-prob, frontier node ids
+        state: dict[int, dict[str, Any]] = {}
+        for i, r in enumerate(requests):
+            depth = min(self.heads.num_heads, r.max_depth)
+            if r.hidden is None or r.max_nodes < 1 or depth < 1:
+                trees[i] = DraftTree.root_only(r.root)
+                continue
+            width = self.width or math.ceil(r.max_nodes / depth)
+            state[i] = {"tokens": [r.root], "parents": [-1], "probs": [1.0], "logp": [0.0], "paths": [[r.root]],
+                        "frontier": [0], "depth": depth, "width": width, "topk": self.topk or width,
+                        "left": r.max_nodes}
+        if state:
+            hidden = torch.stack([requests[i].hidden.reshape(-1) for i in state]).to(self.device, self.dtype)
+            row_of = {i: j for j, i in enumerate(state)}
+            for d in range(1, max(s["depth"] for s in state.values()) + 1):
+                live = [i for i, s in state.items() if s["depth"] >= d and s["frontier"] and s["left"] > 0]
+                if not live:
+                    break
+                owners = [(i, n) for i in live for n in state[i]["frontier"]]
+                h = hidden[[row_of[i] for i, _ in owners]]
+                path = torch.tensor([state[i]["paths"][n] for i, n in owners], dtype=torch.int64, device=self.device)
+                probs = torch.softmax(self.heads.head_logits(d, h, path).float(), dim=-1)
+                kmax = max(state[i]["topk"] for i in live)
+                top_p, top_i = probs.topk(min(kmax, probs.shape[-1]), dim=-1)
+                top_tok = self.heads.to_full_ids(top_i).cpu()
+                top_p = top_p.cpu()
+                for i in live:
+                    self._extend(state[i], [(row, n) for row, (o, n) in enumerate(owners) if o == i], top_tok, top_p)
+            for i, s in state.items():
+                trees[i] = DraftTree(torch.tensor(s["tokens"], dtype=torch.int64),
+                                     torch.tensor(s["parents"], dtype=torch.int64),
+                                     torch.tensor(s["probs"], dtype=torch.float32))
+        return [t for t in trees if t is not None]
+
+    @staticmethod
+    def _extend(s: dict[str, Any], rows: list[tuple[int, int]], top_tok: torch.Tensor, top_p: torch.Tensor) -> None:
+        """Add the best children of this request's frontier (by cumulative log-prob) to its tree."""
+        cands = []
+        for row, parent in rows:
+            for j in range(s["topk"]):
+                p = float(top_p[row, j])
+                if p > 0.0:
+                    cands.append((s["logp"][parent] + math.log(p), parent, int(top_tok[row, j]), p))
+        cands.sort(key=lambda c: -c[0])
+        keep = cands[: min(s["width"], s["left"])]
+        frontier = []
+        for logp, parent, tok, p in keep:
+            s["tokens"].append(tok)
+            s["parents"].append(parent)
+            s["probs"].append(min(1.0, p))
+            s["logp"].append(logp)
+            s["paths"].append(s["paths"][parent] + [tok])
+            frontier.append(len(s["tokens"]) - 1)
+        s["frontier"] = frontier
+        s["left"] -= len(keep)
+
+
+@register_drafter("hydra")
+def make_hydra_drafter(options: str | None = None, *, model: Any = None, tokenizer: Any = None, **_: Any) -> HydraDrafter:
+    """Factory for ``--drafter hydra[:PATH][,width=W][,topk=T]``; needs the loaded target and tokenizer."""
+    opts = parse_hydra_options(options)
+    if model is None or tokenizer is None:
+        raise ValueError("hydra drafter needs the loaded target model and tokenizer "
+                         "(make_drafter(..., model=model, tokenizer=tokenizer))")
+    embed, lm_head = target_weights(model)
+    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    identity = target_identity(model, tokenizer, str(name))
+    dtype = torch.float32 if embed.device.type == "cpu" else embed.dtype
+    heads = load_heads(opts.path, identity, embed, lm_head, dtype=dtype, device=embed.device)
+    return HydraDrafter(heads, opts.width, opts.topk)

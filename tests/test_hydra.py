@@ -1,0 +1,249 @@
+"""Hydra heads, checkpoints, drafter and trainer on small random targets (fast, no real model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dyntree.common.drafter import DraftRequest
+from dyntree.common.hydra import (
+    HydraConfig,
+    HydraHeads,
+    HydraMismatchError,
+    TargetIdentity,
+    load_heads,
+    save_heads,
+)
+from dyntree.standalone.hydra_drafter import HydraDrafter, parse_hydra_options
+from dyntree.training.trainer import HeadData, TrainConfig, _losses, evaluate, reduced_token_map, train
+
+D, VOCAB = 16, 97
+IDENT = TargetIdentity("tiny", D, VOCAB, "ab" * 32)
+
+
+def _target(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(VOCAB, D, generator=g), torch.randn(VOCAB, D, generator=g)
+
+
+def _heads(independent: bool = False, reduced: int = 0, k: int = 3, seed: int = 0) -> HydraHeads:
+    embed, lm_head = _target()
+    cfg = HydraConfig(num_heads=k, num_layers=2, hidden_size=D, target=IDENT, independent=independent,
+                      reduced_vocab=reduced)
+    token_map = torch.arange(0, 2 * reduced, 2) if reduced else None
+    heads = HydraHeads(cfg, embed, lm_head, token_map)
+    torch.manual_seed(seed)
+    with torch.no_grad():  # leave the near-identity init: make every input matter
+        for p in heads.parameters():
+            p.normal_(0.0, 0.3)
+    return heads
+
+
+def test_shapes_full_and_reduced_vocab() -> None:
+    h, toks = torch.randn(5, D), torch.randint(0, VOCAB, (5, 3))
+    assert _heads()(h, toks).shape == (5, 3, VOCAB)
+    reduced = _heads(reduced=20)
+    assert reduced(h, toks).shape == (5, 3, 20)
+    assert reduced.to_full_ids(torch.tensor([0, 3, 19])).tolist() == [0, 6, 38]
+    with pytest.raises(ValueError, match=r"shape \[5, 2\]"):
+        reduced.head_logits(2, h, toks)
+    with pytest.raises(HydraMismatchError, match="hidden_size=16"):
+        reduced.head_logits(1, torch.randn(5, D + 1), toks[:, :1])
+
+
+@pytest.mark.parametrize("independent", [False, True])
+def test_sequential_dependency(independent: bool) -> None:
+    """Changing head 1's chosen token changes head 2's distribution, except in the ablation."""
+    heads = _heads(independent=independent)
+    h = torch.randn(4, D)
+    a = torch.randint(0, VOCAB, (4, 3))
+    b = a.clone()
+    b[:, 1] = (a[:, 1] + 1) % VOCAB  # head 1's token (the second path token)
+    la, lb = heads(h, a), heads(h, b)
+    assert torch.equal(la[:, 0], lb[:, 0])  # head 1 never sees its own output
+    moved = (la[:, 1] - lb[:, 1]).abs().max().item()
+    if independent:
+        assert moved == 0.0
+    else:
+        assert moved > 1e-3
+    c = a.clone()
+    c[:, 0] = (a[:, 0] + 1) % VOCAB  # the committed root is an input in both variants
+    assert (heads(h, c)[:, 1] - la[:, 1]).abs().max().item() > 1e-3
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    heads = _heads(reduced=20, independent=True)
+    save_heads(heads, tmp_path, dtype=torch.float32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["num_heads"] == 3 and cfg["reduced_vocab"] == 20 and cfg["independent"] is True
+    assert cfg["target"]["hidden_size"] == D and cfg["dtype"] == "float32"
+    embed, lm_head = _target()
+    back = load_heads(tmp_path, IDENT, embed, lm_head)
+    assert torch.equal(back.token_map, heads.token_map)
+    h, toks = torch.randn(6, D), torch.randint(0, VOCAB, (6, 3))
+    assert torch.equal(back(h, toks), heads(h, toks))
+    save_heads(heads, tmp_path / "fp16")  # the shipped format: fp16 weights
+    half = load_heads(tmp_path / "fp16", IDENT, embed, lm_head)
+    assert torch.allclose(half(h, toks), heads(h, toks), atol=0.05 * heads(h, toks).abs().max().item())
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [("hidden_size", D + 8, "hidden size mismatch"), ("vocab_size", VOCAB + 1, "vocabulary mismatch"),
+     ("tokenizer_sha256", "cd" * 32, "tokenizer mismatch")],
+)
+def test_mismatch_errors_name_the_dimension(tmp_path: Path, field: str, value: object, message: str) -> None:
+    save_heads(_heads(), tmp_path)
+    other = TargetIdentity(**{**IDENT.__dict__, field: value})
+    embed, lm_head = _target()
+    with pytest.raises(HydraMismatchError, match=message):
+        load_heads(tmp_path, other, embed, lm_head)
+
+
+def test_malformed_checkpoints_are_refused(tmp_path: Path) -> None:
+    save_heads(_heads(), tmp_path)
+    embed, lm_head = _target()
+    with pytest.raises(HydraMismatchError, match="embedding has 96 rows"):
+        load_heads(tmp_path, IDENT, embed[:-1], lm_head)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_heads": 4}))
+    with pytest.raises(HydraMismatchError, match="missing"):
+        load_heads(tmp_path, IDENT, embed, lm_head)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "format": "medusa"}))
+    with pytest.raises(HydraMismatchError, match="'format'"):
+        load_heads(tmp_path, IDENT, embed, lm_head)
+    with pytest.raises(HydraMismatchError, match="duplicate"):
+        HydraHeads(HydraConfig(num_heads=1, num_layers=1, hidden_size=D, target=IDENT, reduced_vocab=2),
+                   embed, lm_head, torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match="no config.json"):
+        parse_hydra_options(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="option 'depth' is unknown"):
+        parse_hydra_options(f"{tmp_path},depth=3")
+
+
+def test_reduced_token_map_picks_most_frequent() -> None:
+    counts = np.array([5, 0, 9, 9, 1, 7])
+    assert reduced_token_map(counts, 3).tolist() == [2, 3, 5]
+    assert reduced_token_map(counts, 4).tolist() == [0, 2, 3, 5]
+    with pytest.raises(ValueError, match="--vocab-size 7"):
+        reduced_token_map(counts, 7)
+
+
+class _Counting(HydraHeads):
+    """Counts head forwards (the drafter must run one batched forward per depth)."""
+
+    calls: list[tuple[int, int]]
+
+    def head_logits(self, k, hidden, path):  # type: ignore[override]
+        self.calls.append((k, hidden.shape[0]))
+        return super().head_logits(k, hidden, path)
+
+
+def _counting_heads(k: int = 3) -> _Counting:
+    base = _heads(k=k, reduced=40)
+    heads = _Counting(base.config, *_target(), base.token_map)
+    heads.load_state_dict(base.state_dict())
+    heads.calls = []
+    return heads
+
+
+@pytest.mark.parametrize("max_nodes,max_depth", [(16, 8), (5, 2), (1, 1), (9, 3)])
+def test_drafter_respects_budget_and_batches_per_depth(max_nodes: int, max_depth: int) -> None:
+    heads = _counting_heads(k=3)
+    drafter = HydraDrafter(heads)
+    reqs = [DraftRequest(i, [1, 2, 3 + i], max_nodes, max_depth, hidden=torch.randn(D)) for i in range(3)]
+    reqs.append(DraftRequest(9, [4], max_nodes, max_depth, hidden=None))  # no hidden: no speculation
+    trees = drafter.propose(reqs)
+    assert [t.root for t in trees] == [3, 4, 5, 4]
+    assert trees[3].size == 1
+    depth = min(3, max_depth)
+    for t in trees[:3]:
+        assert t.size - 1 == max_nodes  # the budget is used, never exceeded
+        assert t.max_depth <= depth
+        assert bool(((t.draft_probs > 0) & (t.draft_probs <= 1)).all())
+        assert all(int(x) % 2 == 0 for x in t.tokens[1:])  # reduced ids mapped back to full ids
+    assert [k for k, _ in heads.calls] == list(range(1, len({int(d) for d in trees[0].depths[1:]}) + 1))
+    assert heads.calls[0][1] == 3  # depth 1: the three roots in one forward
+
+
+def test_drafter_children_are_the_heads_top_tokens() -> None:
+    heads = _heads(k=2)
+    drafter = HydraDrafter(heads, width=2, topk=2)
+    h = torch.randn(D)
+    tree = drafter.propose([DraftRequest(0, [7], 4, 4, hidden=h)])[0]
+    probs1 = torch.softmax(heads.head_logits(1, h[None], torch.tensor([[7]])), -1)[0]
+    assert tree.tokens[1:3].tolist() == probs1.topk(2).indices.tolist()
+    assert torch.allclose(tree.draft_probs[1:3], probs1.topk(2).values)
+    first = int(tree.tokens[1])
+    probs2 = torch.softmax(heads.head_logits(2, h[None], torch.tensor([[7, first]])), -1)[0]
+    deep = [i for i in range(3, tree.size) if int(tree.parents[i]) == 1]
+    assert [int(tree.tokens[i]) for i in deep] == probs2.topk(len(deep)).indices.tolist()
+
+
+def test_generate_cache_is_consistent(tmp_path: Path) -> None:
+    """Each cached hidden state, through the LM head, gives the next cached token."""
+    from transformers import AutoTokenizer
+
+    from conftest import tiny_llama
+    from dyntree.models import model_path
+    from dyntree.training.data import generate_cache
+
+    tok = AutoTokenizer.from_pretrained(model_path("smollm2"))
+    model = tiny_llama(seed=3)
+    prompts = ["Name a river.", "Write a haiku about the sea, please.", "What is 2 + 2?"]
+    cache = generate_cache(model, tok, prompts, tmp_path / "cache", batch_size=2, max_new_tokens=8)
+    assert cache.meta["sequences"] == 3 and cache.hidden_size == 64
+    assert cache.offsets.tolist() == [0, 9, 18, 27]  # last prompt token + 8 generated, per sequence
+    h = torch.from_numpy(np.asarray(cache.hidden, dtype=np.float32))
+    nxt = (h @ model.lm_head.weight.T).argmax(-1)
+    for s, e in zip(cache.offsets[:-1], cache.offsets[1:]):
+        assert nxt[s:e - 1].tolist() == cache.tokens[s + 1:e].tolist()
+        assert not h[e - 1].any()  # the last row produced nothing
+    pos, valid = cache.positions(3)
+    assert pos[:8].tolist() == list(range(7)) + [9] and valid[:7].tolist() == [3, 3, 3, 3, 3, 2, 1]
+
+
+def _synthetic_cache(path: Path, seed: int = 0):
+    """A cache whose hidden state at token i is a fixed vector of token i (plus noise): head k's
+    teacher is then a function of x_{g+k}, which the sequential heads can learn."""
+    from dyntree.training.data import HiddenCache
+
+    rng = np.random.default_rng(seed)
+    proto = rng.normal(0, 3, (VOCAB, D))
+    lens = [30] * 24
+    tokens = rng.integers(0, 60, sum(lens)).astype(np.int32)
+    hidden = (proto[tokens] + rng.normal(0, 0.1, (sum(lens), D))).astype(np.float16)
+    path.mkdir(parents=True)
+    np.save(path / "tokens.npy", tokens)
+    np.save(path / "hidden.npy", hidden)
+    np.save(path / "offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+    (path / "meta.json").write_text(json.dumps({"hidden_size": D, "sequences": len(lens), "tokens": sum(lens)}))
+    return HiddenCache(path)
+
+
+def test_tiny_training_run_reduces_loss(tmp_path: Path) -> None:
+    cache = _synthetic_cache(tmp_path / "cache")
+    embed, lm_head = _target()
+    token_map = reduced_token_map(cache.token_counts(VOCAB), 64)
+    cfg = HydraConfig(num_heads=3, num_layers=1, hidden_size=D, target=IDENT, reduced_vocab=64)
+    heads = HydraHeads(cfg, embed, lm_head, token_map)
+    data = HeadData(cache, 3, val_fraction=0.2, seed=0, device=torch.device("cpu"))
+    fixed = data.batch(data.train_pos[:256], data.train_valid[:256])
+    before, val_before = _losses(heads, fixed)[0], evaluate(heads, data)["loss"]
+    tcfg = TrainConfig(steps=60, batch_size=64, lr=1e-2, warmup=5, save_every=30)
+    result = train(heads, data, tcfg, tmp_path / "run")
+    after = _losses(heads, fixed)[0]
+    assert bool((after < 0.7 * before).all()), (before, after)  # every head learned
+    assert all(a < 0.7 * b for a, b in zip(result["val"]["loss"], val_before))  # also on held-out data
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").open()]
+    assert len(log[0]["loss"]) == 3 and len(log[0]["top1"]) == 3
+    # resuming a finished run trains no further and reproduces the same weights
+    again = HydraHeads(cfg, embed, lm_head, token_map)
+    train(again, data, tcfg, tmp_path / "run")
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), heads.state_dict().values()))
+    with pytest.raises(ValueError, match="another training config"):
+        train(again, data, TrainConfig(steps=61), tmp_path / "run")
