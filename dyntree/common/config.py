@@ -6,7 +6,9 @@ fails with an error that names it. The engine adapters parse ``speculative_confi
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from dyntree.common.options import ControllerOptions, TreeMode, TreeOptions
 
 __all__ = ["SpecConfig", "SamplingParams"]
 
@@ -16,6 +18,14 @@ class SpecConfig(BaseModel):
 
     ``drafter`` is a drafter spec ``name[:options]`` (``none``, ``ngram``, ...); ``max_nodes``
     bounds the draft nodes per tree (the root is not counted) and ``max_depth`` their depth.
+
+    ``tree`` picks who shapes the tree: ``None`` = the drafter's own :meth:`propose`; ``chain``,
+    ``static`` or ``dyntree`` = the :class:`~dyntree.common.builder.TreeBuilder` over the
+    drafter's ``expand_batch`` (``tree_options`` tunes it). ``adaptive`` turns on the speculation
+    controller, which sets each request's node and depth budget per step (at most ``max_nodes`` /
+    ``max_depth``) and may fall back to plain decoding; ``controller`` tunes it. The budget and
+    mode live here only: setting ``mode``/``max_nodes``/``max_depth`` inside ``tree_options`` or
+    ``controller`` is an error.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -23,6 +33,31 @@ class SpecConfig(BaseModel):
     drafter: str = Field("ngram", min_length=1)
     max_nodes: int = Field(16, ge=0, le=256)
     max_depth: int = Field(8, ge=0, le=64)
+    tree: TreeMode | None = None
+    adaptive: bool = False
+    tree_options: TreeOptions = TreeOptions()
+    controller: ControllerOptions = ControllerOptions()
+
+    @model_validator(mode="after")
+    def _budget_in_one_place(self) -> "SpecConfig":
+        for name, owned in (("tree_options", ("mode", "max_nodes", "max_depth")), ("controller", ("max_nodes", "max_depth"))):
+            clash = sorted(getattr(self, name).model_fields_set & set(owned))
+            if clash:
+                raise ValueError(f"{name}.{clash[0]} must not be set: use SpecConfig.{'tree' if clash[0] == 'mode' else clash[0]}")
+        return self
+
+    def builder_options(self) -> TreeOptions:
+        """The builder's options with this config's mode and budget."""
+        return self.tree_options.model_copy(
+            update={"mode": self.tree or "dyntree", "max_nodes": self.max_nodes, "max_depth": self.max_depth}
+        )
+
+    def controller_options(self) -> ControllerOptions:
+        """The controller's options with this config's budget (chains only in ``chain`` mode)."""
+        update = {"max_nodes": self.max_nodes, "max_depth": min(self.max_depth, self.max_nodes)}
+        if self.tree == "chain":
+            update["allow_trees"] = False
+        return self.controller.model_copy(update=update)
 
 
 class SamplingParams(BaseModel):

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Hashable, Sequence
 
 import torch
 
 from dyntree.common.tree import DraftTree
+
+if TYPE_CHECKING:
+    from dyntree.common.builder import PartialTree
 
 __all__ = ["DraftRequest", "Drafter", "NoDrafter", "register_drafter", "make_drafter", "drafter_names"]
 
@@ -59,16 +62,41 @@ class Drafter(ABC):
         needs_target_kv: pass the engine's target KV cache object as ``target_kv`` to
             :meth:`propose` (self-drafting reads the target's prefix KV; it must not modify it).
         samples: the trees carry ``draft_dists`` (required for lossless sampling).
+        drafts_with_builder: the drafter implements :meth:`expand_batch`, so the engine can shape
+            its trees with :class:`~dyntree.common.builder.TreeBuilder` (``SpecConfig.tree`` =
+            ``chain`` / ``static`` / ``dyntree``) instead of calling :meth:`propose`.
     """
 
     name: ClassVar[str] = ""
     needs_hidden: ClassVar[bool] = False
     needs_target_kv: ClassVar[bool] = False
     samples: ClassVar[bool] = False
+    drafts_with_builder: ClassVar[bool] = False
 
     @abstractmethod
     def propose(self, requests: Sequence[DraftRequest], target_kv: Any = None) -> list[DraftTree]:
         """One tree per request, in order; a tree may be just the root (no speculation)."""
+
+    def expand_batch(
+        self,
+        requests: Sequence[DraftRequest],
+        frontiers: Sequence[Sequence[int]],
+        partials: Sequence["PartialTree"],
+        vocab_size: int,
+        target_kv: Any = None,
+    ) -> list[torch.Tensor]:
+        """Score the next token after frontier nodes of trees under construction (tree modes).
+
+        Called once per depth for the whole batch. ``frontiers[b]`` lists node indices of
+        ``partials[b]`` (the tree being grown for ``requests[b]``; ``partials[b].path_tokens(i)``
+        gives the tokens from the root to node ``i``). A call whose partial trees hold only their
+        roots starts a new step. Returns one ``[len(frontiers[b]), vocab_size]`` float tensor per
+        request: logits or log-probabilities of the token after each frontier node, ``-inf`` for
+        tokens the drafter rules out (a row of all ``-inf``: no children). The engine shapes them
+        with the request's temperature / top-k / top-p exactly like the target's logits.
+        Only drafters with ``drafts_with_builder = True`` implement this.
+        """
+        raise NotImplementedError(f"drafter {self.name!r} does not implement expand_batch (drafts_with_builder is False)")
 
     def observe(self, request_id: Hashable, token_ids: Sequence[int], accepted_depth: int) -> None:
         """Called after each verify step with the request's full committed tokens and how many

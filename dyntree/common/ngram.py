@@ -6,6 +6,10 @@ the tokens that followed it. The continuations are merged into a token trie, so 
 continuations become sibling branches of one tree; a node's draft probability is the share of
 continuations (weighted by match length) that pass through it. The tree keeps the
 ``max_nodes`` nodes with the highest path probability.
+
+For the tree builder (``chain`` / ``static`` / ``dyntree`` modes) the same index gives a draft
+distribution after any path: committed tokens plus the path's drafted tokens form the context
+whose suffix is looked up.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, Hashable, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dyntree.common.builder import PartialTree
 from dyntree.common.drafter import DraftRequest, Drafter, register_drafter
 from dyntree.common.tree import DraftTree
 
@@ -58,9 +63,15 @@ class _Index:
 
 
 class NgramDrafter(Drafter):
-    """Prompt lookup with several continuations merged into a tree."""
+    """Prompt lookup with several continuations merged into a tree.
+
+    :meth:`propose` merges whole continuations into a trie (the default). :meth:`expand_batch`
+    serves the tree builder: the draft distribution after any path is the (match-length
+    weighted) share of earlier occurrences of the path's suffix that continue with each token.
+    """
 
     name = "ngram"
+    drafts_with_builder = True
 
     def __init__(self, options: NgramOptions | None = None) -> None:
         self.options = options or NgramOptions()
@@ -69,29 +80,67 @@ class NgramDrafter(Drafter):
     def propose(self, requests: Sequence[DraftRequest], target_kv: Any = None) -> list[DraftTree]:
         return [self._propose_one(r) for r in requests]
 
+    def expand_batch(
+        self,
+        requests: Sequence[DraftRequest],
+        frontiers: Sequence[Sequence[int]],
+        partials: Sequence[PartialTree],
+        vocab_size: int,
+        target_kv: Any = None,
+    ) -> list[torch.Tensor]:
+        """Log-probabilities ``[F, vocab_size]`` of the next token after each frontier node."""
+        if not len(requests) == len(frontiers) == len(partials):
+            raise ValueError(
+                f"expand_batch got {len(requests)} requests, {len(frontiers)} frontiers, {len(partials)} partial trees"
+            )
+        out = []
+        for req, front, part in zip(requests, frontiers, partials):
+            index = self._indexed(req)
+            scores = torch.full((len(front), vocab_size), float("-inf"))
+            for f, node in enumerate(front):
+                drafted = part.path_tokens(node)[1:]  # the root is the last committed token
+                counts: dict[int, float] = defaultdict(float)
+                for weight, c in self._matches(index, index.tokens + drafted):
+                    counts[index.tokens[c]] += weight
+                if counts:
+                    toks = torch.tensor(list(counts), dtype=torch.int64)
+                    if int(toks.max()) >= vocab_size:
+                        raise ValueError(f"token id {int(toks.max())} is outside vocab_size {vocab_size}")
+                    w = torch.tensor(list(counts.values()))
+                    scores[f, toks] = torch.log(w / w.sum())
+            out.append(scores)
+        return out
+
     def release(self, request_id: Hashable) -> None:
         self._index.pop(request_id, None)
 
-    def _propose_one(self, req: DraftRequest) -> DraftTree:
-        opt = self.options
+    def _indexed(self, req: DraftRequest) -> _Index:
         index = self._index.setdefault(req.request_id, _Index())
-        index.extend(req.token_ids, opt.min_n, opt.max_n)
-        toks, length = index.tokens, len(index.tokens)
-        if req.max_nodes <= 0 or req.max_depth <= 0:
-            return DraftTree.root_only(req.root)
-        # gather continuations, longest suffix match first, most recent occurrence first
+        index.extend(req.token_ids, self.options.min_n, self.options.max_n)
+        return index
+
+    def _matches(self, index: _Index, context: Sequence[int]) -> list[tuple[float, int]]:
+        """Earlier occurrences of ``context``'s suffix as ``(weight, c)``: ``index.tokens[c]``
+        followed the suffix; longest suffix first (weight = its length), most recent first."""
+        opt, toks = self.options, index.tokens
         seen: set[int] = set()
-        conts: list[tuple[float, list[int]]] = []
-        for n in range(min(opt.max_n, length), opt.min_n - 1, -1):
-            for c in reversed(index.follow.get(tuple(toks[length - n :]), ())):
-                if c >= length or c in seen:
+        found: list[tuple[float, int]] = []
+        for n in range(min(opt.max_n, len(context)), opt.min_n - 1, -1):
+            for c in reversed(index.follow.get(tuple(context[len(context) - n :]), ())):
+                if c >= len(toks) or c in seen:
                     continue
                 seen.add(c)
-                conts.append((float(n), toks[c : c + req.max_depth]))
-                if len(conts) >= opt.max_matches:
-                    break
-            if len(conts) >= opt.max_matches:
-                break
+                found.append((float(n), c))
+                if len(found) >= opt.max_matches:
+                    return found
+        return found
+
+    def _propose_one(self, req: DraftRequest) -> DraftTree:
+        index = self._indexed(req)
+        if req.max_nodes <= 0 or req.max_depth <= 0:
+            return DraftTree.root_only(req.root)
+        toks = index.tokens
+        conts = [(w, toks[c : c + req.max_depth]) for w, c in self._matches(index, toks)]
         return _trie_tree(req.root, conts, req.max_nodes)
 
 

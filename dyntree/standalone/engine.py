@@ -2,10 +2,18 @@
 
 One decoding step for a batch of requests:
 
-1. the drafter proposes one :class:`DraftTree` per request, rooted at its last committed token;
+0. with ``SpecConfig.adaptive``, the :class:`~dyntree.common.controller.SpeculationController`
+   sets each request's node/depth budget (zero: plain decoding) from its recent acceptance and a
+   cost model of the target forward (timed at start-up, refined after every step);
+1. the drafter proposes one :class:`DraftTree` per request, rooted at its last committed token:
+   with ``SpecConfig.tree`` unset by its own :meth:`~Drafter.propose`, otherwise the
+   :class:`~dyntree.common.builder.TreeBuilder` grows a ``chain`` / ``static`` / ``dyntree``
+   tree from the drafter's :meth:`~Drafter.expand_batch` scores (shaped by the same
+   temperature/top-k/top-p as the target; sampled trees carry ``draft_dists``);
 2. ONE target forward verifies all trees: tree tokens sit at positions ``kv_len + depth`` and
    attend to their request's committed KV plus their own ancestors (a 4-D additive mask);
-3. greedy (or lossless sampling) verification picks the accepted path and the bonus token;
+3. greedy (or lossless sampling) verification picks the accepted path and the bonus token; the
+   outcome feeds the builder's calibration and the controller;
 4. the accepted nodes' KV is compacted to the slots right after the request's prefix and the
    rest of the tree's KV is dropped;
 5. new tokens are committed one by one so EOS, the token limit and stop strings end a request
@@ -25,16 +33,23 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from dyntree.common.builder import BuiltTree, PartialTree, TreeBuilder
 from dyntree.common.config import SamplingParams, SpecConfig
+from dyntree.common.controller import CostModel, Plan, SpeculationController
 from dyntree.common.drafter import DraftRequest, Drafter
+from dyntree.common.sampling import process_logits, sample_verify
 from dyntree.common.tree import DraftTree, TreeBatch
 from dyntree.common.verify import VerifyResult, greedy_verify
 from dyntree.standalone import kv
 
-__all__ = ["RequestOutput", "SpecEngine", "ABLATIONS"]
+__all__ = ["RequestOutput", "SpecEngine", "ABLATIONS", "COST_SIZES", "COST_KV_LEN"]
 
 #: Test controls that each remove one piece of tree verification; outputs must then diverge.
 ABLATIONS = frozenset({"mask", "positions", "compaction"})
+
+#: Start-up cost model: query-token counts timed, against a dummy KV cache of this many tokens.
+COST_SIZES = (1, 4, 16, 64, 256)
+COST_KV_LEN = 256
 
 
 @dataclass
@@ -76,7 +91,10 @@ class SpecEngine:
         drafter: Drafter,
         spec: SpecConfig | None = None,
         ablate: Iterable[str] = (),
+        cost_model: CostModel | None = None,
     ) -> None:
+        """``cost_model`` (ms of one target forward vs. query tokens) is used by the adaptive
+        controller; without one it is measured on the first adaptive ``generate`` and kept."""
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -88,7 +106,17 @@ class SpecEngine:
         self.lm_head = model.get_output_embeddings()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.timing = {"draft_s": 0.0, "verify_s": 0.0}
+        if self.spec.tree is not None and not drafter.drafts_with_builder:
+            raise ValueError(
+                f"SpecConfig.tree={self.spec.tree!r} needs a drafter with expand_batch; drafter "
+                f"{drafter.name!r} has none (leave tree unset to use its own trees)"
+            )
+        self.builder = TreeBuilder(self.spec.builder_options()) if self.spec.tree is not None else None
+        self.vocab_size = self.lm_head.out_features
+        self._cost = cost_model
+        self.controller: SpeculationController | None = None
+        # draft_s: plan + drafting (expand_s of it inside the drafter); verify_s: forward, verify, KV
+        self.timing = {"draft_s": 0.0, "expand_s": 0.0, "verify_s": 0.0, "forward_s": 0.0, "steps": 0}
 
     # -- public API ----------------------------------------------------------------------------
     def generate(
@@ -108,21 +136,26 @@ class SpecEngine:
         if len(ids) != len(prompts) or len(set(ids)) != len(ids):
             raise ValueError("request_ids must be unique, one per prompt")
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
+        if self.spec.adaptive and self.controller is None:
+            self._cost = self._cost or self.measure_cost()
+            self.controller = SpeculationController(self._cost, self.spec.controller_options())
         eos = self._eos_ids(params)
         live, cache = self._prefill(prompts, ids)
         done: dict[Hashable, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="requests", disable=not progress, leave=False)
         with torch.inference_mode():
             while live:
-                results, hidden = self._step(live, cache, params, gen)
+                trees, results, hidden = self._step(live, cache, params, gen)
                 keep = []
-                for row, (req, res) in enumerate(zip(live, results)):
+                for row, (req, tree, res) in enumerate(zip(live, trees, results)):
                     req.hidden = hidden[row]
                     self._commit(req, res, params, eos)
-                    self.drafter.observe(req.out.request_id, req.tokens, res.accepted_drafts)
+                    self._learn(req.out.request_id, req.tokens, tree, res)
                     if req.out.finish_reason:
                         done[req.out.request_id] = req.out
                         self.drafter.release(req.out.request_id)
+                        if self.controller is not None:
+                            self.controller.release(req.out.request_id)
                         bar.update(1)
                     else:
                         keep.append(row)
@@ -141,9 +174,9 @@ class SpecEngine:
     # -- one step ------------------------------------------------------------------------------
     def _step(
         self, live: list[_Live], cache: DynamicCache, params: SamplingParams, gen: torch.Generator
-    ) -> tuple[list[VerifyResult], torch.Tensor]:
+    ) -> tuple[list[DraftTree], list[VerifyResult], torch.Tensor]:
         t0 = time.perf_counter()
-        trees = self._draft(live, cache)
+        trees = self._draft(live, cache, params, gen)
         t1 = time.perf_counter()
         batch = TreeBatch.from_trees(trees)
         prefix = kv.seq_len(cache)
@@ -152,11 +185,16 @@ class SpecEngine:
         positions = kv_lens[:, None] + depth
         hidden = self._forward(batch.tokens, positions, self._tree_mask(batch, kv_lens, prefix), cache)
         logits = self.lm_head(hidden).float()
+        t2 = time.perf_counter()
+        if self.controller is not None:
+            self.controller.observe_step(batch.tokens.numel(), (t2 - t1) * 1e3)
         results = [self._verify(t, logits[r, : t.size], params, gen) for r, t in enumerate(trees)]
         self._compact(cache, live, results, prefix)
         end = torch.tensor([res.accepted_nodes[-1] for res in results], device=hidden.device)
         self.timing["draft_s"] += t1 - t0
+        self.timing["forward_s"] += t2 - t1
         self.timing["verify_s"] += time.perf_counter() - t1
+        self.timing["steps"] += 1
         for req, tree, res in zip(live, trees, results):
             req.out.steps += 1
             req.out.draft_nodes += tree.size - 1
@@ -164,23 +202,31 @@ class SpecEngine:
                 if len(req.out.accepted_per_depth) < d:
                     req.out.accepted_per_depth.append(0)
                 req.out.accepted_per_depth[d - 1] += 1
-        return results, hidden[torch.arange(len(live)), end]
+        return trees, results, hidden[torch.arange(len(live)), end]
 
-    def _draft(self, live: list[_Live], cache: DynamicCache) -> list[DraftTree]:
+    def _draft(self, live: list[_Live], cache: DynamicCache, params: SamplingParams, gen: torch.Generator) -> list[DraftTree]:
         spec = self.spec
+        ids = [r.out.request_id for r in live]
+        plans = self.controller.plan(ids) if self.controller is not None else None
         requests = [
             DraftRequest(
                 request_id=r.out.request_id,
                 token_ids=r.tokens,
-                max_nodes=spec.max_nodes,
-                max_depth=spec.max_depth,
+                max_nodes=plans[row].max_nodes if plans else spec.max_nodes,
+                max_depth=plans[row].max_depth if plans else spec.max_depth,
                 hidden=r.hidden if self.drafter.needs_hidden else None,
                 row=row,
                 kv_len=r.kv_len,
             )
             for row, r in enumerate(live)
         ]
-        trees = self.drafter.propose(requests, cache if self.drafter.needs_target_kv else None)
+        target_kv = cache if self.drafter.needs_target_kv else None
+        if all(r.max_nodes == 0 or r.max_depth == 0 for r in requests):
+            trees: list[DraftTree] = [DraftTree.root_only(r.root) for r in requests]
+        elif self.builder is not None:
+            trees = self._build(requests, plans, target_kv, params, gen)
+        else:
+            trees = self.drafter.propose(requests, target_kv)
         if len(trees) != len(requests):
             raise RuntimeError(f"drafter {self.drafter.name!r} returned {len(trees)} trees for {len(requests)} requests")
         for req, tree in zip(requests, trees):
@@ -191,6 +237,64 @@ class SpecEngine:
                     f"{tree.max_depth} (max {req.max_depth})"
                 )
         return trees
+
+    def _build(
+        self,
+        requests: list[DraftRequest],
+        plans: list[Plan] | None,
+        target_kv: object,
+        params: SamplingParams,
+        gen: torch.Generator,
+    ) -> list[DraftTree]:
+        """Grow the trees with the builder: one ``expand_batch`` call per depth per tree mode
+        (a controller's chain plans are grown as chains, its tree plans in ``SpecConfig.tree``)."""
+        assert self.builder is not None and self.spec.tree is not None
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(requests):
+            mode = "chain" if plans is not None and plans[i].mode == "chain" else self.spec.tree
+            groups.setdefault(mode, []).append(i)
+        trees: list[DraftTree] = [DraftTree.root_only(r.root) for r in requests]
+        for mode, rows in groups.items():
+            reqs = [requests[i] for i in rows]
+
+            def expand(frontiers: list[list[int]], partials: list[PartialTree]) -> list[torch.Tensor]:
+                t = time.perf_counter()
+                raw = self.drafter.expand_batch(reqs, frontiers, partials, self.vocab_size, target_kv)
+                self.timing["expand_s"] += time.perf_counter() - t
+                return [self._draft_probs(x, params) for x in raw]
+
+            built = self.builder.build_batch(
+                [r.root for r in reqs], expand, budgets=[(r.max_nodes, r.max_depth) for r in reqs],
+                mode=mode, sampling=not params.greedy, generator=gen,
+            )  # fmt: skip
+            for i, tree in zip(rows, built):
+                trees[i] = tree
+        return trees
+
+    @staticmethod
+    def _draft_probs(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Draft probabilities from a drafter's logits, shaped like the target's (greedy: plain
+        softmax); rows of all ``-inf`` (no candidate) become all-zero rows."""
+        scores = scores.float().cpu()
+        if params.greedy:  # softmax that leaves dead rows at zero (no NaN), in few dense passes
+            top = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
+            e = torch.exp(scores - top)
+            return e / e.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+        dead = torch.isneginf(scores.amax(dim=-1))
+        if bool(dead.any()):
+            scores = scores.clone()
+            scores[dead] = 0.0
+        probs = process_logits(scores, params.temperature, params.top_k, params.top_p)
+        probs[dead] = 0.0
+        return probs
+
+    def _learn(self, request_id: Hashable, tokens: list[int], tree: DraftTree, res: VerifyResult) -> None:
+        """Feed one verified tree to the drafter, the builder's calibration and the controller."""
+        self.drafter.observe(request_id, tokens, res.accepted_drafts)
+        if self.builder is not None and isinstance(tree, BuiltTree) and tree.size > 1:
+            self.builder.observe(tree, res.accepted_nodes)
+        if self.controller is not None:
+            self.controller.observe(request_id, tree, res.accepted_nodes)
 
     def _tree_mask(self, batch: TreeBatch, kv_lens: torch.Tensor, prefix: int) -> torch.Tensor:
         """``[B, 1, T, prefix + T]`` additive mask: committed prefix + ancestors (or causal)."""
@@ -207,10 +311,8 @@ class SpecEngine:
     def _verify(self, tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> VerifyResult:
         if params.greedy:
             return greedy_verify(tree, logits.argmax(dim=-1))
-        from dyntree.common.sampling import process_logits, sample_verify
-
         probs = process_logits(logits, params.temperature, params.top_k, params.top_p)
-        return sample_verify(tree, probs, gen)
+        return sample_verify(tree, probs, gen, self.spec.tree_options.sampling_scheme)
 
     def _compact(self, cache: DynamicCache, live: list[_Live], results: list[VerifyResult], prefix: int) -> None:
         rows, src, dst = [], [], []
@@ -223,6 +325,25 @@ class SpecEngine:
             req.kv_len += n
         as_t = lambda x: torch.tensor(x, device=self.device)  # noqa: E731
         kv.compact(cache, as_t(rows), as_t(src), as_t(dst))
+
+    # -- cost model ------------------------------------------------------------------------------
+    def measure_cost(self, sizes: Sequence[int] = COST_SIZES, kv_len: int = COST_KV_LEN, repeats: int = 2) -> CostModel:
+        """Time target forwards (decoder + LM head) of ``sizes`` query tokens against a dummy KV
+        cache of ``kv_len`` tokens; the cost model the adaptive controller starts from."""
+        cache = DynamicCache()
+        g = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            dummy = torch.randint(0, self.vocab_size, (1, kv_len), generator=g)
+            causal = torch.tril(torch.ones(kv_len, kv_len, dtype=torch.bool))[None]
+            self._forward(dummy, torch.arange(kv_len)[None], self._additive(causal), cache)
+
+            def forward(n: int) -> None:
+                toks = torch.randint(0, self.vocab_size, (1, n), generator=g)
+                allowed = torch.ones(1, n, kv_len + n, dtype=torch.bool)
+                self.lm_head(self._forward(toks, kv_len + torch.arange(n)[None], self._additive(allowed), cache))
+                kv.crop(cache, kv_len)
+
+            return CostModel.measure(forward, sizes, repeats, lr=self.spec.controller.cost_lr)
 
     # -- prefill and commit ----------------------------------------------------------------------
     def _prefill(self, prompts: Sequence[Sequence[int]], ids: Sequence[Hashable]) -> tuple[list[_Live], DynamicCache]:
