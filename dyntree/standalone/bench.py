@@ -2,6 +2,9 @@
 
 Every mode runs through the same :class:`SpecEngine` (mode ``none`` = the ``none`` drafter), on
 the same prompts, batch size and dtype, so tokens/s, tau and outputs are directly comparable.
+Modes: ``none`` (plain decoding), ``own`` (the drafter's own trees), ``chain`` / ``static`` /
+``dyntree`` (the tree builder over the drafter's scores). With ``SpecConfig.adaptive`` every
+speculative mode runs under the controller (its cost model is timed once per bench and shared).
 The result is one JSON document (schema in README.md).
 """
 
@@ -19,12 +22,13 @@ import torch
 from tqdm.auto import tqdm
 
 from dyntree.common.config import SamplingParams, SpecConfig
+from dyntree.common.controller import CostModel
 from dyntree.common.drafter import make_drafter
 from dyntree.standalone.engine import RequestOutput, SpecEngine
 
-__all__ = ["Prompt", "load_prompts", "encode_prompt", "run_bench", "MODES"]
+__all__ = ["Prompt", "load_prompts", "encode_prompt", "run_bench", "run_mode", "compare", "mode_spec", "MODES"]
 
-MODES = ("none", "dyntree")
+MODES = ("none", "own", "chain", "static", "dyntree")
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,82 @@ def _summarise(mode: str, drafter: str, outs: list[RequestOutput], wall: float) 
     }
 
 
+def mode_spec(mode: str, spec: SpecConfig) -> tuple[str | None, SpecConfig]:
+    """The drafter spec (``None``: plain decoding) and engine config of one bench mode."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if mode == "none":
+        return None, spec.model_copy(update={"drafter": "none", "tree": None, "adaptive": False})
+    return spec.drafter, spec.model_copy(update={"tree": None if mode == "own" else mode})
+
+
+def run_mode(
+    model,
+    tokenizer,
+    encoded: Sequence[Sequence[int]],
+    ids: Sequence[Any],
+    mode: str,
+    spec: SpecConfig,
+    params: SamplingParams,
+    batch_size: int,
+    cost: CostModel | None = None,
+    categories: dict[Any, str | None] | None = None,
+) -> dict[str, Any]:
+    """One bench run of ``mode`` over the encoded prompts, in batches of ``batch_size``.
+
+    ``cost`` seeds an adaptive engine's cost model (a copy; measured here when ``None``)."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    name, cfg = mode_spec(mode, spec)
+    name = name or "none"
+    seed = CostModel(list(zip(cost.xs, cost.ys)), cost.lr) if cost is not None and cfg.adaptive else None
+    engine = SpecEngine(model, tokenizer, make_drafter(name, model=model, tokenizer=tokenizer), cfg, cost_model=seed)
+    startup = engine.prepare()
+    outs: list[RequestOutput] = []
+    start = time.perf_counter()
+    for i in tqdm(range(0, len(encoded), batch_size), desc=f"bench {mode}", unit="batch", leave=False):
+        outs += engine.generate(encoded[i : i + batch_size], params, ids[i : i + batch_size])
+    wall = time.perf_counter() - start
+    run = _summarise(mode, name, outs, wall)
+    t = engine.timing
+    n = max(t["steps"], 1)
+    step_s = t["draft_s"] + t["verify_s"]
+    build_s = t["draft_s"] - t["expand_s"]
+    run.update({
+        "tree": cfg.tree,
+        "adaptive": cfg.adaptive,
+        "max_nodes": cfg.max_nodes if name != "none" else 0,
+        "max_depth": cfg.max_depth if name != "none" else 0,
+        "draft_s": round(t["draft_s"], 3),
+        "verify_s": round(t["verify_s"], 3),
+        "engine_steps": t["steps"],
+        "step_ms": round(step_s / n * 1e3, 3),
+        "forward_ms_per_step": round(t["forward_s"] / n * 1e3, 3),
+        "draft_ms_per_step": round(t["draft_s"] / n * 1e3, 3),
+        "build_ms_per_step": round(build_s / n * 1e3, 3),
+        "build_pct_of_step": round(100 * build_s / step_s, 2) if step_s > 0 else 0.0,
+        "startup_s": round(startup, 3),
+    })  # fmt: skip
+    if categories is not None:
+        run["by_category"] = {
+            cat: _summarise(mode, name, [o for o in outs if categories[o.request_id] == cat], wall)["tau"]
+            for cat in sorted({c for c in categories.values() if c is not None})
+        }
+    return run
+
+
+def compare(base: dict[str, Any] | None, run: dict[str, Any]) -> None:
+    """Add ``identical_to_none`` and ``speedup`` of ``run`` against the plain run ``base``."""
+    if base is None:
+        run["identical_to_none"] = None
+        run["speedup"] = None
+        return
+    ref = {o["id"]: o["token_ids"] for o in base["outputs"]}
+    same = [o["token_ids"] == ref[o["id"]] for o in run["outputs"]]
+    run["identical_to_none"] = round(sum(same) / len(same), 4)
+    run["speedup"] = round(run["tokens_per_s"] / base["tokens_per_s"], 4) if base["tokens_per_s"] else None
+
+
 def run_bench(
     model,
     tokenizer,
@@ -134,36 +214,20 @@ def run_bench(
         raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    spec = spec.model_copy(update={"drafter": drafter})
+    tree_modes = [m for m in modes if m in ("chain", "static", "dyntree")]
+    if tree_modes and not make_drafter(drafter, model=model, tokenizer=tokenizer).drafts_with_builder:
+        raise ValueError(f"mode(s) {tree_modes} need a drafter with expand_batch; {drafter!r} has none (use mode own)")
     encoded = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
     ids = [p.id for p in prompts]
     category = {p.id: p.category for p in prompts}
-    runs = []
-    for mode in modes:
-        name = "none" if mode == "none" else drafter
-        engine = SpecEngine(model, tokenizer, make_drafter(name, model=model, tokenizer=tokenizer), spec)
-        outs: list[RequestOutput] = []
-        start = time.perf_counter()
-        for i in tqdm(range(0, len(encoded), batch_size), desc=f"bench {mode}", unit="batch"):
-            outs += engine.generate(encoded[i : i + batch_size], params, ids[i : i + batch_size])
-        wall = time.perf_counter() - start
-        run = _summarise(mode, name, outs, wall)
-        run["draft_s"] = round(engine.timing["draft_s"], 3)
-        run["verify_s"] = round(engine.timing["verify_s"], 3)
-        run["by_category"] = {
-            cat: _summarise(mode, name, [o for o in outs if category[o.request_id] == cat], wall)["tau"]
-            for cat in sorted({c for c in category.values() if c is not None})
-        }
-        runs.append(run)
+    cost = None
+    if spec.adaptive and any(m != "none" for m in modes):
+        cost = SpecEngine(model, tokenizer, make_drafter("none"), SpecConfig(drafter="none")).measure_cost()
+    runs = [run_mode(model, tokenizer, encoded, ids, m, spec, params, batch_size, cost, category) for m in modes]
     base = next((r for r in runs if r["mode"] == "none"), None)
     for run in runs:
-        if base is None:
-            run["identical_to_none"] = None
-            run["speedup"] = None
-            continue
-        ref = {o["id"]: o["token_ids"] for o in base["outputs"]}
-        same = [o["token_ids"] == ref[o["id"]] for o in run["outputs"]]
-        run["identical_to_none"] = round(sum(same) / len(same), 4)
-        run["speedup"] = round(run["tokens_per_s"] / base["tokens_per_s"], 4) if base["tokens_per_s"] else None
+        compare(base, run)
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": _device(),
@@ -175,5 +239,6 @@ def run_bench(
         "num_prompts": len(prompts),
         "spec": spec.model_dump(),
         "sampling": params.model_dump(),
+        "cost_model_ms": dict(zip(cost.xs, [round(y, 3) for y in cost.ys])) if cost is not None else None,
         "runs": runs,
     }

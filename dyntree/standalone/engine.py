@@ -136,9 +136,7 @@ class SpecEngine:
         if len(ids) != len(prompts) or len(set(ids)) != len(ids):
             raise ValueError("request_ids must be unique, one per prompt")
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
-        if self.spec.adaptive and self.controller is None:
-            self._cost = self._cost or self.measure_cost()
-            self.controller = SpeculationController(self._cost, self.spec.controller_options())
+        self.prepare()
         eos = self._eos_ids(params)
         live, cache = self._prefill(prompts, ids)
         done: dict[Hashable, RequestOutput] = {}
@@ -170,6 +168,16 @@ class SpecEngine:
         for o in outs:
             o.text = self._text(o, params)
         return outs
+
+    def prepare(self) -> float:
+        """Set up the adaptive controller (timing the cost model unless one was given); returns
+        the seconds it took. ``generate`` calls it; call it first to keep that out of timings."""
+        if not self.spec.adaptive or self.controller is not None:
+            return 0.0
+        t = time.perf_counter()
+        self._cost = self._cost or self.measure_cost()
+        self.controller = SpeculationController(self._cost, self.spec.controller_options())
+        return time.perf_counter() - t
 
     # -- one step ------------------------------------------------------------------------------
     def _step(
