@@ -1,0 +1,189 @@
+"""Evaluate Hydra heads on SmolLM2: per-head agreement with the target and speculative decoding.
+
+1. Plain greedy decoding (the ``none`` drafter) of Spec-Bench prompts gives the reference outputs.
+2. Per-head top-1/top-5 agreement on the MT-Bench prompts: one target forward over prompt + output
+   gives the hidden states; head ``k`` at output position ``t`` is teacher-forced with the target's
+   own tokens and scored against the target's token ``x_{t+k+1}``.
+3. tau (tokens per verify step) and tokens/s for each drafter (Hydra heads, the independent
+   Medusa-style ablation, n-gram) at the same node budget, greedy, in fp32, with the fraction of
+   outputs identical to plain decoding.
+4. The reduced-vocabulary trade-off: how many of the target's tokens the reduced vocabulary covers
+   (an upper bound on acceptance), and the head forward cost with reduced vs full output.
+
+Writes one JSON document (``--out``). Run: ``python benchmarks/hydra_eval.py --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dyntree.common.config import SamplingParams, SpecConfig
+from dyntree.common.drafter import make_drafter
+from dyntree.common.hydra import HydraHeads, load_heads
+from dyntree.models import load_model
+from dyntree.standalone.bench import encode_prompt, load_prompts
+from dyntree.standalone.engine import SpecEngine
+from dyntree.standalone.hydra_drafter import SHIPPED_HEADS
+from dyntree.training.target import target_identity, target_weights
+
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+def _pick(path: Path, per_category: int, mt_bench_extra: int) -> tuple[list, list]:
+    """``per_category`` prompts of each category (spread out) for tau; more MT-Bench for agreement."""
+    rows = load_prompts(path)
+    by_cat: dict[str, list] = {}
+    for p in rows:
+        by_cat.setdefault(p.category, []).append(p)
+    tau_set, agree_set = [], []
+    for cat in CATEGORIES:
+        items = by_cat[cat]
+        n = per_category + (mt_bench_extra if cat == "mt_bench" else 0)
+        chosen = items[:: max(1, len(items) // n)][:n]
+        tau_set += chosen[:per_category]
+        if cat == "mt_bench":
+            agree_set = chosen
+    return tau_set, agree_set
+
+
+def _run(model, tok, spec: str, prompts: list, budget: int, depth: int, new: int) -> tuple[list, list, dict]:
+    """Decode ``prompts`` one at a time (batch 1: tokens/s is per-request latency)."""
+    drafter = make_drafter(spec, model=model, tokenizer=tok)
+    engine = SpecEngine(model, tok, drafter, SpecConfig(drafter=spec, max_nodes=budget, max_depth=depth))
+    params = SamplingParams(max_new_tokens=new)
+    outs, walls = [], []
+    for p in prompts:
+        start = time.perf_counter()
+        outs += engine.generate([encode_prompt(tok, p.text, chat=True)], params, request_ids=[p.id])
+        walls.append(time.perf_counter() - start)
+    return outs, walls, dict(engine.timing)
+
+
+def _summary(spec: str, outs: list, walls: list, prompts: list, timing: dict) -> dict[str, Any]:
+    tokens, steps, wall = sum(len(o.token_ids) for o in outs), sum(o.steps for o in outs), sum(walls)
+    depth_seen = max(len(o.accepted_per_depth) for o in outs)
+    by_cat = {}
+    for cat in CATEGORIES:
+        sel = [o for o, p in zip(outs, prompts) if p.category == cat]
+        if sel:
+            by_cat[cat] = round(sum(len(o.token_ids) for o in sel) / sum(o.steps for o in sel), 3)
+    return {
+        "drafter": spec, "tokens": tokens, "steps": steps, "tau": round(tokens / steps, 4),
+        "tokens_per_s": round(tokens / wall, 3), "wall_s": round(wall, 2),
+        "draft_s": round(timing["draft_s"], 3), "verify_s": round(timing["verify_s"], 3),
+        "accepted_per_depth": [round(sum(o.accepted_per_depth[d] for o in outs if d < len(o.accepted_per_depth))
+                                     / steps, 4) for d in range(depth_seen)],
+        "tau_by_category": by_cat,
+    }
+
+
+@torch.no_grad()
+def _agreement(model, tok, heads: HydraHeads, prompts: list, outputs: dict) -> dict[str, Any]:
+    """Per-head top-1/top-5 agreement with the target's own greedy tokens (teacher-forced)."""
+    k_max = heads.num_heads
+    hit1, hit5, n = torch.zeros(k_max), torch.zeros(k_max), torch.zeros(k_max)
+    for p in prompts:
+        prompt = encode_prompt(tok, p.text, chat=True)
+        seq = prompt + outputs[p.id]
+        hidden = model(torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0].float()
+        ids = torch.tensor(seq)
+        # position t (the state that produced x_{t+1}); the output starts at len(prompt)
+        for t in range(len(prompt) - 1, len(seq) - 2):
+            for k in range(1, k_max + 1):
+                if t + k + 1 >= len(seq):
+                    break
+                logits = heads.head_logits(k, hidden[t:t + 1], ids[t + 1:t + k + 1][None])
+                top5 = heads.to_full_ids(logits.topk(5, dim=-1).indices[0])
+                hit1[k - 1] += float(top5[0] == ids[t + k + 1])
+                hit5[k - 1] += float((top5 == ids[t + k + 1]).any())
+                n[k - 1] += 1
+    return {"positions": n.int().tolist(), "top1": [round(x, 4) for x in (hit1 / n).tolist()],
+            "top5": [round(x, 4) for x in (hit5 / n).tolist()]}
+
+
+def _vocab_tradeoff(heads: HydraHeads, lm_head: torch.Tensor, plain_outs: list) -> dict[str, Any]:
+    tokens = torch.tensor([t for o in plain_outs for t in o.token_ids])
+    covered = torch.isin(tokens, heads.token_map).float().mean().item() if heads.config.reduced_vocab else 1.0
+    h = torch.randn(16, heads.config.hidden_size)
+
+    def cost(weight: torch.Tensor) -> float:
+        z = heads.heads[0](torch.cat([h, h], dim=1))
+        start = time.perf_counter()
+        for _ in range(20):
+            torch.softmax(z @ weight.T, dim=-1).topk(4)
+        return round((time.perf_counter() - start) / 20 * 1e3, 3)
+
+    return {"reduced_vocab": heads.config.reduced_vocab, "coverage_of_target_tokens": round(covered, 4),
+            "head_output_ms_16_nodes": {"reduced": cost(heads.out_weight), "full": cost(lm_head.float())}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", default=str(SHIPPED_HEADS), help="Hydra checkpoint (default: shipped)")
+    ap.add_argument("--independent-heads", default=None, help="the --independent ablation checkpoint")
+    ap.add_argument("--prompts", default=str(SPEC_BENCH))
+    ap.add_argument("--per-category", type=int, default=2)
+    ap.add_argument("--mt-bench-extra", type=int, default=6, help="extra MT-Bench prompts for agreement")
+    ap.add_argument("--new-tokens", type=int, default=40)
+    ap.add_argument("--budget", type=int, default=16, help="draft nodes per tree (all drafters)")
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results/hydra_eval.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = load_model("smollm2", torch.float32)
+    tau_set, agree_set = _pick(Path(args.prompts), args.per_category, args.mt_bench_extra)
+    extra = [p for p in agree_set if p not in tau_set]
+
+    plain_outs, plain_walls, timing = _run(model, tok, "none", tau_set + extra, args.budget, args.depth, args.new_tokens)
+    reference = {o.request_id: o.token_ids for o in plain_outs}
+    n_tau = len(tau_set)
+    plain = _summary("none", plain_outs[:n_tau], plain_walls[:n_tau], tau_set, timing)
+    runs = [plain]
+    specs = [f"hydra:{args.heads}", "ngram"] + ([f"hydra:{args.independent_heads}"] if args.independent_heads else [])
+    for spec in specs:
+        outs, walls, timing = _run(model, tok, spec, tau_set, args.budget, args.depth, args.new_tokens)
+        run = _summary(spec, outs, walls, tau_set, timing)
+        run["identical_to_plain"] = round(sum(o.token_ids == reference[o.request_id] for o in outs) / len(outs), 4)
+        run["speedup"] = round(run["tokens_per_s"] / plain["tokens_per_s"], 4)
+        runs.append(run)
+
+    ident = target_identity(model, tok, "smollm2")
+    embed, lm_head = target_weights(model)
+    agreement = {}
+    for name, path in (("hydra", args.heads), ("independent", args.independent_heads)):
+        if path:
+            heads = load_heads(path, ident, embed, lm_head)
+            agreement[name] = {"config": {k: v for k, v in json.loads((Path(path) / "config.json").read_text()).items()
+                                          if k != "target"},
+                               **_agreement(model, tok, heads, agree_set, reference)}
+    tradeoff = _vocab_tradeoff(load_heads(args.heads, ident, embed, lm_head), lm_head, plain_outs[:n_tau])
+    doc = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads, shared)",
+        "model": "SmolLM2-135M-Instruct", "dtype": "fp32", "greedy": True, "batch_size": 1,
+        "new_tokens": args.new_tokens, "node_budget": args.budget, "max_depth": args.depth,
+        "tau_prompts": [p.id for p in tau_set], "agreement_prompts": [p.id for p in agree_set],
+        "runs": runs, "agreement_mt_bench": agreement, "vocab_tradeoff": tradeoff,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps({k: doc[k] for k in ("agreement_mt_bench", "vocab_tradeoff")}, indent=1))
+    for r in runs:
+        print(f"{r['drafter']:<50} tau={r['tau']:.3f} tok/s={r['tokens_per_s']:.2f} "
+              f"identical={r.get('identical_to_plain', 1.0)} by_cat={r['tau_by_category']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""The shipped Hydra heads on the real SmolLM2 (fp32): they load, refuse another target, and
+greedy Hydra drafting through the engine reproduces plain greedy decoding token for token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dyntree.common.config import SamplingParams, SpecConfig
+from dyntree.common.drafter import make_drafter
+from dyntree.common.hydra import HydraMismatchError
+from dyntree.standalone.engine import SpecEngine
+from dyntree.standalone.hydra_drafter import SHIPPED_HEADS, HydraDrafter
+
+pytestmark = pytest.mark.slow
+
+
+def test_shipped_checkpoint_format() -> None:
+    cfg = json.loads((SHIPPED_HEADS / "config.json").read_text())
+    assert cfg["format"] == "dyntree-hydra" and cfg["dtype"] == "float16"
+    assert cfg["target"]["hidden_size"] == 576 and cfg["target"]["vocab_size"] == 49152
+    assert "train-heads" in cfg["training"]["command"]
+    assert (SHIPPED_HEADS / "model.safetensors").stat().st_size <= 25 * 2**20
+
+
+def test_shipped_heads_refuse_another_target(smol) -> None:
+    from conftest import tiny_llama
+
+    _, tok = smol
+    with pytest.raises(HydraMismatchError, match="hidden size mismatch"):
+        make_drafter("hydra", model=tiny_llama(), tokenizer=tok)
+
+
+def test_hydra_greedy_equals_plain(smol, smol_prompts) -> None:
+    model, tok = smol
+    drafter = make_drafter("hydra", model=model, tokenizer=tok)
+    assert isinstance(drafter, HydraDrafter) and drafter.needs_hidden
+    prompts = smol_prompts[:4]
+    params = SamplingParams(max_new_tokens=32)
+    spec = SpecConfig(drafter="hydra", max_nodes=16, max_depth=4)
+    plain = SpecEngine(model, tok, make_drafter("none"), spec).generate(prompts, params)
+    with torch.inference_mode():
+        out = SpecEngine(model, tok, drafter, spec).generate(prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    tau = sum(len(o.token_ids) for o in out) / sum(o.steps for o in out)
+    assert tau > 1.1, tau  # the heads really drafted accepted tokens
+    assert max(len(o.accepted_per_depth) for o in out) >= 2
