@@ -29,18 +29,19 @@ from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafter import make_drafter
 from dyntree.common.hydra import HydraHeads, load_heads
 from dyntree.models import load_model
-from dyntree.standalone.bench import encode_prompt, load_prompts
+from dyntree.standalone.bench import Prompt, encode_prompt, load_prompts
 from dyntree.standalone.engine import SpecEngine
 from dyntree.standalone.hydra_drafter import SHIPPED_HEADS
 from dyntree.training.target import target_identity, target_weights
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
 def _pick(path: Path, per_category: int, mt_bench_extra: int) -> tuple[list, list]:
     """``per_category`` prompts of each category (spread out) for tau; more MT-Bench for agreement."""
-    rows = load_prompts(path)
+    rows = [Prompt(p.id, p.text, "mt_bench" if p.category in MT_BENCH else p.category) for p in load_prompts(path)]
     by_cat: dict[str, list] = {}
     for p in rows:
         by_cat.setdefault(p.category, []).append(p)

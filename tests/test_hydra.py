@@ -247,3 +247,27 @@ def test_tiny_training_run_reduces_loss(tmp_path: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), heads.state_dict().values()))
     with pytest.raises(ValueError, match="another training config"):
         train(again, data, TrainConfig(steps=61), tmp_path / "run")
+
+
+def test_expand_batch_scores_frontiers_with_the_matching_head() -> None:
+    """The tree builder's interface: head d scores nodes at depth d-1, reduced ids map back,
+    nodes past the last head and requests without a hidden state get no children."""
+    from dyntree.common.builder import PartialTree
+
+    heads = _counting_heads(k=2)
+    drafter = HydraDrafter(heads)
+    h = torch.randn(D)
+    part = PartialTree(tokens=[7, 4, 10], parents=[-1, 0, 1], depths=[0, 1, 2])
+    reqs = [DraftRequest(0, [7], 8, 4, hidden=h), DraftRequest(1, [7], 8, 4, hidden=None)]
+    heads.calls = []
+    scores, none = drafter.expand_batch(reqs, [[0, 1, 2], [0]], [part, PartialTree([7], [-1], [0])], VOCAB)
+    assert scores.shape == (3, VOCAB) and none.shape == (1, VOCAB)
+    assert sorted(heads.calls) == [(1, 1), (2, 1)]  # one forward per depth
+    want1 = torch.log_softmax(heads.head_logits(1, h[None], torch.tensor([[7]])), -1)[0]
+    assert torch.allclose(scores[0, heads.token_map], want1)
+    want2 = torch.log_softmax(heads.head_logits(2, h[None], torch.tensor([[7, 4]])), -1)[0]
+    assert torch.allclose(scores[1, heads.token_map], want2)
+    assert torch.isinf(scores[0, 1::2]).all()  # odd ids are outside the reduced vocabulary
+    assert torch.isinf(scores[2]).all() and torch.isinf(none).all()
+    with pytest.raises(ValueError, match="vocab_size=50"):
+        drafter.expand_batch(reqs[:1], [[0]], [part], 50)

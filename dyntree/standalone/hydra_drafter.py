@@ -8,7 +8,9 @@ ranked by cumulative head probability (product along the path), and the best
 ``min(W, nodes left)`` become the next frontier. ``W`` defaults to ``ceil(max_nodes / depth)`` so
 the node budget is spread evenly over the depths; ``T`` defaults to ``W``.
 
-All frontier nodes of all requests go through the head in one forward per depth.
+All frontier nodes of all requests go through the head in one forward per depth. With
+``SpecConfig.tree`` set, the engine's tree builder shapes the tree instead and asks
+:meth:`HydraDrafter.expand_batch` for the heads' distributions.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -24,6 +26,9 @@ from dyntree.common.drafter import DraftRequest, Drafter, register_drafter
 from dyntree.common.hydra import HydraHeads, load_heads
 from dyntree.common.tree import DraftTree
 from dyntree.training.target import target_identity, target_weights
+
+if TYPE_CHECKING:
+    from dyntree.common.builder import PartialTree
 
 __all__ = ["HydraDrafter", "SHIPPED_HEADS", "make_hydra_drafter", "parse_hydra_options"]
 
@@ -67,6 +72,7 @@ class HydraDrafter(Drafter):
 
     name = "hydra"
     needs_hidden = True
+    drafts_with_builder = True
 
     def __init__(self, heads: HydraHeads, width: int | None = None, topk: int | None = None) -> None:
         self.heads = heads.eval()
@@ -111,6 +117,46 @@ class HydraDrafter(Drafter):
                                      torch.tensor(s["parents"], dtype=torch.int64),
                                      torch.tensor(s["probs"], dtype=torch.float32))
         return [t for t in trees if t is not None]
+
+    @torch.inference_mode()
+    def expand_batch(
+        self,
+        requests: Sequence[DraftRequest],
+        frontiers: Sequence[Sequence[int]],
+        partials: Sequence["PartialTree"],
+        vocab_size: int,
+        target_kv: Any = None,
+    ) -> list[torch.Tensor]:
+        """Head log-probabilities ``[F, vocab_size]`` after each frontier node (tree builder modes).
+
+        A node at depth ``d - 1`` is scored by head ``d`` (one batched forward per distinct depth
+        over the whole batch); nodes deeper than the last head, and requests without a hidden
+        state, get all ``-inf`` rows (no children); tokens outside a reduced vocabulary get ``-inf``.
+        """
+        if not len(requests) == len(frontiers) == len(partials):
+            raise ValueError(
+                f"expand_batch got {len(requests)} requests, {len(frontiers)} frontiers, {len(partials)} partial trees"
+            )
+        if vocab_size != self.heads.config.target.vocab_size:
+            raise ValueError(f"expand_batch vocab_size={vocab_size}; the heads' vocabulary is "
+                             f"{self.heads.config.target.vocab_size}")
+        out = [torch.full((len(f), vocab_size), float("-inf")) for f in frontiers]
+        by_depth: dict[int, list[tuple[int, int, list[int]]]] = {}
+        for b, (req, front, part) in enumerate(zip(requests, frontiers, partials)):
+            if req.hidden is None:
+                continue
+            for f, node in enumerate(front):
+                path = part.path_tokens(node)
+                if len(path) <= self.heads.num_heads:
+                    by_depth.setdefault(len(path), []).append((b, f, path))
+        for k, items in by_depth.items():
+            hidden = torch.stack([requests[b].hidden.reshape(-1) for b, _, _ in items]).to(self.device, self.dtype)
+            path = torch.tensor([p for _, _, p in items], dtype=torch.int64, device=self.device)
+            logp = torch.log_softmax(self.heads.head_logits(k, hidden, path).float(), dim=-1).cpu()
+            cols = self.heads.to_full_ids(torch.arange(self.heads.out_vocab, device=self.device)).cpu()
+            for row, (b, f, _) in enumerate(items):
+                out[b][f, cols] = logp[row]
+        return out
 
     @staticmethod
     def _extend(s: dict[str, Any], rows: list[tuple[int, int]], top_tok: torch.Tensor, top_p: torch.Tensor) -> None:
