@@ -9,6 +9,7 @@ own state into requests (the standalone engine, the vLLM and SGLang adapters).
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Hashable, Sequence
@@ -20,7 +21,8 @@ from dyntree.common.tree import DraftTree
 if TYPE_CHECKING:
     from dyntree.common.builder import PartialTree
 
-__all__ = ["DraftRequest", "Drafter", "NoDrafter", "register_drafter", "make_drafter", "drafter_names"]
+__all__ = ["DraftRequest", "Drafter", "NoDrafter", "register_drafter", "make_drafter",
+           "check_drafter_spec", "drafter_names"]
 
 
 @dataclass
@@ -116,18 +118,26 @@ class NoDrafter(Drafter):
 
 
 _REGISTRY: dict[str, Callable[..., Drafter]] = {}
+_CHECKS: dict[str, Callable[[str | None], None]] = {}
+#: Modules whose import registers the built-in drafters (imported on first registry use).
+_BUILTIN_MODULES = ("dyntree.common.ngram", "dyntree.standalone.hydra_drafter", "dyntree.standalone.qspec")
 
 
-def register_drafter(name: str) -> Callable[[Callable[..., Drafter]], Callable[..., Drafter]]:
+def register_drafter(
+    name: str, check: Callable[[str | None], None] | None = None
+) -> Callable[[Callable[..., Drafter]], Callable[..., Drafter]]:
     """Register a factory ``factory(options: str | None, **context) -> Drafter`` under ``name``.
 
     ``options`` is the text after ``name:`` in a spec such as ``qspec:w4a16,g128``; ``context``
     carries what the engine can offer (``model``, ``tokenizer``, ...), which a factory takes or
-    ignores by keyword.
+    ignores by keyword. ``check(options)``, if given, validates the options without building
+    anything (so a CLI can refuse a bad spec before loading a model); it raises ``ValueError``.
     """
 
     def deco(factory: Callable[..., Drafter]) -> Callable[..., Drafter]:
         _REGISTRY[name] = factory
+        if check is not None:
+            _CHECKS[name] = check
         return factory
 
     return deco
@@ -141,16 +151,28 @@ def drafter_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_drafter(spec: str, **context: Any) -> Drafter:
-    """Build a drafter from a spec ``name[:options]``; unknown names raise ``ValueError``."""
+def _split(spec: str) -> tuple[str, str | None]:
     _load_builtin_drafters()
     name, _, options = spec.partition(":")
     name = name.strip().lower()
     if name not in _REGISTRY:
         raise ValueError(f"unknown drafter {spec!r}; choose one of: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](options or None, **context)
+    return name, options or None
+
+
+def check_drafter_spec(spec: str) -> None:
+    """Validate a spec ``name[:options]`` without building the drafter (no model needed)."""
+    name, options = _split(spec)
+    if name in _CHECKS:
+        _CHECKS[name](options)
+
+
+def make_drafter(spec: str, **context: Any) -> Drafter:
+    """Build a drafter from a spec ``name[:options]``; unknown names raise ``ValueError``."""
+    name, options = _split(spec)
+    return _REGISTRY[name](options, **context)
 
 
 def _load_builtin_drafters() -> None:
-    """Import the modules whose import registers the built-in drafters."""
-    import dyntree.common.ngram  # noqa: F401
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)

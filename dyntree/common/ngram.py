@@ -191,6 +191,6 @@ def _parse_options(options: str | None) -> NgramOptions:
     return NgramOptions(**fields)
 
 
-@register_drafter("ngram")
+@register_drafter("ngram", check=_parse_options)
 def _make_ngram(options: str | None = None, **_: Any) -> NgramDrafter:
     return NgramDrafter(_parse_options(options))

@@ -287,7 +287,7 @@ def _param_bytes(model: nn.Module) -> int:
     return total
 
 
-@register_drafter("qspec")
+@register_drafter("qspec", check=parse_qspec)
 def make_qspec_drafter(options: str | None = None, *, model: nn.Module | None = None, **_: Any) -> QSpecDrafter:
     """Factory for ``--drafter qspec[:options]``; needs the loaded target as ``model``."""
     spec = parse_qspec(options)
