@@ -15,6 +15,7 @@ for _name in (
     "dyntree.kernels.tree_attention",
     "dyntree.kernels.tree_accept",
     "dyntree.kernels.kv_compact",
+    "dyntree.kernels.w4a16",
     "dyntree.kernels.dispatch",
     "dyntree.kernels",
 ):
