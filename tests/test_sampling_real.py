@@ -1,0 +1,116 @@
+"""Lossless sampling on the real model: with tree speculation, the first sampled token is
+distributed exactly as plain sampling from the target (SmolLM2-135M-Instruct, fp32).
+
+The prompt repeats phrases, so the n-gram drafter proposes several sibling drafts (drawn without
+replacement from its distribution) for the first token and the target accepts some and rejects
+others: the recursive-rejection path is exercised both ways. Plain sampling's distribution is
+known exactly (``process_logits`` of the target's logits), so the test is a chi-square
+goodness-of-fit at a fixed seed:
+
+* the full engine path: ``generate`` on a batch of copies of the prompt (each row draws its own
+  tree and its own accept/reject coins) for a few seeds;
+* many more draws of the same step from the same prefix without re-running the model: the
+  engine's builder grows sampled trees from the drafter's scores and ``sample_verify`` decides
+  them against the target distribution computed once.
+
+Control: the draft's own first child fails the same test (the test has power).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dyntree.common.builder import TreeBuilder
+from dyntree.common.config import SamplingParams, SpecConfig
+from dyntree.common.drafter import DraftRequest, make_drafter
+from dyntree.common.sampling import process_logits, sample_verify
+from dyntree.standalone.engine import SpecEngine
+
+pytestmark = pytest.mark.slow
+
+TEXT = "the cat sat on the mat. the dog ran to the park. the cat ran to the mat. the"
+TEMP, TOP_K = 0.8, 20
+SPEC = SpecConfig(drafter="ngram", max_nodes=4, max_depth=2, tree="dyntree")
+
+
+def chi2_pvalue_ok(counts: torch.Tensor, probs: torch.Tensor, alpha: float = 1e-3) -> tuple[bool, float, float]:
+    """Chi-square goodness of fit (bins with expected count < 5 pooled) against ``probs``.
+
+    Returns ``(passes, statistic, critical value)``; the critical value of chi2(df) at ``1 - alpha``
+    uses the Wilson-Hilferty approximation (z = 3.09 for alpha = 1e-3)."""
+    n = float(counts.sum())
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = torch.cat([counts.double()[big], counts.double()[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = obs.numel() - 1
+    z = {1e-3: 3.090}[alpha]
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < crit, stat, crit
+
+
+@pytest.fixture(scope="module")
+def setup(smol):
+    model, tok = smol
+    prompt = tok(TEXT).input_ids
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    p = process_logits(logits, TEMP, TOP_K)
+    return prompt, p
+
+
+def test_engine_first_token_matches_plain_sampling(smol, setup) -> None:
+    model, tok = smol
+    prompt, p = setup
+    counts = torch.zeros_like(p, dtype=torch.int64)
+    accepted = draws = 0
+    for seed in range(4):
+        eng = SpecEngine(model, tok, make_drafter("ngram"), SPEC)
+        params = SamplingParams(max_new_tokens=1, temperature=TEMP, top_k=TOP_K, seed=seed, ignore_eos=True)
+        outs = eng.generate([prompt] * 160, params)
+        for o in outs:
+            counts[o.token_ids[0]] += 1
+            accepted += bool(o.accepted_per_depth)
+            draws += 1
+        assert all(o.draft_nodes >= 2 for o in outs)  # sibling drafts for the first token
+    ok, stat, crit = chi2_pvalue_ok(counts, p)
+    assert ok, f"engine first-token distribution differs from plain sampling: chi2 {stat:.1f} > {crit:.1f}"
+    assert 0.1 < accepted / draws < 0.95, f"accepted a draft in {accepted}/{draws} draws: not both paths"
+    plain = SpecEngine(model, tok, make_drafter("none"))
+    outs = plain.generate([prompt] * 160, SamplingParams(max_new_tokens=1, temperature=TEMP, top_k=TOP_K, seed=9))
+    plain_counts = torch.bincount(torch.tensor([o.token_ids[0] for o in outs]), minlength=p.numel())
+    assert chi2_pvalue_ok(plain_counts, p)[0]
+
+
+def test_many_tree_steps_from_one_prefix(setup) -> None:
+    prompt, p = setup
+    drafter = make_drafter("ngram")
+    builder = TreeBuilder(SPEC.builder_options())
+    gen = torch.Generator().manual_seed(1234)
+    n_draws, chunk = 3000, 150
+    req = [DraftRequest(r, prompt, max_nodes=SPEC.max_nodes, max_depth=1) for r in range(chunk)]
+    counts = torch.zeros(p.numel(), dtype=torch.int64)
+    first_child = torch.zeros(p.numel(), dtype=torch.int64)
+
+    def expand(frontiers, partials):
+        raw = drafter.expand_batch(req, frontiers, partials, p.numel())
+        return [SpecEngine._draft_probs(x, SamplingParams(temperature=TEMP, top_k=TOP_K)) for x in raw]
+
+    for _ in range(n_draws // chunk):
+        trees = builder.build_batch([prompt[-1]] * chunk, expand, budgets=[(SPEC.max_nodes, 1)] * chunk,
+                                    mode="dyntree", sampling=True, generator=gen)
+        for tree in trees:
+            assert tree.size >= 3 and tree.draft_dists is not None
+            # depth-1 tree: rows below the root only matter after the first token is decided
+            res = sample_verify(tree, p.expand(tree.size, -1), gen, SPEC.tree_options.sampling_scheme)
+            counts[res.tokens[0]] += 1
+            first_child[int(tree.tokens[1])] += 1
+    ok, stat, crit = chi2_pvalue_ok(counts, p)
+    assert ok, f"first-token distribution differs from plain sampling: chi2 {stat:.1f} > {crit:.1f}"
+    assert not chi2_pvalue_ok(first_child, p)[0]  # control: the draft alone is not the target
