@@ -9,7 +9,6 @@ once per engine and kept.
 from __future__ import annotations
 
 import pytest
-import torch
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 

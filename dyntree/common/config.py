@@ -40,10 +40,12 @@ class SpecConfig(BaseModel):
 
     @model_validator(mode="after")
     def _budget_in_one_place(self) -> "SpecConfig":
-        for name, owned in (("tree_options", ("mode", "max_nodes", "max_depth")), ("controller", ("max_nodes", "max_depth"))):
-            clash = sorted(getattr(self, name).model_fields_set & set(owned))
+        owned = {"tree_options": ("mode", "max_nodes", "max_depth"), "controller": ("max_nodes", "max_depth")}
+        for name, fields in owned.items():
+            clash = sorted(getattr(self, name).model_fields_set & set(fields))
             if clash:
-                raise ValueError(f"{name}.{clash[0]} must not be set: use SpecConfig.{'tree' if clash[0] == 'mode' else clash[0]}")
+                use = "tree" if clash[0] == "mode" else clash[0]
+                raise ValueError(f"{name}.{clash[0]} must not be set: use SpecConfig.{use}")
         return self
 
     def builder_options(self) -> TreeOptions:
