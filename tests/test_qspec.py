@@ -10,7 +10,9 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dyntree.common.builder import TreeBuilder
 from dyntree.common.config import SamplingParams, SpecConfig
+from dyntree.common.options import TreeOptions
 from dyntree.common.drafter import DraftRequest, NoDrafter, make_drafter
 from dyntree.common.quant import QSpecError, QuantLinear, parse_qspec
 from dyntree.standalone.engine import SpecEngine
@@ -114,9 +116,10 @@ def test_memory_overhead_is_the_quantized_weights_only(tiny) -> None:
     assert isinstance(tiny.model.layers[0].self_attn.q_proj, nn.Linear)  # target untouched
 
 
-def _generate(model, drafter, max_nodes=4, max_depth=4, n=20):
-    engine = SpecEngine(model, _Tok(), drafter, SpecConfig(drafter="x", max_nodes=max_nodes, max_depth=max_depth))
-    return engine.generate(PROMPTS, SamplingParams(max_new_tokens=n, ignore_eos=True))
+def _generate(model, drafter, max_nodes=4, max_depth=4, n=20, tree=None, engine_cls=SpecEngine, **sampling):
+    spec = SpecConfig(drafter="x", max_nodes=max_nodes, max_depth=max_depth, tree=tree)
+    engine = engine_cls(model, _Tok(), drafter, spec)
+    return engine.generate(PROMPTS, SamplingParams(max_new_tokens=n, ignore_eos=True, **sampling))
 
 
 def test_unquantized_self_draft_is_always_fully_accepted(tiny) -> None:
@@ -151,6 +154,118 @@ def test_factory_and_errors(tiny) -> None:
     with pytest.raises(ValueError, match="must pass target_kv"):
         d.propose(_requests(PROMPTS))
     assert [t.size for t in d.propose(_requests(PROMPTS, max_nodes=0), object())] == [1, 1, 1]
+
+
+def _built_trees(tiny, drafter, mode, sampling, max_nodes=10, max_depth=4):
+    """Trees grown by the engine's TreeBuilder over ``drafter.expand_batch`` for PROMPTS."""
+    engine = SpecEngine(tiny, _Tok(), NoDrafter())
+    _, cache = engine._prefill(PROMPTS, [0, 1, 2])
+    reqs = _requests(PROMPTS, max_nodes, max_depth)
+    calls = []
+
+    def expand(frontiers, partials):
+        calls.append([len(f) for f in frontiers])
+        return [x.exp() for x in drafter.expand_batch(reqs, frontiers, partials, 96, cache)]
+
+    builder = TreeBuilder(TreeOptions(mode=mode, max_nodes=max_nodes, max_depth=max_depth, entropy_low=0.0, entropy_high=1.0))
+    trees = builder.build_batch([r.root for r in reqs], expand, sampling=sampling,
+                                generator=torch.Generator().manual_seed(3))
+    return trees, cache, calls
+
+
+@pytest.mark.parametrize("mode,sampling", [("dyntree", False), ("static", True)])
+def test_expand_batch_probs_equal_a_full_forward_of_the_draft_model(tiny, mode: str, sampling: bool) -> None:
+    # like the propose test, for trees the builder shapes: every expanded node's draft
+    # distribution must be the reference draft model's next-token distribution on its path
+    drafter = QSpecDrafter(tiny, parse_qspec("w4a16,g32"))
+    trees, cache, calls = _built_trees(tiny, drafter, mode, sampling)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    ref = _reference(tiny, "w4a16,g32")
+    assert len(calls) <= 4 and max(calls[1]) > 1  # one call per depth, several nodes per tree
+    n_checked = 0
+    with torch.no_grad():
+        for prompt, tree in zip(PROMPTS, trees):
+            assert tree.root == prompt[-1] and 1 < tree.size <= 11 and tree.max_depth <= 4
+            assert any(len(tree.children(i)) > 1 for i in range(tree.size))  # a real tree, not a chain
+            for i in range(1, tree.size):
+                parent = int(tree.parents[i])
+                probs = _reference_probs(tiny, ref, prompt, [int(tree.tokens[j]) for j in tree.path(parent)])
+                assert float(tree.draft_probs[i]) == pytest.approx(float(probs[int(tree.tokens[i])]), abs=1e-4)
+                if sampling:
+                    assert torch.allclose(tree.draft_dists[parent], probs, atol=1e-4)
+                n_checked += 1
+    assert n_checked >= 15
+    for (k, v), layer in zip(before, cache.layers):  # the target's KV is read, never written
+        assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+
+
+class _Recording(SpecEngine):
+    """Engine that keeps every (tree, verify result) it saw."""
+
+    seen: list = []
+
+    def _verify(self, tree, logits, params, gen):
+        res = super()._verify(tree, logits, params, gen)
+        type(self).seen.append((tree, res))
+        return res
+
+
+def test_unquantized_self_draft_in_tree_modes_is_always_fully_accepted(tiny) -> None:
+    plain = _generate(tiny, NoDrafter())
+    chain = _generate(tiny, QSpecDrafter(tiny, parse_qspec("none")), tree="chain")
+    for p, o in zip(plain, chain):
+        assert o.token_ids == p.token_ids and o.steps == 4 and o.accepted_per_depth == [4, 4, 4, 4]
+    _Recording.seen = []
+    outs = _generate(tiny, QSpecDrafter(tiny, parse_qspec("none")), max_nodes=8, tree="dyntree", engine_cls=_Recording)
+    assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
+    branched = 0
+    for tree, res in _Recording.seen:
+        # draft == target: the accepted path is the draft's argmax path, down to a leaf
+        path = [0]
+        while kids := tree.children(path[-1]):
+            path.append(max(kids, key=lambda i: float(tree.draft_probs[i])))
+        assert res.accepted_nodes == path
+        branched += any(len(tree.children(i)) > 1 for i in range(tree.size))
+    assert branched > 0 and sum(o.steps for o in outs) < sum(p.steps for p in plain)
+
+
+def test_unquantized_self_draft_sampling_accepts_every_draw(tiny) -> None:
+    # sampling: the chain is drawn from the draft's distribution and carries it; with draft ==
+    # target the acceptance ratio p/q is 1, so every draft is accepted
+    outs = _generate(tiny, QSpecDrafter(tiny, parse_qspec("none")), tree="chain", temperature=1.0, top_k=20, seed=5)
+    for o in outs:
+        assert len(o.token_ids) == 20 and o.steps == 4 and o.accepted_per_depth == [4, 4, 4, 4]
+
+
+@pytest.mark.parametrize("mode", ["chain", "static", "dyntree"])
+def test_quantized_self_draft_tree_modes_are_lossless(tiny, mode: str) -> None:
+    plain = _generate(tiny, NoDrafter(), n=16)
+    outs = _generate(tiny, QSpecDrafter(tiny, parse_qspec("w4a8,g32,asym")), max_nodes=8, n=16, tree=mode)
+    assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
+    assert sum(o.steps for o in outs) < sum(p.steps for p in plain)
+
+
+def test_expand_batch_errors(tiny) -> None:
+    from dyntree.common.builder import PartialTree
+
+    d = QSpecDrafter(tiny, parse_qspec("none"))
+    engine = SpecEngine(tiny, _Tok(), NoDrafter())
+    _, cache = engine._prefill(PROMPTS, [0, 1, 2])
+    reqs = _requests(PROMPTS)
+    roots = [PartialTree([r.root], [-1], [0]) for r in reqs]
+    with pytest.raises(ValueError, match="vocab_size=100; the target's LM head has 96"):
+        d.expand_batch(reqs, [[0]] * 3, roots, 100, cache)
+    with pytest.raises(ValueError, match="3 requests, 2 frontiers"):
+        d.expand_batch(reqs, [[0]] * 2, roots, 96, cache)
+    with pytest.raises(ValueError, match="must pass target_kv"):
+        d.expand_batch(reqs, [[0]] * 3, roots, 96)
+    grown = [PartialTree([r.root, 5, 6], [-1, 0, 1], [0, 1, 2]) for r in reqs]
+    with pytest.raises(ValueError, match="no step was started"):
+        d.expand_batch(reqs, [[1]] * 3, grown, 96, cache)
+    out = d.expand_batch(reqs, [[0], [], [0]], roots, 96, cache)
+    assert [tuple(x.shape) for x in out] == [(1, 96), (0, 96), (1, 96)]
+    with pytest.raises(ValueError, match="ancestor 1 was never a frontier node"):
+        d.expand_batch(reqs, [[2], [], []], grown, 96, cache)
 
 
 @pytest.mark.slow

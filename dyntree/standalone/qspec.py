@@ -14,15 +14,23 @@ The draft is built in memory from the target (no second checkpoint):
 
 KV: the draft reads the target's committed prefix KV (the engine's cache, read-only, never
 copied as a whole) and keeps its own draft tokens' KV in a scratch cache that lives for one
-:meth:`QSpecDrafter.propose` call; the target's verify pass writes the real KV afterwards. The
-HF attention needs one contiguous key tensor per layer, so each draft layer call concatenates that
-layer's prefix with the scratch for the duration of the call (a transient copy of one layer's
-prefix, never a second full cache).
+speculative step; the target's verify pass writes the real KV afterwards. The HF attention needs
+one contiguous key tensor per layer, so each draft layer call concatenates that layer's prefix
+with the scratch for the duration of the call (a transient copy of one layer's prefix, never a
+second full cache).
 
-Tree: one batched draft forward per depth over every request's frontier (tree attention mask),
-top-``topk`` children per frontier node, the ``width`` best by cumulative draft log-probability
-kept per depth, until ``max_nodes`` or ``max_depth``. Deterministic, so verification stays
-lossless in greedy and in sampling mode (point-mass proposals).
+Two ways to draft, both one batched draft forward per depth over every request's frontier (tree
+attention mask: a node sees its request's prefix, its ancestors' scratch KV and itself):
+
+* :meth:`QSpecDrafter.propose` (``SpecConfig.tree`` unset): top-``topk`` children per frontier
+  node, the ``width`` best by cumulative draft log-probability kept per depth, until
+  ``max_nodes`` or ``max_depth``. Deterministic, so verification stays lossless in greedy and in
+  sampling mode (point-mass proposals).
+* :meth:`QSpecDrafter.expand_batch` (``SpecConfig.tree`` = ``chain`` / ``static`` /
+  ``dyntree``): the engine's tree builder picks the children and calls once per depth; the
+  draft returns its log-probabilities after every frontier node (sampled trees then carry the
+  draft distributions). The scratch KV lives from a call holding only roots (a new step) until
+  the last possible depth, the verify outcome (:meth:`~QSpecDrafter.observe`) or the next step.
 
 Torch only (the target is any HF Llama-style causal LM; transformers is not imported here).
 Importing this module registers the ``qspec`` drafter.
@@ -31,7 +39,7 @@ Importing this module registers the ``qspec`` drafter.
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -39,6 +47,9 @@ from torch import nn
 from dyntree.common.drafter import DraftRequest, Drafter, register_drafter
 from dyntree.common.quant import QSpec, QSpecError, QuantLinear, parse_qspec
 from dyntree.common.tree import DraftTree
+
+if TYPE_CHECKING:
+    from dyntree.common.builder import PartialTree
 
 __all__ = ["QSpecDrafter", "build_draft_layers", "make_qspec_drafter"]
 
@@ -67,11 +78,12 @@ def build_draft_layers(layers: Sequence[nn.Module], spec: QSpec) -> nn.ModuleLis
 
 class _ScratchKV:
     """The cache object the draft forward writes to: per layer, the target's prefix KV (views,
-    read-only) followed by this call's draft tokens' KV (scratch, owned)."""
+    read-only, set for the duration of one forward) followed by this step's draft tokens' KV
+    (scratch, owned)."""
 
-    def __init__(self, prefix: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        self.prefix = prefix
-        self.scratch: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(prefix)
+    def __init__(self, n_layers: int) -> None:
+        self.prefix: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
+        self.scratch: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         self.peak_transient_bytes = 0
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
@@ -94,8 +106,71 @@ class _ScratchKV:
         return sum(2 * s[0].numel() * s[0].element_size() for s in self.scratch if s is not None)
 
 
+class _Tree(Protocol):
+    """What a draft forward reads of a tree under construction (``_Builder`` or the engine
+    builder's ``PartialTree``)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+
+
+def _ancestors(tree: _Tree, node: int) -> list[int]:
+    out = []
+    while tree.parents[node] >= 0:
+        node = tree.parents[node]
+        out.append(node)
+    return out
+
+
+class _Step:
+    """One speculative step's draft state for a batch of requests: the scratch KV of every node
+    forwarded so far and the scratch slot each node's KV sits in."""
+
+    def __init__(self, requests: Sequence[DraftRequest], n_layers: int) -> None:
+        self.requests = list(requests)
+        self.ids: list[Hashable] = [r.request_id for r in requests]
+        self.kv = _ScratchKV(n_layers)
+        self.prefix_len = max(r.kv_len for r in requests)
+        self.kv_lens = torch.tensor([r.kv_len for r in requests])
+        self.slots = 0  # scratch slots used (every forward adds ``width`` slots, padding included)
+        self.slot: list[dict[int, int]] = [{} for _ in requests]  # per request: node -> slot
+
+    def inputs(self, frontiers: Sequence[Sequence[int]], trees: Sequence[_Tree]) -> tuple[torch.Tensor, ...]:
+        """Tokens, positions and the boolean attention pattern ``[B, width, prefix + slots +
+        width]`` of the next draft forward: each node sees its request's committed prefix, the
+        scratch slots of its ancestors and itself; padding sees only itself."""
+        b, width = len(self.requests), max(len(f) for f in frontiers)
+        tokens = torch.zeros(b, width, dtype=torch.int64)
+        positions = self.kv_lens[:, None].repeat(1, width)
+        allowed = torch.zeros(b, width, self.prefix_len + self.slots + width, dtype=torch.bool)
+        allowed[:, :, self.prefix_len + self.slots :] = torch.eye(width, dtype=torch.bool)
+        for r, (req, nodes, tree) in enumerate(zip(self.requests, frontiers, trees)):
+            tokens[r] = req.root
+            allowed[r, : len(nodes), : req.kv_len] = True
+            for j, node in enumerate(nodes):
+                if not 0 <= node < len(tree.tokens) or node in self.slot[r]:
+                    raise ValueError(f"qspec: request {req.request_id!r}: frontier node {node} is not a new node "
+                                     f"of its tree ({len(tree.tokens)} nodes, {len(self.slot[r])} forwarded)")
+                tokens[r, j] = tree.tokens[node]
+                positions[r, j] += tree.depths[node]
+                for a in _ancestors(tree, node):
+                    if a not in self.slot[r]:
+                        raise ValueError(f"qspec: request {req.request_id!r}: frontier node {node}'s ancestor "
+                                         f"{a} was never a frontier node of this step (no draft KV)")
+                    allowed[r, j, self.prefix_len + self.slot[r][a]] = True
+        return tokens, positions, allowed
+
+    def commit(self, frontiers: Sequence[Sequence[int]]) -> None:
+        """Record the scratch slots the last forward wrote for ``frontiers``."""
+        for r, nodes in enumerate(frontiers):
+            for j, node in enumerate(nodes):
+                self.slot[r][node] = self.slots + j
+        self.slots += max(len(f) for f in frontiers)
+
+
 class _Builder:
-    """One request's growing tree and its draft-forward bookkeeping."""
+    """One request's growing tree for :meth:`QSpecDrafter.propose`."""
 
     def __init__(self, req: DraftRequest) -> None:
         self.req = req
@@ -104,14 +179,6 @@ class _Builder:
         self.probs = [1.0]
         self.depths = [0]
         self.logp = [0.0]  # cumulative draft log-probability of each node's path
-        self.slot: dict[int, int] = {}  # node -> scratch slot holding its KV
-
-    def ancestors(self, node: int) -> list[int]:
-        out = []
-        while self.parents[node] >= 0:
-            node = self.parents[node]
-            out.append(node)
-        return out
 
     def expand(self, frontier: list[int], top_logp: torch.Tensor, top_ids: torch.Tensor, width: int) -> list[int]:
         """Add the ``width`` best children (by path log-prob) of the forwarded ``frontier``;
@@ -150,14 +217,15 @@ class QSpecDrafter(Drafter):
         model: the loaded HF causal LM (``get_decoder()`` with a ``layers`` list,
             ``get_output_embeddings()``), the same object the engine verifies with.
         spec: what to quantize (:func:`~dyntree.common.quant.parse_qspec`).
-        topk: children considered per frontier node.
-        width: most nodes kept per depth.
+        topk: children considered per frontier node (:meth:`propose` only).
+        width: most nodes kept per depth (:meth:`propose` only).
         materialize: keep dequantized dense copies of the quantized weights (CPU acceptance
             measurements only: same numbers, faster, but the memory saving is gone).
     """
 
     name = "qspec"
     needs_target_kv = True
+    drafts_with_builder = True
 
     def __init__(
         self, model: nn.Module, spec: QSpec, topk: int = 4, width: int = 4, materialize: bool = False
@@ -186,6 +254,7 @@ class QSpecDrafter(Drafter):
         self.target_bytes = _param_bytes(model)
         self.last_scratch_bytes = 0
         self.last_transient_bytes = 0
+        self._step: _Step | None = None  # the expand_batch step in progress
 
     @property
     def overhead_bytes(self) -> int:
@@ -195,42 +264,96 @@ class QSpecDrafter(Drafter):
     def propose(self, requests: Sequence[DraftRequest], target_kv: Any = None) -> list[DraftTree]:
         if not requests:
             return []
+        self._check(requests, target_kv)
+        builders = [_Builder(r) for r in requests]
+        frontier = [[0] if r.max_nodes > 0 and r.max_depth > 0 else [] for r in requests]
+        if not any(frontier):
+            return [b.tree() for b in builders]
+        step = _Step(requests, len(self.decoder.layers))
+        while any(frontier):
+            logp = self._forward(step, frontier, builders, target_kv)
+            top_logp, top_ids = logp.topk(self.topk, dim=-1)
+            top_logp, top_ids = top_logp.cpu(), top_ids.cpu()
+            for b, (builder, nodes) in enumerate(zip(builders, frontier)):
+                frontier[b] = builder.expand(nodes, top_logp[b, : len(nodes)], top_ids[b, : len(nodes)], self.width) if nodes else []
+        return [b.tree() for b in builders]
+
+    def expand_batch(
+        self,
+        requests: Sequence[DraftRequest],
+        frontiers: Sequence[Sequence[int]],
+        partials: Sequence["PartialTree"],
+        vocab_size: int,
+        target_kv: Any = None,
+    ) -> list[torch.Tensor]:
+        """Draft log-probabilities ``[len(frontiers[b]), vocab_size]`` (on the CPU) of the token
+        after each frontier node, from one batched draft forward over all requests' frontiers.
+
+        A call whose partial trees hold only their roots starts a new step (fresh scratch KV);
+        later calls of the step must pass the same requests, in order, and frontier nodes whose
+        ancestors were frontier nodes of earlier calls (the builder's depth-by-depth growth).
+        """
+        if not len(requests) == len(frontiers) == len(partials):
+            raise ValueError(
+                f"expand_batch got {len(requests)} requests, {len(frontiers)} frontiers, {len(partials)} partial trees"
+            )
+        if vocab_size != self.lm_head.out_features:
+            raise ValueError(f"expand_batch vocab_size={vocab_size}; the target's LM head has {self.lm_head.out_features}")
+        if not requests:
+            return []
+        if all(len(p.tokens) == 1 for p in partials):
+            self._check(requests, target_kv)
+            self._step = _Step(requests, len(self.decoder.layers))
+        elif self._step is None or self._step.ids != [r.request_id for r in requests]:
+            raise ValueError("qspec expand_batch: partial trees beyond their roots, but no step was started for "
+                             "these requests (a step's first call passes trees holding only their roots)")
+        step = self._step
+        if not any(frontiers):
+            return [torch.zeros(0, vocab_size) for _ in frontiers]
+        logp = self._forward(step, frontiers, partials, target_kv).cpu()
+        if all(not f or p.depths[f[0]] + 1 >= r.max_depth for r, f, p in zip(requests, frontiers, partials)):
+            self._step = None  # no node can be deeper: nothing will attend to this scratch again
+        return [logp[b, : len(f)] for b, f in enumerate(frontiers)]
+
+    def observe(self, request_id: Hashable, token_ids: Sequence[int], accepted_depth: int) -> None:
+        """The step was verified: drop its scratch KV."""
+        self._step = None
+
+    def release(self, request_id: Hashable) -> None:
+        self._step = None
+
+    def _check(self, requests: Sequence[DraftRequest], target_kv: Any) -> None:
         if target_kv is None:
             raise ValueError("qspec drafter reads the target's KV cache: the engine must pass target_kv")
         for r in requests:
             if r.kv_len != len(r.token_ids) - 1:
                 raise ValueError(f"qspec: request {r.request_id!r} has kv_len={r.kv_len}, expected len(token_ids)-1")
-        builders = [_Builder(r) for r in requests]
-        frontier = [[0] if r.max_nodes > 0 and r.max_depth > 0 else [] for r in requests]
-        if not any(frontier):
-            return [b.tree() for b in builders]
-        kv = _ScratchKV(self._prefix(target_kv, requests))
-        prefix_len = max(r.kv_len for r in requests)
-        kv_lens = torch.tensor([r.kv_len for r in requests])
-        slots = 0
-        with torch.inference_mode():
-            while any(frontier):
-                width = max(len(f) for f in frontier)
-                tokens, positions, allowed = self._step_inputs(builders, frontier, width, kv_lens, prefix_len, slots)
-                mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+
+    def _forward(
+        self, step: _Step, frontiers: Sequence[Sequence[int]], trees: Sequence[_Tree], target_kv: Any
+    ) -> torch.Tensor:
+        """One batched draft forward over ``frontiers``: log-probabilities ``[B, width, V]``
+        (fp32, on the model's device; padding rows are garbage). The target's prefix KV is
+        attached for this forward only; the frontier's KV stays in the step's scratch."""
+        tokens, positions, allowed = step.inputs(frontiers, trees)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        step.kv.prefix = self._prefix(target_kv, step.requests)
+        try:
+            with torch.inference_mode():
                 hidden = self.decoder(
                     input_ids=tokens.to(self.device),
                     position_ids=positions.to(self.device),
                     attention_mask=mask[:, None].to(self.device),
-                    past_key_values=kv,
+                    past_key_values=step.kv,
                     use_cache=True,
                 ).last_hidden_state
                 logp = torch.log_softmax(self.lm_head(hidden).float(), dim=-1)
-                top_logp, top_ids = logp.topk(self.topk, dim=-1)
-                top_logp, top_ids = top_logp.cpu(), top_ids.cpu()
-                for b, (builder, nodes) in enumerate(zip(builders, frontier)):
-                    for j, node in enumerate(nodes):
-                        builder.slot[node] = slots + j
-                    frontier[b] = builder.expand(nodes, top_logp[b, : len(nodes)], top_ids[b, : len(nodes)], self.width) if nodes else []
-                slots += width
-        self.last_scratch_bytes = kv.scratch_bytes
-        self.last_transient_bytes = kv.peak_transient_bytes
-        return [b.tree() for b in builders]
+        finally:
+            step.kv.prefix = [None] * len(step.kv.prefix)
+        step.commit(frontiers)
+        self.last_scratch_bytes = step.kv.scratch_bytes
+        self.last_transient_bytes = step.kv.peak_transient_bytes
+        return logp
 
     def _prefix(self, target_kv: Any, requests: Sequence[DraftRequest]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Per draft layer, the target's keys/values for the requests' rows, sliced to the
@@ -253,28 +376,6 @@ class QSpecDrafter(Drafter):
                 keys, values = keys.index_select(0, idx), values.index_select(0, idx)
             out.append((keys[:, :, :prefix_len], values[:, :, :prefix_len]))
         return out
-
-    @staticmethod
-    def _step_inputs(
-        builders: list[_Builder], frontier: list[list[int]], width: int, kv_lens: torch.Tensor, prefix_len: int, slots: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Tokens, positions and the boolean attention pattern ``[B, width, prefix + slots +
-        width]`` for one draft forward: each node sees its request's committed prefix, the
-        scratch slots of its ancestors and itself; padding sees only itself."""
-        b = len(builders)
-        tokens = torch.zeros(b, width, dtype=torch.int64)
-        positions = kv_lens[:, None].repeat(1, width)
-        allowed = torch.zeros(b, width, prefix_len + slots + width, dtype=torch.bool)
-        allowed[:, :, prefix_len + slots :] = torch.eye(width, dtype=torch.bool)
-        for r, (builder, nodes) in enumerate(zip(builders, frontier)):
-            tokens[r] = builder.req.root
-            allowed[r, : len(nodes), : int(kv_lens[r])] = True
-            for j, node in enumerate(nodes):
-                tokens[r, j] = builder.tokens[node]
-                positions[r, j] += builder.depths[node]
-                for a in builder.ancestors(node):
-                    allowed[r, j, prefix_len + builder.slot[a]] = True
-        return tokens, positions, allowed
 
 
 def _param_bytes(model: nn.Module) -> int:
