@@ -122,8 +122,14 @@ def _generate(model, drafter, max_nodes=4, max_depth=4, n=20, tree=None, engine_
     return engine.generate(PROMPTS, SamplingParams(max_new_tokens=n, ignore_eos=True, **sampling))
 
 
-def test_unquantized_self_draft_is_always_fully_accepted(tiny) -> None:
-    plain = _generate(tiny, NoDrafter())
+@pytest.fixture(scope="module")
+def plain(tiny) -> dict[int, list]:
+    """Plain greedy decoding of PROMPTS, by max_new_tokens."""
+    return {n: _generate(tiny, NoDrafter(), n=n) for n in (16, 20)}
+
+
+def test_unquantized_self_draft_is_always_fully_accepted(tiny, plain) -> None:
+    plain = plain[20]
     outs = _generate(tiny, QSpecDrafter(tiny, parse_qspec("none"), topk=1, width=1))
     for p, o in zip(plain, outs):
         assert o.token_ids == p.token_ids
@@ -132,8 +138,8 @@ def test_unquantized_self_draft_is_always_fully_accepted(tiny) -> None:
 
 
 @pytest.mark.parametrize("spec_text", ["w4a4,g32,asym", "w8a16,skip=2"])
-def test_quantized_self_draft_is_lossless(tiny, spec_text: str) -> None:
-    plain = _generate(tiny, NoDrafter(), n=16)
+def test_quantized_self_draft_is_lossless(tiny, plain, spec_text: str) -> None:
+    plain = plain[16]
     outs = _generate(tiny, QSpecDrafter(tiny, parse_qspec(spec_text)), max_nodes=8, n=16)
     assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
     assert sum(o.steps for o in outs) < sum(p.steps for p in plain)  # the draft gets something right
@@ -210,8 +216,8 @@ class _Recording(SpecEngine):
         return res
 
 
-def test_unquantized_self_draft_in_tree_modes_is_always_fully_accepted(tiny) -> None:
-    plain = _generate(tiny, NoDrafter())
+def test_unquantized_self_draft_in_tree_modes_is_always_fully_accepted(tiny, plain) -> None:
+    plain = plain[20]
     chain = _generate(tiny, QSpecDrafter(tiny, parse_qspec("none")), tree="chain")
     for p, o in zip(plain, chain):
         assert o.token_ids == p.token_ids and o.steps == 4 and o.accepted_per_depth == [4, 4, 4, 4]
@@ -238,8 +244,8 @@ def test_unquantized_self_draft_sampling_accepts_every_draw(tiny) -> None:
 
 
 @pytest.mark.parametrize("mode", ["chain", "static", "dyntree"])
-def test_quantized_self_draft_tree_modes_are_lossless(tiny, mode: str) -> None:
-    plain = _generate(tiny, NoDrafter(), n=16)
+def test_quantized_self_draft_tree_modes_are_lossless(tiny, plain, mode: str) -> None:
+    plain = plain[16]
     outs = _generate(tiny, QSpecDrafter(tiny, parse_qspec("w4a8,g32,asym")), max_nodes=8, n=16, tree=mode)
     assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
     assert sum(o.steps for o in outs) < sum(p.steps for p in plain)
@@ -269,7 +275,8 @@ def test_expand_batch_errors(tiny) -> None:
 
 
 @pytest.mark.slow
-def test_greedy_lossless_on_smollm2() -> None:
+@pytest.mark.parametrize("tree", [None, "dyntree"])
+def test_greedy_lossless_on_smollm2(tree) -> None:
     from dyntree.models import load_model
 
     model, tok = load_model("smollm2", torch.float32)
@@ -277,6 +284,7 @@ def test_greedy_lossless_on_smollm2() -> None:
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     plain = SpecEngine(model, tok, NoDrafter()).generate(prompts, params)
     drafter = QSpecDrafter(model, parse_qspec("w4a16,g128,sym"))
-    outs = SpecEngine(model, tok, drafter, SpecConfig(drafter="qspec", max_nodes=8, max_depth=4)).generate(prompts, params)
+    cfg = SpecConfig(drafter="qspec", max_nodes=8, max_depth=4, tree=tree)
+    outs = SpecEngine(model, tok, drafter, cfg).generate(prompts, params)
     assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
     assert sum(len(o.token_ids) for o in outs) / sum(o.steps for o in outs) > 1.5  # tau
