@@ -29,6 +29,10 @@ than plain decoding unless tau > d + 1 (impossible); the tokens/s ratios show th
 of the design (4x fewer weight bytes per draft forward) needs the GPU W4A16 kernel.
 
     OMP_NUM_THREADS=1 python benchmarks/qspec_eval.py [--per-category 2] [--max-new-tokens 32]
+    python benchmarks/qspec_eval.py --report benchmarks/results/qspec_eval.json  # table + PNG
+
+``--report`` loads no model: it prints the markdown table (agreement / tau per spec and category)
+and writes the plot beside the JSON (``qspec_eval.png``).
 """
 
 from __future__ import annotations
@@ -103,6 +107,64 @@ def _write(path: Path, result: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def report(path: Path) -> str:
+    """Markdown table of a result JSON: ``agreement / tau`` per spec and category; pooled over
+    categories, the measured CPU speed ratio (plain wall time / self-draft wall time), a
+    load-robust estimate of it from the run's own mean draft and verify forward times (a plain
+    token costs about one draft forward: one token through the same dense fp32 weights; a step
+    costs ``depth`` draft forwards + one verify), and those times. Writes the plot to ``<path>.png``."""
+    result = json.loads(path.read_text())
+    rows = result["rows"]
+    specs = list(dict.fromkeys(r["spec"] for r in rows))
+    cats = [c for c in CATEGORIES if any(r["category"] == c for r in rows)]
+    cell = {(r["spec"], r["category"]): r for r in rows}
+    lines = ["| spec | " + " | ".join(cats) + " | identical | tokens/s vs plain | est. from fwd costs "
+             "| draft / verify fwd (s) |", "|---|" + "---|" * (len(cats) + 4)]
+    for spec in specs:
+        mine = [r for r in rows if r["spec"] == spec]
+        steps = sum(r["steps"] for r in mine)
+        depth = len(mine[0]["accepted_per_depth"])
+        draft_fwd = sum(r["draft_s"] for r in mine) / (steps * depth)
+        verify_fwd = sum(r["verify_s"] for r in mine) / steps
+        tokens = sum(r["tokens"] for r in mine)
+        wall = sum(r["tokens"] / r["tokens_per_s"] for r in mine)
+        plain_wall = sum(r["tokens"] / r["plain_tokens_per_s"] for r in mine)  # identical outputs: same count
+        # load-robust estimate: a plain token costs one 1-token forward of the same dense fp32
+        # weights, i.e. about one draft forward (materialized, no skipped layers); a step costs
+        # depth draft forwards + one verify forward
+        est = (tokens / steps) * draft_fwd / (depth * draft_fwd + verify_fwd)
+        vals = [f"{cell[spec, c]['agreement']:.2f} / {cell[spec, c]['tau']:.2f}" if (spec, c) in cell else "-" for c in cats]
+        ident = all(r["identical"] for r in mine)
+        lines.append(f"| {spec} | " + " | ".join(vals) + f" | {'yes' if ident else 'NO'} | x{plain_wall / wall:.2f} | "
+                     f"x{est:.2f} | {draft_fwd:.2f} / {verify_fwd:.2f} |")
+    _plot(path.with_suffix(".png"), rows, specs, cats)
+    return "\n".join(lines)
+
+
+def _plot(path: Path, rows: list[dict[str, Any]], specs: list[str], cats: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cell = {(r["spec"], r["category"]): r for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(specs)
+    for k, spec in enumerate(specs):
+        xs = [i + (k - (len(specs) - 1) / 2) * width for i in range(len(cats))]
+        for ax, key in zip(axes, ("agreement", "tau")):
+            ax.bar(xs, [cell[spec, c][key] if (spec, c) in cell else 0.0 for c in cats], width, label=spec)
+    for ax, title in zip(axes, ("depth-1 agreement with the target", "tau (tokens per target forward)")):
+        ax.set_xticks(range(len(cats)), cats, rotation=20)
+        ax.set_title(title)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(specs), fontsize=8)
+    fig.suptitle("qspec self-draft, SmolLM2-135M fp32, greedy, chain depth 4")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=DATA)
@@ -114,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (oversubscription is slow)")
     ap.add_argument("--reference-path", action="store_true", help="dequantize on the fly (slow) instead of materializing")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "qspec_eval.json")
+    ap.add_argument("--report", type=Path, help="print the table of this result JSON, write its PNG, and exit")
     args = ap.parse_args(argv)
+    if args.report is not None:
+        print(report(args.report))
+        return 0
     specs = [parse_qspec(s) for s in args.specs]  # fail fast on a bad spec
     torch.set_num_threads(args.threads)
 
