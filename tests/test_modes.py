@@ -99,3 +99,32 @@ def test_modes_equal_plain_greedy_on_real_model(smol, prompts8, plain8, tree: st
     assert sum(len(o.token_ids) for o in outs) / sum(o.steps for o in outs) > 1.05  # it speculated
     if tree != "chain":
         assert max(o.draft_nodes / o.steps for o in outs) > 1.0  # trees, not just single drafts
+
+
+def test_bench_runs_every_mode_with_overhead_fields() -> None:
+    from transformers import AutoTokenizer
+
+    from conftest import tiny_llama
+    from dyntree.models import model_path
+    from dyntree.standalone.bench import MODES, compare, mode_spec, run_mode
+    from test_engine_tiny import _prompts
+
+    tok = AutoTokenizer.from_pretrained(model_path("smollm2"))
+    model = tiny_llama(2)
+    prompts = _prompts(2, 2)
+    ids = [0, 1]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    spec = SpecConfig(drafter="ngram", max_nodes=8, max_depth=4, adaptive=True)
+    flat = CostModel({1: 10.0, 64: 11.0})
+    base = run_mode(model, tok, prompts, ids, "none", spec, params, 2, flat)
+    assert base["tau"] == 1.0 and base["adaptive"] is False and base["max_nodes"] == 0
+    for mode in MODES[1:]:
+        run = run_mode(model, tok, prompts, ids, mode, spec, params, 2, flat)
+        compare(base, run)
+        assert run["mode"] == mode and run["tree"] == (None if mode == "own" else mode) and run["adaptive"]
+        assert run["identical_to_none"] == 1.0 and run["speedup"] is not None
+        assert run["tau"] > 1.0 and run["accepted_per_depth"] and run["accepted_per_depth"][0] > 0
+        assert 0 <= run["build_ms_per_step"] <= run["draft_ms_per_step"] <= run["step_ms"]
+        assert 0 <= run["build_pct_of_step"] <= 100 and run["engine_steps"] > 0
+    with pytest.raises(ValueError, match="unknown mode 'tree'"):
+        mode_spec("tree", spec)
