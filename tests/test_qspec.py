@@ -272,6 +272,15 @@ def test_expand_batch_errors(tiny) -> None:
     assert [tuple(x.shape) for x in out] == [(1, 96), (0, 96), (1, 96)]
     with pytest.raises(ValueError, match="ancestor 1 was never a frontier node"):
         d.expand_batch(reqs, [[2], [], []], grown, 96, cache)
+    d.expand_batch(reqs, [[0]] * 3, roots, 96, cache)
+    assert d.last_scratch_bytes > 0
+    d.observe(0, PROMPTS[0], 0)  # the step was verified: its scratch KV is gone
+    with pytest.raises(ValueError, match="no step was started"):
+        d.expand_batch(reqs, [[1]] * 3, grown, 96, cache)
+    shallow = _requests(PROMPTS, max_depth=1)
+    d.expand_batch(shallow, [[0]] * 3, roots, 96, cache)  # depth 1 is the last: scratch dropped at once
+    with pytest.raises(ValueError, match="no step was started"):
+        d.expand_batch(shallow, [[1]] * 3, grown, 96, cache)
 
 
 @pytest.mark.slow
