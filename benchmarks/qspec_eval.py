@@ -31,6 +31,9 @@ of the design (4x fewer weight bytes per draft forward) needs the GPU W4A16 kern
     OMP_NUM_THREADS=1 python benchmarks/qspec_eval.py [--per-category 2] [--max-new-tokens 32]
     python benchmarks/qspec_eval.py --report benchmarks/results/qspec_eval.json  # table + PNG
 
+``--grid-check`` loads the model, measures how far each weight grid is from the target's weights
+(relative Frobenius error of a round trip, per linear kind, next to an exact re-quantization onto
+the GGUF's Q4_1 grid: float block minimum, 16 levels) and merges it into the JSON as ``grid_check``.
 ``--report`` loads no model: it prints the markdown table (agreement / tau per spec and category)
 and writes the plot beside the JSON (``qspec_eval.png``).
 """
@@ -49,7 +52,7 @@ import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafter import NoDrafter
-from dyntree.common.quant import QSpec, parse_qspec
+from dyntree.common.quant import QSpec, dequantize_weight, parse_qspec, quantize_weight
 from dyntree.models import load_model
 from dyntree.standalone.bench import _device, _versions, encode_prompt, load_prompts
 from dyntree.standalone.engine import RequestOutput, SpecEngine
@@ -107,6 +110,34 @@ def _write(path: Path, result: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def _q4_1_round_trip(w: torch.Tensor) -> torch.Tensor:
+    """``w`` re-quantized onto GGUF Q4_1's grid: blocks of 32 along the input, ``w ~ q * d + m``
+    with ``m`` the block minimum, ``d = (max - min) / 15`` (both stored in fp16), ``q`` in 0..15."""
+    blocks = w.float().reshape(w.shape[0], -1, 32)
+    lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    d = ((hi - lo) / 15).half().float()
+    m = lo.half().float()
+    q = torch.round((blocks - m) / d.clamp_min(1e-12)).clamp(0, 15)
+    return (q * d + m).reshape(w.shape)
+
+
+def grid_check(model: torch.nn.Module, specs: list[QSpec]) -> dict[str, dict[str, float]]:
+    """Mean relative round-trip error ``|deq(q(W)) - W| / |W|`` per linear kind and grid."""
+    errs: dict[str, dict[str, list[float]]] = {}
+    for name, mod in model.get_decoder().layers.named_modules():
+        if not isinstance(mod, torch.nn.Linear):
+            continue
+        w = mod.weight.detach().float()
+        mine = errs.setdefault(name.rsplit(".", 1)[-1], {})
+        grids = {f"w{s.weight_bits},{'perchannel' if s.group_size is None else f'g{s.group_size}'},"
+                 f"{'sym' if s.symmetric else 'asym'}": s for s in specs if s.quantized}
+        for tag, s in grids.items():
+            q = dequantize_weight(quantize_weight(w, s.weight_bits, s.group_size, s.symmetric), torch.float32)
+            mine.setdefault(tag, []).append(float((q - w).norm() / w.norm()))
+        mine.setdefault("q4_1 (GGUF grid, float minimum)", []).append(float((_q4_1_round_trip(w) - w).norm() / w.norm()))
+    return {kind: {tag: round(sum(v) / len(v), 6) for tag, v in d.items()} for kind, d in errs.items()}
+
+
 def report(path: Path) -> str:
     """Markdown table of a result JSON: ``agreement / tau`` per spec and category; pooled over
     categories, the measured CPU speed ratio (plain wall time / self-draft wall time), a
@@ -118,8 +149,8 @@ def report(path: Path) -> str:
     specs = list(dict.fromkeys(r["spec"] for r in rows))
     cats = [c for c in CATEGORIES if any(r["category"] == c for r in rows)]
     cell = {(r["spec"], r["category"]): r for r in rows}
-    lines = ["| spec | " + " | ".join(cats) + " | identical | tokens/s vs plain | est. from fwd costs "
-             "| draft / verify fwd (s) |", "|---|" + "---|" * (len(cats) + 4)]
+    lines = ["| spec | " + " | ".join(cats) + " | all | identical | tokens/s vs plain | est. from fwd costs "
+             "| draft / verify fwd (s) |", "|---|" + "---|" * (len(cats) + 5)]
     for spec in specs:
         mine = [r for r in rows if r["spec"] == spec]
         steps = sum(r["steps"] for r in mine)
@@ -134,6 +165,7 @@ def report(path: Path) -> str:
         # depth draft forwards + one verify forward
         est = (tokens / steps) * draft_fwd / (depth * draft_fwd + verify_fwd)
         vals = [f"{cell[spec, c]['agreement']:.2f} / {cell[spec, c]['tau']:.2f}" if (spec, c) in cell else "-" for c in cats]
+        vals.append(f"{sum(r['agreement'] * r['steps'] for r in mine) / steps:.2f} / {tokens / steps:.2f}")
         ident = all(r["identical"] for r in mine)
         lines.append(f"| {spec} | " + " | ".join(vals) + f" | {'yes' if ident else 'NO'} | x{plain_wall / wall:.2f} | "
                      f"x{est:.2f} | {draft_fwd:.2f} / {verify_fwd:.2f} |")
@@ -177,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference-path", action="store_true", help="dequantize on the fly (slow) instead of materializing")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "qspec_eval.json")
     ap.add_argument("--report", type=Path, help="print the table of this result JSON, write its PNG, and exit")
+    ap.add_argument("--grid-check", action="store_true", help="add the weight grids' round-trip errors to --out and exit")
     args = ap.parse_args(argv)
     if args.report is not None:
         print(report(args.report))
@@ -186,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     model, tok = load_model("smollm2", torch.float32)
+    if args.grid_check:
+        result = json.loads(args.out.read_text())
+        result["grid_check"] = grid_check(model, specs)
+        _write(args.out, result)
+        print(json.dumps(result["grid_check"], indent=1))
+        return 0
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     cfg = SpecConfig(drafter="qspec", max_nodes=args.depth, max_depth=args.depth)
     by_cat = _prompts(args.data, args.per_category)
