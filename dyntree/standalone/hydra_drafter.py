@@ -181,7 +181,7 @@ class HydraDrafter(Drafter):
         s["left"] -= len(keep)
 
 
-@register_drafter("hydra")
+@register_drafter("hydra", check=parse_hydra_options)
 def make_hydra_drafter(options: str | None = None, *, model: Any = None, tokenizer: Any = None, **_: Any) -> HydraDrafter:
     """Factory for ``--drafter hydra[:PATH][,width=W][,topk=T]``; needs the loaded target and tokenizer."""
     opts = parse_hydra_options(options)
