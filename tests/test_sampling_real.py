@@ -70,10 +70,10 @@ def test_engine_first_token_matches_plain_sampling(smol, setup) -> None:
     prompt, p = setup
     counts = torch.zeros_like(p, dtype=torch.int64)
     accepted = draws = 0
-    for seed in range(4):
+    for seed in range(3):
         eng = SpecEngine(model, tok, make_drafter("ngram"), SPEC)
         params = SamplingParams(max_new_tokens=1, temperature=TEMP, top_k=TOP_K, seed=seed, ignore_eos=True)
-        outs = eng.generate([prompt] * 160, params)
+        outs = eng.generate([prompt] * 96, params)
         for o in outs:
             counts[o.token_ids[0]] += 1
             accepted += bool(o.accepted_per_depth)
@@ -81,9 +81,11 @@ def test_engine_first_token_matches_plain_sampling(smol, setup) -> None:
         assert all(o.draft_nodes >= 2 for o in outs)  # sibling drafts for the first token
     ok, stat, crit = chi2_pvalue_ok(counts, p)
     assert ok, f"engine first-token distribution differs from plain sampling: chi2 {stat:.1f} > {crit:.1f}"
-    assert 0.1 < accepted / draws < 0.95, f"accepted a draft in {accepted}/{draws} draws: not both paths"
+    # both paths: drafts accepted (most of the time: four siblings cover much of the mass) and
+    # every sibling rejected, the token then drawn from the residual
+    assert accepted >= 0.1 * draws and draws - accepted >= 5, f"accepted a draft in {accepted}/{draws} draws"
     plain = SpecEngine(model, tok, make_drafter("none"))
-    outs = plain.generate([prompt] * 160, SamplingParams(max_new_tokens=1, temperature=TEMP, top_k=TOP_K, seed=9))
+    outs = plain.generate([prompt] * 96, SamplingParams(max_new_tokens=1, temperature=TEMP, top_k=TOP_K, seed=9))
     plain_counts = torch.bincount(torch.tensor([o.token_ids[0] for o in outs]), minlength=p.numel())
     assert chi2_pvalue_ok(plain_counts, p)[0]
 
