@@ -1,30 +1,11 @@
-"""Shared fixtures: the real model (fp32), tiny random Llamas with sharpened attention,
-Spec-Bench prompts, and scripted drafters that make tree shapes deterministic."""
+"""Shared fixtures: the real model in fp32 and chat-formatted Spec-Bench prompts."""
 
 from __future__ import annotations
-
-import json
-import os
-from pathlib import Path
-from typing import Any, Sequence
 
 import pytest
 import torch
 
-from dyntree.common.drafter import DraftRequest, Drafter
-from dyntree.common.tree import DraftTree
-
-SHARED = Path(os.environ.get("DYNTREE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-SPEC_BENCH = SHARED / "data" / "spec_bench" / "question.jsonl"
-
-torch.set_num_threads(min(2, os.cpu_count() or 1))
-
-
-def spec_bench(n: int, offset: int = 0, stride: int = 1) -> list[dict]:
-    if not SPEC_BENCH.exists():
-        pytest.skip(f"Spec-Bench questions not found at {SPEC_BENCH}")
-    rows = [json.loads(line) for line in SPEC_BENCH.open()]
-    return rows[offset::stride][:n]
+from spec_support import spec_bench
 
 
 @pytest.fixture(scope="session")
@@ -42,52 +23,3 @@ def smol_prompts(smol):
 
     _, tok = smol
     return [encode_prompt(tok, q["turns"][0], chat=True) for q in spec_bench(20, stride=24)]
-
-
-def tiny_llama(seed: int = 0, vocab: int = 49152, qk_scale: float = 8.0, layers: int = 2):
-    """A random 2-layer Llama whose q/k projections are scaled up: random-init attention is
-    nearly uniform, which would hide mask and position bugs."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      rope_theta=100.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(qk_scale)
-            layer.self_attn.k_proj.weight.mul_(qk_scale)
-    model.config._attn_implementation = "sdpa"
-    return model
-
-
-class OracleDrafter(Drafter):
-    """Drafts from a known continuation: the true next tokens as a chain, optionally behind
-    ``decoys`` wrong sibling branches placed first, so the accepted path is never the tree's
-    first nodes (exercises mask, positions and KV compaction)."""
-
-    name = "oracle"
-
-    def __init__(self, references: dict[Any, Sequence[int]], prompt_lens: dict[Any, int], decoys: int = 0,
-                 vocab: int = 49152) -> None:
-        self.refs, self.prompt_lens, self.decoys, self.vocab = references, prompt_lens, decoys, vocab
-
-    def propose(self, requests: Sequence[DraftRequest], target_kv: Any = None) -> list[DraftTree]:
-        trees = []
-        for r in requests:
-            done = len(r.token_ids) - self.prompt_lens[r.request_id]
-            truth = list(self.refs[r.request_id][done : done + r.max_depth])
-            tokens, parents = [r.root], [-1]
-            if truth:
-                for d in range(min(self.decoys, max(0, r.max_nodes - len(truth)) // 2)):
-                    wrong = (truth[0] + 7 + 13 * d) % self.vocab
-                    tokens += [wrong, (wrong + 1) % self.vocab]
-                    parents += [0, len(tokens) - 2]
-                prev = 0
-                for t in truth[: r.max_nodes - (len(tokens) - 1)]:
-                    tokens.append(t)
-                    parents.append(prev)
-                    prev = len(tokens) - 1
-            trees.append(DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.ones(len(tokens))))
-        return trees

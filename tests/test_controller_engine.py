@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from conftest import tiny_llama
+from spec_support import tiny_llama
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.controller import CostModel
 from dyntree.common.drafter import NoDrafter, make_drafter

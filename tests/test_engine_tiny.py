@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import OracleDrafter, tiny_llama
+from spec_support import OracleDrafter, tiny_llama
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafter import make_drafter
 from dyntree.models import model_path

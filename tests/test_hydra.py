@@ -188,7 +188,7 @@ def test_generate_cache_is_consistent(tmp_path: Path) -> None:
     """Each cached hidden state, through the LM head, gives the next cached token."""
     from transformers import AutoTokenizer
 
-    from conftest import tiny_llama
+    from spec_support import tiny_llama
     from dyntree.models import model_path
     from dyntree.training.data import generate_cache
 

@@ -26,7 +26,7 @@ def test_shipped_checkpoint_format() -> None:
 
 
 def test_shipped_heads_refuse_another_target(smol) -> None:
-    from conftest import tiny_llama
+    from spec_support import tiny_llama
 
     _, tok = smol
     with pytest.raises(HydraMismatchError, match="hidden size mismatch"):

@@ -104,7 +104,7 @@ def test_modes_equal_plain_greedy_on_real_model(smol, prompts8, plain8, tree: st
 def test_bench_runs_every_mode_with_overhead_fields() -> None:
     from transformers import AutoTokenizer
 
-    from conftest import tiny_llama
+    from spec_support import tiny_llama
     from dyntree.models import model_path
     from dyntree.standalone.bench import MODES, compare, mode_spec, run_mode
     from test_engine_tiny import _prompts

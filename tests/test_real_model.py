@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import OracleDrafter
+from spec_support import OracleDrafter
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafter import make_drafter
 from dyntree.standalone.engine import SpecEngine
