@@ -101,12 +101,12 @@ def _load(args: argparse.Namespace):
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from dyntree.common.drafter import make_drafter
+    from dyntree.common.drafter import check_drafter_spec, make_drafter
     from dyntree.standalone.bench import encode_prompt
     from dyntree.standalone.engine import SpecEngine
 
     spec, params = _configs(args)
-    make_drafter(spec.drafter)  # validate the spec before the (slow) model load
+    check_drafter_spec(spec.drafter)  # refuse a bad spec before the (slow) model load
     model, tok = _load(args)
     engine = SpecEngine(model, tok, make_drafter(spec.drafter, model=model, tokenizer=tok), spec)
     out = engine.generate([encode_prompt(tok, args.prompt, args.chat)], params)[0]
@@ -122,14 +122,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from dyntree.common.drafter import make_drafter
+    from dyntree.common.drafter import check_drafter_spec
     from dyntree.standalone.bench import load_prompts, run_bench
 
     spec, params = _configs(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
     prompts = load_prompts(args.prompts, args.limit, cats)
-    make_drafter(spec.drafter)
+    check_drafter_spec(spec.drafter)
     model, tok = _load(args)
     result = run_bench(model, tok, prompts, modes, spec.drafter, spec, params, args.batch_size, args.chat,
                        args.model, args.dtype)
