@@ -53,6 +53,7 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", required=True, help="JSONL with turns/prompt/question per line")
     b.add_argument("--limit", type=int, default=None)
     b.add_argument("--categories", default=None, help="comma-separated `category` values to keep")
+    b.add_argument("--per-category", type=int, default=None, help="keep the first N prompts of each category")
     b.add_argument("--modes", default="none,dyntree",
                    help="comma-separated: none (plain), own (the drafter's trees), chain, static, dyntree")
     b.add_argument("--batch-size", type=int, default=1)
@@ -128,7 +129,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     spec, params = _configs(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
-    prompts = load_prompts(args.prompts, args.limit, cats)
+    prompts = load_prompts(args.prompts, args.limit, cats, args.per_category)
     check_drafter_spec(spec.drafter)
     model, tok = _load(args)
     result = run_bench(model, tok, prompts, modes, spec.drafter, spec, params, args.batch_size, args.chat,

@@ -38,9 +38,15 @@ class Prompt:
     category: str | None = None
 
 
-def load_prompts(path: str | Path, limit: int | None = None, categories: Sequence[str] | None = None) -> list[Prompt]:
+def load_prompts(
+    path: str | Path,
+    limit: int | None = None,
+    categories: Sequence[str] | None = None,
+    per_category: int | None = None,
+) -> list[Prompt]:
     """Read a JSONL prompt file: text from ``turns`` (first turn), ``prompt`` or ``question``;
-    id from ``id``, ``question_id`` or ``task_id`` (else the line number)."""
+    id from ``id``, ``question_id`` or ``task_id`` (else the line number). ``categories`` keeps
+    only those ``category`` values, ``per_category`` the first N of each, ``limit`` the first N."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
@@ -66,6 +72,8 @@ def load_prompts(path: str | Path, limit: int | None = None, categories: Sequenc
             pid = next((rec[k] for k in ("id", "question_id", "task_id") if k in rec), lineno)
             cat = rec.get("category")
             if categories and cat not in categories:
+                continue
+            if per_category is not None and sum(p.category == cat for p in prompts) >= per_category:
                 continue
             prompts.append(Prompt(pid, text, cat))
             if limit is not None and len(prompts) >= limit:
