@@ -47,6 +47,7 @@ class DraftTree:
     draft_probs: torch.Tensor
     draft_dists: torch.Tensor | None = None
     depths: torch.Tensor = field(init=False, repr=False, compare=False)
+    _ancestors: torch.Tensor = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         tokens, parents, probs = self.tokens, self.parents, self.draft_probs
@@ -81,9 +82,12 @@ class DraftTree:
             if d.dim() != 2 or d.shape[0] != n:
                 raise TreeError(f"DraftTree.draft_dists must have shape [{n}, V], got {tuple(d.shape)}")
         depths = torch.zeros(n, dtype=torch.int64)
-        for i in range(1, n):  # parents precede children, so one pass suffices
-            depths[i] = depths[parents[i]] + 1
+        ancestors = torch.eye(n, dtype=torch.bool)
+        for i, p in enumerate(parents.tolist()[1:], start=1):  # parents precede children: one pass
+            depths[i] = depths[p] + 1
+            ancestors[i] |= ancestors[p]
         object.__setattr__(self, "depths", depths)
+        object.__setattr__(self, "_ancestors", ancestors)
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -120,12 +124,11 @@ class DraftTree:
         return int(self.depths.max())
 
     def ancestor_mask(self) -> torch.Tensor:
-        """``[N, N]`` bool; ``mask[i, j]`` iff ``j`` is ``i`` or an ancestor of ``i``."""
-        n = self.size
-        mask = torch.eye(n, dtype=torch.bool)
-        for i in range(1, n):
-            mask[i] |= mask[self.parents[i]]
-        return mask
+        """``[N, N]`` bool; ``mask[i, j]`` iff ``j`` is ``i`` or an ancestor of ``i``.
+
+        Computed once at construction (the engine needs it for the batch mask and again for
+        verification); treat it as read-only."""
+        return self._ancestors
 
     def positions(self, prefix_len: int) -> torch.Tensor:
         """``[N]`` int64 positions: ``prefix_len + depth`` (the root sits at ``prefix_len``)."""
