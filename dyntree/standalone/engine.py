@@ -193,6 +193,7 @@ class SpecEngine:
         positions = kv_lens[:, None] + depth
         hidden = self._forward(batch.tokens, positions, self._tree_mask(batch, kv_lens, prefix), cache)
         logits = self.lm_head(hidden).float()
+        self._sync()
         t2 = time.perf_counter()
         if self.controller is not None:
             self.controller.observe_step(batch.tokens.numel(), (t2 - t1) * 1e3)
@@ -349,9 +350,15 @@ class SpecEngine:
                 toks = torch.randint(0, self.vocab_size, (1, n), generator=g)
                 allowed = torch.ones(1, n, kv_len + n, dtype=torch.bool)
                 self.lm_head(self._forward(toks, kv_len + torch.arange(n)[None], self._additive(allowed), cache))
+                self._sync()
                 kv.crop(cache, kv_len)
 
             return CostModel.measure(forward, sizes, repeats, lr=self.spec.controller.cost_lr)
+
+    def _sync(self) -> None:
+        """Wait for queued GPU work, so that wall-clock timings measure it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- prefill and commit ----------------------------------------------------------------------
     def _prefill(self, prompts: Sequence[Sequence[int]], ids: Sequence[Hashable]) -> tuple[list[_Live], DynamicCache]:
