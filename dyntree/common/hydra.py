@@ -12,6 +12,13 @@ and predicts token ``x_{t+k+1}``::
 The independent ablation (Medusa-style, ``independent=True``) cuts the sequential input: every
 head sees only ``h_t`` and the committed root's embedding, never a drafted token.
 
+Prefix attention (Hydra++, ``prefix_attention=True``): one extra small decoder layer
+(:class:`PrefixAttention`: pre-norm RMSNorm, causal multi-head self-attention with RoPE on absolute
+positions, SwiGLU MLP, residuals) runs over the target's last-layer hidden states of the whole
+committed prefix, with its own KV cache (:class:`PrefixKV`); its output at the newest position
+(the token before the root) replaces ``h_t`` as the heads' input. The layer's output projections
+start at zero, so an untrained layer is the identity (``h_t`` passes through unchanged).
+
 The output goes through the target's frozen LM head, either in full or restricted to a reduced
 vocabulary (the ``V`` most frequent tokens of the training data, ``token_map[j]`` = full id of
 reduced id ``j``). The target's embedding and LM-head weights are borrowed at load time and never
@@ -27,7 +34,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -37,13 +44,20 @@ __all__ = [
     "HydraConfig",
     "HydraHeads",
     "HydraMismatchError",
+    "PrefixAttention",
+    "PrefixKV",
     "TargetIdentity",
+    "default_prefix_heads",
     "load_heads",
     "save_heads",
 ]
 
 FORMAT_VERSION = 1
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: The prefix layer's SwiGLU MLP width, in multiples of the hidden size.
+PREFIX_MLP_RATIO = 3
+#: RoPE base of the prefix layer.
+PREFIX_ROPE_THETA = 10000.0
 
 
 class HydraMismatchError(ValueError):
@@ -77,6 +91,10 @@ class HydraConfig:
         num_layers: residual layers per head.
         hidden_size: d, the target's hidden size.
         independent: True for the Medusa-style ablation (no drafted tokens as input).
+        prefix_attention: True for Hydra++ prefix attention (one decoder layer over the target's
+            hidden states of the committed prefix feeds the heads); absent in older checkpoints.
+        prefix_heads: attention heads of the prefix layer (``hidden_size`` divisible by it, even
+            head size); 0 exactly when ``prefix_attention`` is False.
         reduced_vocab: size of the reduced output vocabulary, or 0 for the full LM head.
         target: the :class:`TargetIdentity` the heads were trained on.
         dtype: the dtype the weights are stored in.
@@ -91,6 +109,8 @@ class HydraConfig:
     reduced_vocab: int = 0
     dtype: str = "float32"
     training: dict[str, Any] = field(default_factory=dict)
+    prefix_attention: bool = False
+    prefix_heads: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers", "hidden_size"):
@@ -108,6 +128,27 @@ class HydraConfig:
             )
         if self.dtype not in _DTYPES:
             raise HydraMismatchError(f"HydraConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        self._check_prefix()
+
+    def _check_prefix(self) -> None:
+        if not isinstance(self.prefix_attention, bool):
+            raise HydraMismatchError(f"HydraConfig.prefix_attention must be a bool, got {self.prefix_attention!r}")
+        if not self.prefix_attention:
+            if self.prefix_heads != 0:
+                raise HydraMismatchError(
+                    f"HydraConfig.prefix_heads={self.prefix_heads!r} must be 0 when prefix_attention is False"
+                )
+            return
+        if not isinstance(self.prefix_heads, int) or self.prefix_heads < 1 or self.hidden_size % self.prefix_heads:
+            raise HydraMismatchError(
+                f"HydraConfig.prefix_heads={self.prefix_heads!r} must be a positive divisor of "
+                f"hidden_size={self.hidden_size}"
+            )
+        if (self.hidden_size // self.prefix_heads) % 2:
+            raise HydraMismatchError(
+                f"HydraConfig.prefix_heads={self.prefix_heads} gives an odd head size "
+                f"{self.hidden_size // self.prefix_heads}; RoPE needs an even one"
+            )
 
     def to_json(self) -> dict[str, Any]:
         return {"format": "dyntree-hydra", "format_version": FORMAT_VERSION, **asdict(self)}
@@ -126,6 +167,109 @@ class HydraConfig:
             return cls(**fields)
         except (KeyError, TypeError) as exc:
             raise HydraMismatchError(f"config.json is malformed: {exc}") from exc
+
+
+def default_prefix_heads(hidden_size: int) -> int:
+    """Prefix-layer attention heads for a hidden size: heads of size 64 when it divides, else one."""
+    return hidden_size // 64 if hidden_size % 64 == 0 else 1
+
+
+@dataclass(frozen=True)
+class PrefixKV:
+    """The prefix layer's KV cache for a batch of sequences: every prefix position processed so far.
+
+    Attributes:
+        keys: ``[B, H, L, head_dim]``, already rotated (RoPE) at their absolute positions.
+        values: ``[B, H, L, head_dim]``.
+        mask: ``[B, L]`` bool, True where a slot holds a real position (a batch of sequences of
+            different lengths is padded to a common ``L``; slots are in position order).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        """Slots per row (real positions of a compact single row)."""
+        return self.keys.shape[2]
+
+    def row(self, b: int) -> "PrefixKV":
+        """Row ``b`` alone, padding dropped: a compact ``[1, H, L_b, head_dim]`` cache."""
+        m = self.mask[b]
+        return PrefixKV(self.keys[b : b + 1, :, m], self.values[b : b + 1, :, m], self.mask[b : b + 1, m])
+
+    @staticmethod
+    def stack(rows: Sequence["PrefixKV"]) -> "PrefixKV":
+        """Batch single-row caches, padded at the end to the longest (padding masked out)."""
+        width = max(r.length for r in rows)
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            return F.pad(x, (0, 0, 0, width - x.shape[2]))
+
+        return PrefixKV(
+            torch.cat([pad(r.keys) for r in rows]),
+            torch.cat([pad(r.values) for r in rows]),
+            torch.cat([F.pad(r.mask, (0, width - r.length), value=False) for r in rows]),
+        )
+
+
+class PrefixAttention(nn.Module):
+    """Hydra++'s prefix layer: one pre-norm decoder layer (RMSNorm, causal multi-head attention
+    with RoPE, SwiGLU MLP, residuals) over a sequence of target hidden states.
+
+    ``o_proj`` and ``down`` start at zero, so the untrained layer is the identity.
+    """
+
+    def __init__(self, hidden: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, hidden // num_heads
+        self.attn_norm = nn.RMSNorm(hidden, eps=1e-6)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.mlp_norm = nn.RMSNorm(hidden, eps=1e-6)
+        self.gate_up = nn.Linear(hidden, 2 * PREFIX_MLP_RATIO * hidden, bias=False)
+        self.down = nn.Linear(PREFIX_MLP_RATIO * hidden, hidden, bias=False)
+        with torch.no_grad():
+            self.o_proj.weight.zero_()
+            self.down.weight.zero_()
+        inv_freq = PREFIX_ROPE_THETA ** -(torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def empty_kv(self, batch: int, like: torch.Tensor) -> PrefixKV:
+        """A cache of ``batch`` rows holding no position (dtype and device of ``like``)."""
+        kv = like.new_zeros(batch, self.num_heads, 0, self.head_dim)
+        return PrefixKV(kv, kv, torch.zeros(batch, 0, dtype=torch.bool, device=like.device))
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE: ``x`` ``[B, H, T, head_dim]`` rotated at ``positions`` ``[B, T]``."""
+        angles = positions[:, None, :, None].float() * self.inv_freq  # [B, 1, T, head_dim / 2]
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        half = self.head_dim // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        past: PrefixKV | None = None,
+        valid: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, PrefixKV]:
+        """Run the layer over new positions that follow ``past`` (see :meth:`HydraHeads.prefix_forward`)."""
+        b, t, d = hidden.shape
+        past = past if past is not None else self.empty_kv(b, hidden)
+        q, k, v = self.qkv(self.attn_norm(hidden)).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = self._rotate(q, positions), self._rotate(k, positions)
+        keys, values = torch.cat([past.keys, k], dim=2), torch.cat([past.values, v], dim=2)
+        causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
+        see = torch.cat([past.mask[:, None, :].expand(b, t, past.length), causal.expand(b, t, t)], dim=-1)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=see[:, None])
+        h = hidden + self.o_proj(attn.transpose(1, 2).reshape(b, t, d))
+        gate, up = self.gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
+        out = h + self.down(F.silu(gate) * up)
+        new_mask = valid if valid is not None else torch.ones(b, t, dtype=torch.bool, device=hidden.device)
+        return out, PrefixKV(keys, values, torch.cat([past.mask, new_mask], dim=1))
 
 
 class _Head(nn.Module):
@@ -155,7 +299,9 @@ class HydraHeads(nn.Module):
 
     ``embed`` and ``lm_head`` are the target's weights (``[vocab, d]``); they are buffers, never
     trained and never saved. ``token_map`` (``[V]`` int64, reduced vocabulary only) maps reduced
-    ids to full ids; it is saved with the heads.
+    ids to full ids; it is saved with the heads. With ``config.prefix_attention`` the heads also
+    own ``prefix`` (:class:`PrefixAttention`, else ``None``), and the ``hidden`` the heads read is
+    the output of :meth:`prefix_forward` at the newest position rather than the raw ``h_t``.
     """
 
     def __init__(
@@ -193,6 +339,7 @@ class HydraHeads(nn.Module):
         self.heads = nn.ModuleList(
             _Head(2 if config.independent else k + 1, d, config.num_layers) for k in range(1, config.num_heads + 1)
         )
+        self.prefix = PrefixAttention(d, config.prefix_heads) if config.prefix_attention else None
         self.register_buffer("embed", embed.detach(), persistent=False)
         rows = lm_head.detach()[token_map] if token_map is not None else lm_head.detach()
         self.register_buffer("out_weight", rows.contiguous(), persistent=False)
@@ -214,11 +361,44 @@ class HydraHeads(nn.Module):
         """Map output ids (reduced when a reduced vocabulary is used) to full vocabulary ids."""
         return self.token_map[ids] if self.config.reduced_vocab else ids
 
+    def prefix_forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        past: PrefixKV | None = None,
+        valid: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, PrefixKV]:
+        """The prefix layer over new positions of ``B`` sequences, causally, after their cached ones.
+
+        Args:
+            hidden: ``[B, T, d]`` target hidden states of the new positions, in position order.
+            positions: ``[B, T]`` their absolute positions (the RoPE angles).
+            past: the cache of every earlier position of each sequence (``None``: none yet).
+            valid: ``[B, T]`` bool; False marks padding at the end of a shorter row (its output
+                is meaningless and its slot is masked in the returned cache). Default: all real.
+        Returns:
+            The outputs ``[B, T, d]`` (the heads' input at each position) and the cache extended
+            by the new positions. Running a sequence in chunks gives the outputs of one full pass.
+        """
+        if self.prefix is None:
+            raise HydraMismatchError("prefix_forward needs heads with HydraConfig.prefix_attention=True")
+        d = self.config.hidden_size
+        if hidden.dim() != 3 or hidden.shape[2] != d:
+            raise HydraMismatchError(f"hidden has shape {tuple(hidden.shape)}; expected [B, T, hidden_size={d}]")
+        if positions.shape != hidden.shape[:2]:
+            raise ValueError(f"positions must have shape {tuple(hidden.shape[:2])}, got {tuple(positions.shape)}")
+        if valid is not None and valid.shape != hidden.shape[:2]:
+            raise ValueError(f"valid must have shape {tuple(hidden.shape[:2])}, got {tuple(valid.shape)}")
+        if past is not None and past.keys.shape[0] != hidden.shape[0]:
+            raise ValueError(f"past holds {past.keys.shape[0]} rows for a batch of {hidden.shape[0]}")
+        return self.prefix(hidden.to(self.out_weight.dtype), positions, past, valid)
+
     def head_logits(self, k: int, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
         """Logits of head ``k`` (1-based) over the output vocabulary.
 
         Args:
-            hidden: ``[N, d]`` target hidden states ``h_t``.
+            hidden: ``[N, d]`` target hidden states ``h_t`` (with prefix attention: the prefix
+                layer's outputs at those positions).
             path: ``[N, k]`` full-vocabulary ids: the root followed by the ``k-1`` drafted tokens.
         Returns:
             ``[N, out_vocab]`` logits.
