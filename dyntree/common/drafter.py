@@ -41,6 +41,18 @@ class DraftRequest:
         row: the request's row in the engine's batched target KV cache (for self-drafting).
         kv_len: how many committed tokens the target KV cache holds for this request
             (``len(token_ids) - 1``: the root is not cached yet).
+        new_hidden: ``[n_new, d]`` the target's last-layer hidden states (same kind as
+            ``hidden``) of the committed tokens at positions ``kv_len - n_new .. kv_len - 1``
+            (``token_ids[kv_len - n_new : kv_len]``), one row per token in position order: every
+            position whose state the engine computed since it last handed this request to the
+            drafter (at the first call: the prompt positions ``0 .. kv_len - 1``; later: the
+            tokens accepted by the verify steps since, root included, bonus excluded). So
+            ``new_hidden[-1]`` is ``hidden``, and the rows of all calls for a request, in order,
+            cover positions ``0 .. kv_len - 1`` exactly once. The root (position ``kv_len``) is
+            never included: its state is computed by the next verify step. ``None`` when there
+            are no new rows or the drafter does not ask for them (``needs_new_hidden``). A
+            request handed over several times in one step (one :meth:`Drafter.expand_batch`
+            call per depth) carries the same rows each time.
     """
 
     request_id: Hashable
@@ -50,6 +62,7 @@ class DraftRequest:
     hidden: torch.Tensor | None = None
     row: int = 0
     kv_len: int = 0
+    new_hidden: torch.Tensor | None = None
 
     @property
     def root(self) -> int:
@@ -61,6 +74,9 @@ class Drafter(ABC):
 
     Class flags tell the engine what to supply:
         needs_hidden: fill :attr:`DraftRequest.hidden`.
+        needs_new_hidden: fill :attr:`DraftRequest.new_hidden` (the hidden states of every
+            committed token, delivered once; for drafters that keep a state over the whole
+            prefix). A class or instance attribute: a drafter may decide it per instance.
         needs_target_kv: pass the engine's target KV cache object as ``target_kv`` to
             :meth:`propose` (self-drafting reads the target's prefix KV; it must not modify it).
         samples: the trees carry ``draft_dists`` (required for lossless sampling).
@@ -71,6 +87,7 @@ class Drafter(ABC):
 
     name: ClassVar[str] = ""
     needs_hidden: ClassVar[bool] = False
+    needs_new_hidden: bool = False
     needs_target_kv: ClassVar[bool] = False
     samples: ClassVar[bool] = False
     drafts_with_builder: ClassVar[bool] = False

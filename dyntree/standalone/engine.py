@@ -21,6 +21,11 @@ One decoding step for a batch of requests:
 
 A request whose tree is just its root is plain decoding; the ``none`` drafter makes the same
 engine the baseline that benchmarks compare against.
+
+Hidden states for the drafter: with ``needs_hidden`` each request carries the target's last-layer
+state at the token before the root; with ``needs_new_hidden`` also the states of every committed
+token not yet handed to the drafter (the prompt positions from the prefill, then the accepted
+nodes of each verify step, in path order), kept until a step actually calls the drafter.
 """
 
 from __future__ import annotations
@@ -79,6 +84,9 @@ class _Live:
     tokens: list[int]  # prompt + generated; the last one is the next tree's root
     kv_len: int  # committed tokens whose KV is cached (len(tokens) - 1)
     hidden: torch.Tensor | None  # last-layer state that produced the root
+    # with drafter.needs_new_hidden: states at positions kv_len - n .. kv_len - 1 (n rows in all)
+    # not yet handed to the drafter, in chunks in position order
+    pending: list[torch.Tensor] = field(default_factory=list)
 
 
 class SpecEngine:
@@ -146,7 +154,7 @@ class SpecEngine:
                 trees, results, hidden = self._step(live, cache, params, gen)
                 keep = []
                 for row, (req, tree, res) in enumerate(zip(live, trees, results)):
-                    req.hidden = hidden[row]
+                    self._keep_hidden(req, hidden[row], res)
                     self._commit(req, res, params, eos)
                     self._learn(req.out.request_id, req.tokens, tree, res)
                     if req.out.finish_reason:
@@ -183,6 +191,8 @@ class SpecEngine:
     def _step(
         self, live: list[_Live], cache: DynamicCache, params: SamplingParams, gen: torch.Generator
     ) -> tuple[list[DraftTree], list[VerifyResult], torch.Tensor]:
+        """Draft, verify and compact once; returns the trees, the verify results and the verify
+        forward's last-layer hidden states ``[B, T, d]`` (row ``b``, node ``i`` of tree ``b``)."""
         t0 = time.perf_counter()
         trees = self._draft(live, cache, params, gen)
         t1 = time.perf_counter()
@@ -199,7 +209,6 @@ class SpecEngine:
             self.controller.observe_step(batch.tokens.numel(), (t2 - t1) * 1e3)
         results = [self._verify(t, logits[r, : t.size], params, gen) for r, t in enumerate(trees)]
         self._compact(cache, live, results, prefix)
-        end = torch.tensor([res.accepted_nodes[-1] for res in results], device=hidden.device)
         self.timing["draft_s"] += t1 - t0
         self.timing["forward_s"] += t2 - t1
         self.timing["verify_s"] += time.perf_counter() - t1
@@ -211,7 +220,7 @@ class SpecEngine:
                 if len(req.out.accepted_per_depth) < d:
                     req.out.accepted_per_depth.append(0)
                 req.out.accepted_per_depth[d - 1] += 1
-        return trees, results, hidden[torch.arange(len(live)), end]
+        return trees, results, hidden
 
     def _draft(self, live: list[_Live], cache: DynamicCache, params: SamplingParams, gen: torch.Generator) -> list[DraftTree]:
         spec = self.spec
@@ -226,16 +235,20 @@ class SpecEngine:
                 hidden=r.hidden if self.drafter.needs_hidden else None,
                 row=row,
                 kv_len=r.kv_len,
+                new_hidden=torch.cat(r.pending) if r.pending else None,
             )
             for row, r in enumerate(live)
         ]
         target_kv = cache if self.drafter.needs_target_kv else None
         if all(r.max_nodes == 0 or r.max_depth == 0 for r in requests):
             trees: list[DraftTree] = [DraftTree.root_only(r.root) for r in requests]
+            handed: set[int] = set()
         elif self.builder is not None:
-            trees = self._build(requests, plans, target_kv, params, gen)
+            trees, handed = self._build(requests, plans, target_kv, params, gen)
         else:
-            trees = self.drafter.propose(requests, target_kv)
+            trees, handed = self.drafter.propose(requests, target_kv), set(range(len(requests)))
+        for row in handed:
+            live[row].pending.clear()
         if len(trees) != len(requests):
             raise RuntimeError(f"drafter {self.drafter.name!r} returned {len(trees)} trees for {len(requests)} requests")
         for req, tree in zip(requests, trees):
@@ -254,20 +267,24 @@ class SpecEngine:
         target_kv: object,
         params: SamplingParams,
         gen: torch.Generator,
-    ) -> list[DraftTree]:
+    ) -> tuple[list[DraftTree], set[int]]:
         """Grow the trees with the builder: one ``expand_batch`` call per depth per tree mode
-        (a controller's chain plans are grown as chains, its tree plans in ``SpecConfig.tree``)."""
+        (a controller's chain plans are grown as chains, its tree plans in ``SpecConfig.tree``).
+        Returns the trees and the rows of the requests the drafter was handed (a mode group
+        whose trees cannot grow at all never calls it)."""
         assert self.builder is not None and self.spec.tree is not None
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(requests):
             mode = "chain" if plans is not None and plans[i].mode == "chain" else self.spec.tree
             groups.setdefault(mode, []).append(i)
         trees: list[DraftTree] = [DraftTree.root_only(r.root) for r in requests]
+        handed: set[int] = set()
         for mode, rows in groups.items():
             reqs = [requests[i] for i in rows]
 
             def expand(frontiers: list[list[int]], partials: list[PartialTree]) -> list[torch.Tensor]:
                 t = time.perf_counter()
+                handed.update(rows)
                 raw = self.drafter.expand_batch(reqs, frontiers, partials, self.vocab_size, target_kv)
                 self.timing["expand_s"] += time.perf_counter() - t
                 return [self._draft_probs(x, params) for x in raw]
@@ -278,7 +295,7 @@ class SpecEngine:
             )  # fmt: skip
             for i, tree in zip(rows, built):
                 trees[i] = tree
-        return trees
+        return trees, handed
 
     @staticmethod
     def _draft_probs(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -383,7 +400,17 @@ class SpecEngine:
         for r, req in enumerate(live):
             if req.kv_len > 0:
                 req.hidden = hidden[r, req.kv_len - 1].clone()
+                if self.drafter.needs_new_hidden:
+                    req.pending.append(hidden[r, : req.kv_len].clone())
         return live, cache
+
+    def _keep_hidden(self, req: _Live, hidden: torch.Tensor, res: VerifyResult) -> None:
+        """Keep a verified request's hidden states from its row ``hidden`` ``[T, d]`` of the verify
+        forward: the last accepted node's (it produced the new root) and, for drafters that ask,
+        every accepted node's (root included, in path order: the positions just compacted)."""
+        req.hidden = hidden[res.accepted_nodes[-1]].clone()
+        if self.drafter.needs_new_hidden:
+            req.pending.append(hidden[res.accepted_nodes].clone())
 
     def _commit(self, req: _Live, res: VerifyResult, params: SamplingParams, eos: set[int]) -> None:
         """Append new tokens one at a time, stopping exactly where plain decoding would."""
