@@ -11,6 +11,11 @@ the node budget is spread evenly over the depths; ``T`` defaults to ``W``.
 All frontier nodes of all requests go through the head in one forward per depth. With
 ``SpecConfig.tree`` set, the engine's tree builder shapes the tree instead and asks
 :meth:`HydraDrafter.expand_batch` for the heads' distributions.
+
+Heads with prefix attention (Hydra++) ask the engine for ``DraftRequest.new_hidden``: the drafter
+keeps each request's prefix-layer KV cache, runs the layer over the new positions of all requests
+in one batched forward at the first call of a step, and feeds the heads the layer's output at the
+newest position instead of ``DraftRequest.hidden``; :meth:`HydraDrafter.release` drops the cache.
 """
 
 from __future__ import annotations
@@ -18,12 +23,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Sequence
 
 import torch
 
 from dyntree.common.drafter import DraftRequest, Drafter, register_drafter
-from dyntree.common.hydra import HydraHeads, load_heads
+from dyntree.common.hydra import HydraHeads, PrefixKV, load_heads
 from dyntree.common.tree import DraftTree
 from dyntree.training.target import target_identity, target_weights
 
@@ -67,8 +72,18 @@ def parse_hydra_options(options: str | None) -> HydraOptions:
     return HydraOptions(path, ints.get("width"), ints.get("topk"))
 
 
+@dataclass
+class _Prefix:
+    """One request's prefix-layer state: the cache of positions ``0 .. length - 1`` and the
+    layer's output at the last of them (the heads' input)."""
+
+    kv: PrefixKV
+    last: torch.Tensor
+
+
 class HydraDrafter(Drafter):
-    """Drafts trees with :class:`~dyntree.common.hydra.HydraHeads` (needs the target's hidden state)."""
+    """Drafts trees with :class:`~dyntree.common.hydra.HydraHeads` (needs the target's hidden state;
+    with prefix attention, the hidden states of all committed tokens)."""
 
     name = "hydra"
     needs_hidden = True
@@ -80,15 +95,75 @@ class HydraDrafter(Drafter):
         self.topk = topk
         self.device = heads.out_weight.device
         self.dtype = heads.out_weight.dtype
+        self.needs_new_hidden = heads.prefix is not None
+        self._prefix: dict[Hashable, _Prefix] = {}
+
+    def release(self, request_id: Hashable) -> None:
+        """Drop the request's prefix-layer cache."""
+        self._prefix.pop(request_id, None)
+
+    def _inputs(self, requests: Sequence[DraftRequest]) -> list[torch.Tensor | None]:
+        """The heads' input ``[d]`` per request (``None``: nothing to draft from): the target's
+        ``hidden``, or with prefix attention the prefix layer's output at position ``kv_len - 1``."""
+        if self.heads.prefix is None:
+            return [None if r.hidden is None else r.hidden.reshape(-1) for r in requests]
+        self._advance(requests)
+        return [self._prefix[r.request_id].last if r.kv_len > 0 else None for r in requests]
+
+    def _advance(self, requests: Sequence[DraftRequest]) -> None:
+        """Run the prefix layer over every request's positions not yet cached, in one batch."""
+        todo = []
+        for r in requests:
+            state = self._prefix.get(r.request_id)
+            have = state.kv.length if state is not None else 0
+            if r.kv_len != have:
+                todo.append((r, self._new_rows(r, have), have))
+        if not todo:
+            return
+        width = max(rows.shape[0] for _, rows, _ in todo)
+        hidden = torch.zeros(len(todo), width, self.heads.config.hidden_size, device=self.device, dtype=self.dtype)
+        valid = torch.zeros(len(todo), width, dtype=torch.bool, device=self.device)
+        for b, (_, rows, _) in enumerate(todo):
+            hidden[b, : rows.shape[0]] = rows.to(self.device, self.dtype)
+            valid[b, : rows.shape[0]] = True
+        positions = torch.tensor([have for _, _, have in todo], device=self.device)[:, None] + torch.arange(
+            width, device=self.device
+        )
+        assert self.heads.prefix is not None
+        empty = self.heads.prefix.empty_kv(1, hidden)
+        past = PrefixKV.stack([self._prefix[r.request_id].kv if have else empty for r, _, have in todo])
+        out, kv = self.heads.prefix_forward(hidden, positions, past, valid)
+        for b, (r, rows, _) in enumerate(todo):
+            self._prefix[r.request_id] = _Prefix(kv.row(b), out[b, rows.shape[0] - 1].clone())
+
+    def _new_rows(self, r: DraftRequest, have: int) -> torch.Tensor:
+        """The rows of ``r.new_hidden`` for positions ``have .. kv_len - 1`` (checked to be there)."""
+        if r.new_hidden is None:
+            raise ValueError(
+                f"request {r.request_id!r}: DraftRequest.new_hidden is None but the prefix layer holds "
+                f"{have} of kv_len={r.kv_len} positions (engines must fill it when drafter.needs_new_hidden)"
+            )
+        d = self.heads.config.hidden_size
+        if r.new_hidden.dim() != 2 or r.new_hidden.shape[1] != d:
+            raise ValueError(f"request {r.request_id!r}: DraftRequest.new_hidden has shape "
+                             f"{tuple(r.new_hidden.shape)}; expected [n_new, {d}]")
+        first = r.kv_len - r.new_hidden.shape[0]
+        if not 0 <= first <= have < r.kv_len:
+            raise ValueError(
+                f"request {r.request_id!r}: DraftRequest.new_hidden covers positions {first}..{r.kv_len - 1}, "
+                f"but the prefix layer holds positions 0..{have - 1}: rows are missing or the request restarted"
+            )
+        return r.new_hidden[have - first :]
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest], target_kv: Any = None) -> list[DraftTree]:
         trees: list[DraftTree | None] = [None] * len(requests)
         # per active request: node tokens, parents, probs, cumulative log-prob, frontier node ids
         state: dict[int, dict[str, Any]] = {}
+        inputs = self._inputs(requests)
         for i, r in enumerate(requests):
             depth = min(self.heads.num_heads, r.max_depth)
-            if r.hidden is None or r.max_nodes < 1 or depth < 1:
+            if inputs[i] is None or r.max_nodes < 1 or depth < 1:
                 trees[i] = DraftTree.root_only(r.root)
                 continue
             width = self.width or math.ceil(r.max_nodes / depth)
@@ -96,7 +171,7 @@ class HydraDrafter(Drafter):
                         "frontier": [0], "depth": depth, "width": width, "topk": self.topk or width,
                         "left": r.max_nodes}
         if state:
-            hidden = torch.stack([requests[i].hidden.reshape(-1) for i in state]).to(self.device, self.dtype)
+            hidden = torch.stack([inputs[i] for i in state]).to(self.device, self.dtype)
             row_of = {i: j for j, i in enumerate(state)}
             for d in range(1, max(s["depth"] for s in state.values()) + 1):
                 live = [i for i, s in state.items() if s["depth"] >= d and s["frontier"] and s["left"] > 0]
@@ -132,6 +207,7 @@ class HydraDrafter(Drafter):
         A node at depth ``d - 1`` is scored by head ``d`` (one batched forward per distinct depth
         over the whole batch); nodes deeper than the last head, and requests without a hidden
         state, get all ``-inf`` rows (no children); tokens outside a reduced vocabulary get ``-inf``.
+        With prefix attention, the first call of a step advances every request's prefix layer.
         """
         if not len(requests) == len(frontiers) == len(partials):
             raise ValueError(
@@ -141,16 +217,17 @@ class HydraDrafter(Drafter):
             raise ValueError(f"expand_batch vocab_size={vocab_size}; the heads' vocabulary is "
                              f"{self.heads.config.target.vocab_size}")
         out = [torch.full((len(f), vocab_size), float("-inf")) for f in frontiers]
+        inputs = self._inputs(requests)
         by_depth: dict[int, list[tuple[int, int, list[int]]]] = {}
-        for b, (req, front, part) in enumerate(zip(requests, frontiers, partials)):
-            if req.hidden is None:
+        for b, (front, part) in enumerate(zip(frontiers, partials)):
+            if inputs[b] is None:
                 continue
             for f, node in enumerate(front):
                 path = part.path_tokens(node)
                 if len(path) <= self.heads.num_heads:
                     by_depth.setdefault(len(path), []).append((b, f, path))
         for k, items in by_depth.items():
-            hidden = torch.stack([requests[b].hidden.reshape(-1) for b, _, _ in items]).to(self.device, self.dtype)
+            hidden = torch.stack([inputs[b] for b, _, _ in items]).to(self.device, self.dtype)
             path = torch.tensor([p for _, _, p in items], dtype=torch.int64, device=self.device)
             logp = torch.log_softmax(self.heads.head_logits(k, hidden, path).float(), dim=-1).cpu()
             cols = self.heads.to_full_ids(torch.arange(self.heads.out_vocab, device=self.device)).cpu()
