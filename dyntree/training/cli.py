@@ -35,6 +35,13 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
                    help="reduced output vocabulary (most frequent tokens of the data); 0 = full LM head")
     p.add_argument("--independent", action="store_true",
                    help="Medusa-style ablation: heads do not see the drafted tokens")
+    p.add_argument("--prefix-attention", action="store_true",
+                   help="Hydra++: one decoder layer over the target's hidden states of the whole prefix "
+                   "feeds the heads (trained on windows of --window positions)")
+    p.add_argument("--prefix-heads", type=int, default=0,
+                   help="attention heads of the prefix layer (default: hidden size / 64, or 1)")
+    p.add_argument("--window", type=int, default=64,
+                   help="with --prefix-attention: positions per training window; --batch-size counts windows")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -59,15 +66,17 @@ def _device(name: str) -> torch.device:
 
 
 def run_train_heads(args: argparse.Namespace) -> int:
-    from dyntree.common.hydra import HydraConfig, HydraHeads, save_heads
+    from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, default_prefix_heads, save_heads
     from dyntree.models import cache_root, load_model, parse_dtype
     from dyntree.training.data import generate_cache, read_prompts
     from dyntree.training.target import target_identity, target_weights
     from dyntree.training.trainer import HeadData, TrainConfig, reduced_token_map, train
 
-    for name in ("heads", "layers", "steps", "batch_size", "prompts", "max_new_tokens", "gen_batch_size"):
+    for name in ("heads", "layers", "steps", "batch_size", "prompts", "max_new_tokens", "gen_batch_size", "window"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.prefix_heads and not args.prefix_attention:
+        raise SystemExit("--prefix-heads needs --prefix-attention")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -79,30 +88,38 @@ def run_train_heads(args: argparse.Namespace) -> int:
 
     model, tok = load_model(args.model, parse_dtype(args.gen_dtype))
     model.to(device)
+    identity = target_identity(model, tok, args.model)
+    arch = {"num_heads": args.heads, "num_layers": args.layers, "hidden_size": identity.hidden_size,
+            "target": identity, "independent": args.independent, "reduced_vocab": args.vocab_size,
+            "prefix_attention": args.prefix_attention,
+            "prefix_heads": (args.prefix_heads or default_prefix_heads(identity.hidden_size)) if args.prefix_attention else 0}
+    try:
+        HydraConfig(**arch)  # refuse a bad architecture before generating data
+    except HydraMismatchError as exc:
+        raise SystemExit(str(exc)) from None
     prompts = read_prompts(args.data, args.prompts, args.seed)
     cache = generate_cache(model, tok, prompts, cache_dir, batch_size=args.gen_batch_size,
                            max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
     t_gen = time.time() - t0
     print(f"data: {cache.meta['sequences']} responses, {cache.meta['tokens']} tokens ({t_gen:.0f} s)", file=sys.stderr)
 
-    identity = target_identity(model, tok, args.model)
     embed, lm_head = target_weights(model)
     vocab = identity.vocab_size
     token_map = reduced_token_map(cache.token_counts(vocab), args.vocab_size) if args.vocab_size else None
     command = "dyntree train-heads " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("train-heads") + 1:]) \
         if "train-heads" in sys.argv else " ".join(shlex.quote(a) for a in sys.argv)
     cfg = HydraConfig(
-        num_heads=args.heads, num_layers=args.layers, hidden_size=identity.hidden_size, target=identity,
-        independent=args.independent, reduced_vocab=args.vocab_size,
+        **arch,
         training={"command": command, "data": [Path(d).name for d in args.data], "prompts": args.prompts,
                   "responses": cache.meta["sequences"], "tokens": cache.meta["tokens"], "steps": args.steps,
-                  "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed},
+                  "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
+                  **({"window": args.window} if args.prefix_attention else {})},
     )
     heads = HydraHeads(cfg, embed.float().to(device), lm_head.float().to(device),
                        token_map.to(device) if token_map is not None else None).to(device)
     del model
     data = HeadData(cache, args.heads, val_fraction=0.02, seed=args.seed, device=device)
-    tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, window=args.window)
     result = train(heads, data, tcfg, work)
     heads.config.training.update({"val": result["val"], "wall_s": round(time.time() - t0, 1)})
     save_heads(heads, out, torch.float16)

@@ -3,7 +3,15 @@
 Head ``k`` at cached position ``g`` reads ``hidden[g]`` and tokens ``g+1..g+k`` (teacher-forced on
 the target's own greedy output) and is trained with cross-entropy against the target's softmax at
 ``hidden[g+k]`` through the same (full or reduced) output rows: pure teacher distillation, the
-target frozen. The run is seeded (batch ``s`` is drawn from a generator seeded by ``(seed, s)``),
+target frozen. A batch is ``batch_size`` positions drawn at random.
+
+Heads with prefix attention read the prefix layer's output at ``g`` instead of ``hidden[g]``, so
+they train on windows: a batch is ``batch_size`` windows of up to ``window`` consecutive positions
+of one cached sequence (ending at a random position ``g``, starting at ``max(sequence start,
+g - window + 1)``); the prefix layer runs causally over each window and the head losses apply at
+every position of it. Held-out sequences are cut into consecutive windows. Cached sequences start
+at the prompt's last token, so the layer sees the response part of the prefix only (at inference
+it sees the whole prompt too). The run is seeded (batch ``s`` is drawn from a generator seeded by ``(seed, s)``),
 resumable (``train_state.pt`` every ``save_every`` steps), logs per-head loss and top-1 accuracy
 (against the target's actual next token, full vocabulary) to ``train_log.jsonl`` and a progress bar,
 and evaluates on held-out sequences at the end.
@@ -16,6 +24,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -39,6 +48,12 @@ class TrainConfig:
     save_every: int = 250
     log_every: int = 25
     val_fraction: float = 0.02
+    window: int = 64  # positions per window (heads with a prefix layer)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
 def reduced_token_map(counts: np.ndarray, size: int) -> torch.Tensor:
@@ -50,7 +65,12 @@ def reduced_token_map(counts: np.ndarray, size: int) -> torch.Tensor:
 
 
 class HeadData:
-    """The cache held in memory on ``device``, split by sequence into train and validation sets."""
+    """The cache held in memory on ``device``, split by sequence into train and validation sets.
+
+    ``train_pos`` / ``val_pos`` are the training positions (cache rows), ``*_valid`` how many heads
+    have a target there, ``*_start`` / ``*_end`` the bounds (first row, exclusive end) of the
+    cached sequence each position lies in.
+    """
 
     def __init__(self, cache: HiddenCache, num_heads: int, val_fraction: float, seed: int, device: torch.device):
         self.num_heads = num_heads
@@ -63,10 +83,12 @@ class HeadData:
         val_seqs = np.random.default_rng(seed).permutation(n_seq)[:n_val]
         seq_of = np.searchsorted(cache.offsets, pos, side="right") - 1
         is_val = np.isin(seq_of, val_seqs)
-        self.train_pos = torch.from_numpy(pos[~is_val]).to(device)
-        self.train_valid = torch.from_numpy(valid[~is_val]).to(device)
-        self.val_pos = torch.from_numpy(pos[is_val]).to(device)
-        self.val_valid = torch.from_numpy(valid[is_val]).to(device)
+        start, end = cache.offsets[seq_of], cache.offsets[seq_of + 1]
+        as_t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(device)  # noqa: E731
+        self.train_pos, self.train_valid = as_t(pos[~is_val]), as_t(valid[~is_val])
+        self.train_start, self.train_end = as_t(start[~is_val]), as_t(end[~is_val])
+        self.val_pos, self.val_valid = as_t(pos[is_val]), as_t(valid[is_val])
+        self.val_start, self.val_end = as_t(start[is_val]), as_t(end[is_val])
         if self.train_pos.numel() == 0:
             raise ValueError("the cache has no training positions (responses too short?)")
 
@@ -83,9 +105,42 @@ class HeadData:
         }
 
 
+    def windows(self, first: torch.Tensor, last: torch.Tensor, end: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
+        """A batch of windows: rows ``first[i] .. last[i]`` (at most ``window``) of a sequence ending
+        (exclusively) at ``end[i]``, padded at the end. ``hidden`` is ``[B, window, d]`` with
+        ``positions`` ``[B, window]`` (from 0 at ``first``: the prefix layer's RoPE is relative),
+        the other fields as in :meth:`batch` for the ``B * window`` rows (padding rows: no head
+        has a target)."""
+        offsets = torch.arange(window, device=self.device)
+        rows = first[:, None] + offsets
+        real = rows <= last[:, None]
+        rows = torch.minimum(rows, last[:, None])
+        heads_there = torch.clamp(end[:, None] - 2 - rows, max=self.num_heads) * real
+        b = self.batch(rows.flatten(), heads_there.flatten())
+        b["hidden"] = b["hidden"].view(*rows.shape, -1)
+        b["positions"] = offsets.expand(rows.shape)
+        return b
+
+    def train_windows(self, idx: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
+        """Windows ending at training positions ``idx`` (indices into ``train_pos``)."""
+        last = self.train_pos[idx]
+        first = torch.maximum(self.train_start[idx], last - window + 1)
+        return self.windows(first, last, self.train_end[idx], window)
+
+    def val_windows(self, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The held-out sequences cut into consecutive windows: ``(first, last, end)`` rows."""
+        starts = (self.val_pos - self.val_start) % window == 0
+        first, end = self.val_pos[starts], self.val_end[starts]
+        return first, torch.minimum(first + window - 1, end - 3), end
+
+
 def _losses(heads: HydraHeads, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-head mean CE, top-1 and top-5 accuracy (``[K]`` each) and the total loss."""
-    logits = heads(b["hidden"], b["tokens"])  # [B, K, V']
+    """Per-head mean CE, top-1 and top-5 accuracy (``[K]`` each) and the total loss. A batch of
+    windows (``hidden`` ``[B, W, d]``) goes through the prefix layer first, causally per window."""
+    hidden = b["hidden"]
+    if hidden.dim() == 3:
+        hidden = heads.prefix_forward(hidden, b["positions"])[0].flatten(0, 1)
+    logits = heads(hidden, b["tokens"])  # [N, K, V']
     with torch.no_grad():
         teacher = torch.softmax(b["teacher"] @ heads.out_weight.T, dim=-1)
     ce = -(teacher * torch.log_softmax(logits, dim=-1)).sum(-1)  # [B, K]
@@ -101,16 +156,29 @@ def _losses(heads: HydraHeads, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor
     return per_head, acc1, acc5, total
 
 
+def _val_batches(heads: HydraHeads, data: HeadData, batch_size: int, window: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The held-out data in batches: positions, or windows (about ``batch_size`` positions each)
+    for heads with a prefix layer."""
+    if heads.prefix is None:
+        for i in range(0, data.val_pos.numel(), batch_size):
+            yield data.batch(data.val_pos[i:i + batch_size], data.val_valid[i:i + batch_size])
+        return
+    first, last, end = data.val_windows(window)
+    step = max(1, batch_size // window)
+    for i in range(0, first.numel(), step):
+        yield data.windows(first[i:i + step], last[i:i + step], end[i:i + step], window)
+
+
 @torch.no_grad()
-def evaluate(heads: HydraHeads, data: HeadData, batch_size: int = 512) -> dict[str, list[float]]:
-    """Per-head CE and top-1/top-5 accuracy on the held-out positions."""
+def evaluate(heads: HydraHeads, data: HeadData, batch_size: int = 512, window: int = 64) -> dict[str, list[float]]:
+    """Per-head CE and top-1/top-5 accuracy on the held-out positions (windows of ``window``
+    positions for heads with a prefix layer)."""
     if data.val_pos.numel() == 0:
         return {}
     heads.eval()
     sums = torch.zeros(3, heads.num_heads, dtype=torch.float64)
     counts = torch.zeros(heads.num_heads, dtype=torch.float64)
-    for i in range(0, data.val_pos.numel(), batch_size):
-        b = data.batch(data.val_pos[i:i + batch_size], data.val_valid[i:i + batch_size])
+    for b in _val_batches(heads, data, batch_size, window):
         per_head, acc1, acc5, _ = _losses(heads, b)
         n = b["mask"].sum(0).double().cpu()
         sums += torch.stack([per_head, acc1, acc5]).double().cpu() * n
@@ -149,7 +217,10 @@ def train(heads: HydraHeads, data: HeadData, cfg: TrainConfig, out_dir: str | Pa
     for step in bar:
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         idx = torch.randint(0, n_train, (cfg.batch_size,), generator=gen).to(data.device)
-        b = data.batch(data.train_pos[idx], data.train_valid[idx])
+        if heads.prefix is None:
+            b = data.batch(data.train_pos[idx], data.train_valid[idx])
+        else:
+            b = data.train_windows(idx, cfg.window)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         per_head, acc1, _, total = _losses(heads, b)
@@ -171,7 +242,7 @@ def train(heads: HydraHeads, data: HeadData, cfg: TrainConfig, out_dir: str | Pa
             torch.save({"config": asdict(cfg), "heads": heads.state_dict(), "optimizer": opt.state_dict(),
                         "step": done}, tmp)
             tmp.replace(state_path)
-    result = {"steps": cfg.steps, "val": evaluate(heads, data)}
+    result = {"steps": cfg.steps, "val": evaluate(heads, data, window=cfg.window)}
     with log_path.open("a") as f:
         f.write(json.dumps({"final": result}) + "\n")
     return result
