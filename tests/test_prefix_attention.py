@@ -1,0 +1,389 @@
+"""Hydra++ prefix attention: the layer and its KV cache, checkpoints, the drafter's per-request
+state, the engine's ``DraftRequest.new_hidden`` rows, and training on windows (fast, tiny models)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Hashable, Sequence
+
+import pytest
+import torch
+
+from spec_support import OracleDrafter, tiny_llama
+from dyntree.common.config import SamplingParams, SpecConfig
+from dyntree.common.controller import Plan
+from dyntree.common.drafter import DraftRequest, make_drafter
+from dyntree.common.hydra import (
+    HydraConfig,
+    HydraHeads,
+    HydraMismatchError,
+    PrefixKV,
+    TargetIdentity,
+    load_heads,
+    read_config,
+    save_heads,
+)
+from dyntree.common.tree import DraftTree
+from dyntree.standalone.engine import SpecEngine
+from dyntree.standalone.hydra_drafter import SHIPPED_HEADS, HydraDrafter
+from dyntree.training.trainer import HeadData, TrainConfig, _losses, evaluate, reduced_token_map, train
+
+D, VOCAB = 16, 97
+IDENT = TargetIdentity("tiny", D, VOCAB, "ab" * 32)
+
+
+def _target() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(VOCAB, D, generator=g), torch.randn(VOCAB, D, generator=g)
+
+
+def _prefix_heads(k: int = 3, reduced: int = 0, seed: int = 0, randomize: bool = True) -> HydraHeads:
+    cfg = HydraConfig(num_heads=k, num_layers=1, hidden_size=D, target=IDENT, reduced_vocab=reduced,
+                      prefix_attention=True, prefix_heads=2)
+    heads = HydraHeads(cfg, *_target(), torch.arange(0, 2 * reduced, 2) if reduced else None)
+    if randomize:  # leave the identity init: make the prefix layer matter
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in heads.parameters():
+                p.normal_(0.0, 0.3)
+    return heads
+
+
+def _seq(b: int, t: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, t, D, generator=g), torch.arange(t).expand(b, t)
+
+
+def test_prefix_shapes_and_identity_init() -> None:
+    x, pos = _seq(2, 7)
+    out, kv = _prefix_heads().prefix_forward(x, pos)
+    assert out.shape == (2, 7, D)
+    assert kv.keys.shape == kv.values.shape == (2, 2, 7, D // 2) and kv.mask.all()
+    untrained, _ = _prefix_heads(randomize=False).prefix_forward(x, pos)
+    assert torch.equal(untrained, x)  # zero output projections: h_t passes through unchanged
+    with pytest.raises(HydraMismatchError, match="hidden_size=16"):
+        _prefix_heads().prefix_forward(torch.randn(2, 7, D + 1), pos)
+    plain = HydraHeads(HydraConfig(num_heads=1, num_layers=1, hidden_size=D, target=IDENT), *_target())
+    assert plain.prefix is None
+    with pytest.raises(HydraMismatchError, match="prefix_attention=True"):
+        plain.prefix_forward(x, pos)
+
+
+def test_incremental_chunks_equal_one_full_pass() -> None:
+    """The KV cache is exact: chunked (also batched with padding, rows of different lengths)
+    equals one causal pass over the whole sequence."""
+    heads = _prefix_heads()
+    x, pos = _seq(3, 12)
+    full, full_kv = heads.prefix_forward(x, pos)
+    outs, kv = [], None
+    for a, b in [(0, 3), (3, 4), (4, 9), (9, 12)]:
+        out, kv = heads.prefix_forward(x[:, a:b], pos[:, a:b], kv)
+        outs.append(out)
+    assert torch.allclose(torch.cat(outs, 1), full, atol=1e-5)
+    assert torch.allclose(kv.keys, full_kv.keys, atol=1e-5)
+    # per-row caches of different lengths, advanced together with padding (the drafter's case)
+    cut = [2, 5, 0]
+    rows = []
+    for r, c in enumerate(cut):
+        _, k = heads.prefix_forward(x[r : r + 1, :c], pos[r : r + 1, :c])
+        rows.append(k)
+    n = [4, 7, 3]  # new positions per row
+    width = max(n)
+    new = torch.zeros(3, width, D)
+    valid = torch.zeros(3, width, dtype=torch.bool)
+    for r, (c, m) in enumerate(zip(cut, n)):
+        new[r, :m] = x[r, c : c + m]
+        valid[r, :m] = True
+    positions = torch.tensor(cut)[:, None] + torch.arange(width)
+    out, kv = heads.prefix_forward(new, positions, PrefixKV.stack(rows), valid)
+    for r, (c, m) in enumerate(zip(cut, n)):
+        assert torch.allclose(out[r, :m], full[r, c : c + m], atol=1e-5)
+        row = kv.row(r)
+        assert row.length == c + m
+        assert torch.allclose(row.keys, full_kv.keys[r : r + 1, :, : c + m], atol=1e-5)
+
+
+def test_prefix_layer_is_causal_and_reads_the_prefix() -> None:
+    heads = _prefix_heads()
+    x, pos = _seq(1, 8)
+    y = x.clone()
+    y[0, 3] += 1.0
+    a, b = heads.prefix_forward(x, pos)[0], heads.prefix_forward(y, pos)[0]
+    assert torch.equal(a[0, :3], b[0, :3])  # earlier positions never see later ones
+    assert (a[0, 4:] - b[0, 4:]).abs().amax(-1).min() > 1e-4  # every later position reads position 3
+
+
+def test_sequential_dependency_with_prefix_attention() -> None:
+    """Head 2 still depends on head 1's token when the heads read the prefix layer's output."""
+    heads = _prefix_heads()
+    x, pos = _seq(4, 6)
+    h = heads.prefix_forward(x, pos)[0][:, -1]
+    a = torch.randint(0, VOCAB, (4, 3))
+    b = a.clone()
+    b[:, 1] = (a[:, 1] + 1) % VOCAB
+    la, lb = heads(h, a), heads(h, b)
+    assert torch.equal(la[:, 0], lb[:, 0])
+    assert (la[:, 1] - lb[:, 1]).abs().max().item() > 1e-3
+
+
+def test_config_validation_names_the_field() -> None:
+    with pytest.raises(HydraMismatchError, match="prefix_heads=3 must be a positive divisor"):
+        HydraConfig(num_heads=1, num_layers=1, hidden_size=D, target=IDENT, prefix_attention=True, prefix_heads=3)
+    with pytest.raises(HydraMismatchError, match="prefix_heads=16 gives an odd head size"):
+        HydraConfig(num_heads=1, num_layers=1, hidden_size=D, target=IDENT, prefix_attention=True, prefix_heads=16)
+    with pytest.raises(HydraMismatchError, match="prefix_heads=2 must be 0 when prefix_attention is False"):
+        HydraConfig(num_heads=1, num_layers=1, hidden_size=D, target=IDENT, prefix_heads=2)
+
+
+def test_save_load_round_trip_and_old_configs(tmp_path: Path) -> None:
+    heads = _prefix_heads(reduced=20)
+    save_heads(heads, tmp_path / "new", dtype=torch.float32)
+    cfg = json.loads((tmp_path / "new" / "config.json").read_text())
+    assert cfg["prefix_attention"] is True and cfg["prefix_heads"] == 2
+    back = load_heads(tmp_path / "new", IDENT, *_target())
+    x, pos = _seq(2, 5)
+    assert torch.equal(back.prefix_forward(x, pos)[0], heads.prefix_forward(x, pos)[0])
+    # a checkpoint written before prefix attention existed: no such fields, no such weights
+    plain = HydraHeads(HydraConfig(num_heads=2, num_layers=1, hidden_size=D, target=IDENT), *_target())
+    save_heads(plain, tmp_path / "old")
+    old = json.loads((tmp_path / "old" / "config.json").read_text())
+    del old["prefix_attention"], old["prefix_heads"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(old))
+    loaded = load_heads(tmp_path / "old", IDENT, *_target())
+    assert loaded.config.prefix_attention is False and loaded.prefix is None
+    assert read_config(SHIPPED_HEADS).prefix_attention is False  # the shipped heads are such a checkpoint
+    # prefix weights without the flag (or the flag without the weights) are refused
+    (tmp_path / "new" / "config.json").write_text(json.dumps({**cfg, "prefix_attention": False, "prefix_heads": 0}))
+    with pytest.raises(HydraMismatchError, match="unexpected"):
+        load_heads(tmp_path / "new", IDENT, *_target())
+
+
+def _history(n: int, seed: int = 5) -> torch.Tensor:
+    return torch.randn(n, D, generator=torch.Generator().manual_seed(seed))
+
+
+def test_drafter_feeds_the_heads_the_prefix_output_incrementally() -> None:
+    """Over several calls the drafter's prefix cache equals one full pass over the whole history,
+    for ``propose`` and ``expand_batch``, batched over requests of different lengths."""
+    from dyntree.common.builder import PartialTree
+
+    heads = _prefix_heads(k=2)
+    drafter = HydraDrafter(heads, width=2, topk=2)
+    assert drafter.needs_new_hidden
+    hist = {0: _history(9, 5), 1: _history(6, 6)}
+    full = {i: heads.prefix_forward(h[None], torch.arange(h.shape[0])[None])[0][0] for i, h in hist.items()}
+
+    def req(i: int, done: int, upto: int) -> DraftRequest:  # positions done..upto-1 are new
+        return DraftRequest(i, [3] * (upto + 1), 6, 3, hidden=hist[i][upto - 1], kv_len=upto,
+                            new_hidden=hist[i][done:upto])
+
+    def head1(i: int, upto: int) -> torch.Tensor:
+        return torch.softmax(heads.head_logits(1, full[i][upto - 1][None], torch.tensor([[3]])), -1)[0]
+
+    trees = drafter.propose([req(0, 0, 4), req(1, 0, 2)])
+    for i, upto, tree in [(0, 4, trees[0]), (1, 2, trees[1])]:
+        assert tree.tokens[1:3].tolist() == head1(i, upto).topk(2).indices.tolist()
+    reqs = [req(0, 4, 9), req(1, 2, 6)]
+    root = PartialTree([3], [-1], [0])
+    for _ in range(2):  # one call per depth carries the same rows: ingested once
+        scores = drafter.expand_batch(reqs, [[0], [0]], [root, root], VOCAB)
+        for i, upto, s in [(0, 9, scores[0]), (1, 6, scores[1])]:
+            assert torch.allclose(s[0], head1(i, upto).log(), atol=1e-5)
+    assert all(drafter._prefix[i].kv.length == hist[i].shape[0] for i in hist)
+    drafter.release(0)
+    assert list(drafter._prefix) == [1]
+    one_token = DraftRequest(7, [3], 6, 3)  # nothing cached yet: no input, no speculation
+    assert drafter.propose([one_token])[0].size == 1
+
+
+def test_drafter_refuses_missing_rows() -> None:
+    drafter = HydraDrafter(_prefix_heads())
+    h = _history(5)
+    with pytest.raises(ValueError, match="DraftRequest.new_hidden is None"):
+        drafter.propose([DraftRequest(0, [1] * 6, 4, 2, hidden=h[-1], kv_len=5)])
+    with pytest.raises(ValueError, match=r"new_hidden covers positions 2..4"):
+        drafter.propose([DraftRequest(0, [1] * 6, 4, 2, hidden=h[-1], kv_len=5, new_hidden=h[2:])])
+    with pytest.raises(ValueError, match=r"new_hidden has shape \(5, 17\)"):
+        drafter.propose([DraftRequest(0, [1] * 6, 4, 2, kv_len=5, new_hidden=torch.randn(5, D + 1))])
+
+
+# -- the engine's new_hidden rows -------------------------------------------------------------
+
+
+class _Recorder(OracleDrafter):
+    """The oracle drafter (wrong where ``refs`` were corrupted) that records what it is handed."""
+
+    needs_hidden = True
+    needs_new_hidden = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: dict[Hashable, list[tuple[int, torch.Tensor | None, torch.Tensor | None]]] = {}
+
+    def propose(self, requests: Sequence[DraftRequest], target_kv: Any = None) -> list[DraftTree]:
+        for r in requests:
+            self.calls.setdefault(r.request_id, []).append((r.kv_len, r.new_hidden, r.hidden))
+        return super().propose(requests, target_kv)
+
+
+class _Alternating:
+    """A stand-in controller: plain decoding (no drafter call) every other step."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def plan(self, ids: Sequence[Hashable]) -> list[Plan]:
+        self.n += 1
+        return [Plan("none", 0, 0) if self.n % 2 == 0 else Plan("tree", 10, 5) for _ in ids]
+
+    def observe_step(self, *_: Any) -> None: ...
+
+    def observe(self, *_: Any) -> None: ...
+
+    def release(self, *_: Any) -> None: ...
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from dyntree.models import model_path
+
+    return AutoTokenizer.from_pretrained(model_path("smollm2"))
+
+
+@pytest.mark.parametrize("alternate", [False, True])
+def test_engine_new_hidden_rows_equal_a_plain_forward(tok, alternate: bool) -> None:
+    """Each call's rows continue where the last call's ended, the last row is ``hidden``, and
+    all rows together equal the target's hidden states of a plain causal forward at positions
+    ``0 .. kv_len - 1`` (steps that skip the drafter deliver their rows at the next call)."""
+    model = tiny_llama(4)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 9, 1)]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    plain = [o.token_ids for o in SpecEngine(model, tok, make_drafter("none")).generate(prompts, params)]
+    refs = {i: [t if j % 4 != 2 else (t + 1) % 49152 for j, t in enumerate(p)] for i, p in enumerate(plain)}
+    drafter = _Recorder(refs, {i: len(p) for i, p in enumerate(prompts)}, decoys=1)
+    engine = SpecEngine(model, tok, drafter, SpecConfig(max_nodes=10, max_depth=5))
+    if alternate:
+        engine.controller = _Alternating()  # type: ignore[assignment]
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    assert any(1 < len(o.token_ids) / o.steps < 5 for o in outs)  # partial acceptance happened
+    for i, p in enumerate(prompts):
+        calls = drafter.calls[i]
+        seen, rows = 0, []
+        for kv_len, new, hidden in calls:
+            if kv_len == 0:  # a one-token prompt: nothing computed yet
+                assert new is None and hidden is None
+                continue
+            assert new is not None and kv_len - new.shape[0] == seen  # continues exactly
+            assert torch.equal(new[-1], hidden)
+            rows.append(new)
+            seen = kv_len
+        if alternate:
+            assert len(calls) < outs[i].steps  # some steps skipped the drafter; their rows came later
+        tokens = torch.tensor([p + plain[i]])
+        with torch.inference_mode():
+            want = model.model(input_ids=tokens).last_hidden_state[0, :seen]
+        got = torch.cat(rows)
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+# -- training on windows ----------------------------------------------------------------------
+
+
+def _synthetic_cache(path: Path, seed: int = 0):
+    """As in test_hydra: the hidden state at token i is a noisy vector of token i."""
+    import numpy as np
+
+    from dyntree.training.data import HiddenCache
+
+    rng = np.random.default_rng(seed)
+    proto = rng.normal(0, 3, (VOCAB, D))
+    lens = [30, 12, 25, 30, 7, 30, 18, 30] * 3
+    tokens = rng.integers(0, 60, sum(lens)).astype(np.int32)
+    hidden = (proto[tokens] + rng.normal(0, 0.1, (sum(lens), D))).astype(np.float16)
+    path.mkdir(parents=True)
+    np.save(path / "tokens.npy", tokens)
+    np.save(path / "hidden.npy", hidden)
+    np.save(path / "offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+    (path / "meta.json").write_text(json.dumps({"hidden_size": D, "sequences": len(lens), "tokens": sum(lens)}))
+    return HiddenCache(path)
+
+
+def test_windows_stay_inside_one_sequence(tmp_path: Path) -> None:
+    cache = _synthetic_cache(tmp_path / "cache")
+    data = HeadData(cache, 3, val_fraction=0.25, seed=0, device=torch.device("cpu"))
+    idx = torch.arange(0, data.train_pos.numel(), 7)
+    b = data.train_windows(idx, 8)
+    assert b["hidden"].shape == (idx.numel(), 8, D) and b["tokens"].shape == (idx.numel() * 8, 3)
+    last = data.train_pos[idx]
+    first = torch.maximum(data.train_start[idx], last - 7)
+    mask = b["mask"].view(idx.numel(), 8, 3)
+    real = mask[..., 0]
+    assert torch.equal(real.sum(1), last - first + 1)  # rows first..last, then padding
+    assert torch.equal(b["hidden"][:, 0], data.hidden[first].float())
+    # head k has a target at row g iff g + k <= end - 2
+    rows = first[:, None] + torch.arange(8)
+    assert torch.equal(mask, real[..., None] & (rows[..., None] + torch.arange(1, 4) <= data.train_end[idx, None, None] - 2))
+    f, l, e = data.val_windows(8)  # held-out windows tile the held-out positions exactly once
+    covered = torch.cat([torch.arange(a, b + 1) for a, b in zip(f.tolist(), l.tolist())])
+    assert torch.equal(covered.sort().values, data.val_pos.sort().values)
+
+
+def test_tiny_training_run_with_prefix_attention_reduces_loss(tmp_path: Path) -> None:
+    cache = _synthetic_cache(tmp_path / "cache")
+    token_map = reduced_token_map(cache.token_counts(VOCAB), 64)
+    cfg = HydraConfig(num_heads=3, num_layers=1, hidden_size=D, target=IDENT, reduced_vocab=64,
+                      prefix_attention=True, prefix_heads=2)
+    heads = HydraHeads(cfg, *_target(), token_map)
+    data = HeadData(cache, 3, val_fraction=0.2, seed=0, device=torch.device("cpu"))
+    fixed = data.train_windows(torch.arange(0, data.train_pos.numel(), 5), 8)
+    before, val_before = _losses(heads, fixed)[0], evaluate(heads, data, window=8)["loss"]
+    tcfg = TrainConfig(steps=60, batch_size=16, lr=1e-2, warmup=5, save_every=30, window=8)
+    result = train(heads, data, tcfg, tmp_path / "run")
+    after = _losses(heads, fixed)[0]
+    assert bool((after < 0.7 * before).all()), (before, after)
+    assert all(a < 0.7 * b for a, b in zip(result["val"]["loss"], val_before))
+    assert heads.prefix is not None and heads.prefix.o_proj.weight.abs().sum() > 0  # the layer trained
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").open()]
+    assert len(log[0]["loss"]) == 3 and len(log[0]["top1"]) == 3
+    again = HydraHeads(cfg, *_target(), token_map)  # resuming a finished run: same weights
+    train(again, data, tcfg, tmp_path / "run")
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), heads.state_dict().values()))
+    with pytest.raises(ValueError, match="another training config"):
+        train(again, data, replace(tcfg, window=9), tmp_path / "run")
+
+
+def test_train_heads_cli_with_prefix_attention_end_to_end(tmp_path: Path, tok) -> None:
+    """``train-heads --prefix-attention`` on a tiny target: data, training, checkpoint; the
+    checkpoint loads as a drafter and greedy drafting with it reproduces plain decoding."""
+    from dyntree.training.cli import main
+
+    model = tiny_llama(6)
+    model.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Tell me fact number {i} about rivers."}) + "\n" for i in range(8)))
+    out = tmp_path / "heads"
+    argv = ["train-heads", "--model", str(tmp_path / "target"), "--data", str(data), "--out", str(out),
+            "--heads", "2", "--vocab-size", "512", "--steps", "20", "--batch-size", "4", "--window", "8",
+            "--prompts", "8", "--max-new-tokens", "16", "--gen-batch-size", "8", "--threads", "1",
+            "--work-dir", str(tmp_path / "work"), "--prefix-attention"]
+    assert main(argv) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["prefix_attention"] is True and cfg["prefix_heads"] == 1 and cfg["training"]["window"] == 8
+    drafter = make_drafter(f"hydra:{out},width=3", model=model, tokenizer=tok)
+    assert isinstance(drafter, HydraDrafter) and drafter.needs_new_hidden
+    prompts = [tok.encode("The river"), tok.encode("Once upon a time there was")]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = SpecEngine(model, tok, make_drafter("none")).generate(prompts, params)
+    spec = SpecEngine(model, tok, drafter, SpecConfig(max_nodes=6, max_depth=2)).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.draft_nodes for o in spec) > 0 and not drafter._prefix  # drafted; state released
+    with pytest.raises(SystemExit, match="prefix_heads=3"):
+        main([*argv[:-1], "--prefix-attention", "--prefix-heads", "3", "--out", str(tmp_path / "bad")])
