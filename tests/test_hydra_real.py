@@ -47,3 +47,33 @@ def test_hydra_greedy_equals_plain(smol, smol_prompts) -> None:
     tau = sum(len(o.token_ids) for o in out) / sum(o.steps for o in out)
     assert tau > 1.1, tau  # the heads really drafted accepted tokens
     assert max(len(o.accepted_per_depth) for o in out) >= 2
+
+
+def test_prefix_attention_heads_greedy_equal_plain(smol, smol_prompts) -> None:
+    """Heads with a (random) prefix layer on SmolLM2: the drafter's own trees and builder trees
+    reproduce plain greedy decoding (verification makes any draft lossless), and the per-request
+    prefix state is released."""
+    from dataclasses import replace
+
+    from dyntree.common.hydra import HydraHeads
+    from dyntree.training.target import target_weights
+
+    model, tok = smol
+    shipped = make_drafter("hydra", model=model, tokenizer=tok).heads
+    cfg = replace(shipped.config, prefix_attention=True, prefix_heads=9)
+    heads = HydraHeads(cfg, *target_weights(model), shipped.token_map)
+    missing, unexpected = heads.load_state_dict(shipped.state_dict(), strict=False)
+    assert missing and all(k.startswith("prefix.") for k in missing) and not unexpected
+    torch.manual_seed(0)
+    with torch.no_grad():  # leave the identity init: the layer really changes the heads' input
+        heads.prefix.o_proj.weight.normal_(0.0, 0.02)
+        heads.prefix.down.weight.normal_(0.0, 0.02)
+    prompts = smol_prompts[2:4]
+    params = SamplingParams(max_new_tokens=24)
+    plain = SpecEngine(model, tok, make_drafter("none")).generate(prompts, params)
+    for tree in (None, "dyntree"):
+        drafter = HydraDrafter(heads)
+        spec = SpecConfig(drafter="hydra", max_nodes=16, max_depth=4, tree=tree)
+        out = SpecEngine(model, tok, drafter, spec).generate(prompts, params)
+        assert [o.token_ids for o in out] == [o.token_ids for o in plain], tree
+        assert sum(o.draft_nodes for o in out) > 0 and not drafter._prefix
