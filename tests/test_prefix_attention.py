@@ -344,7 +344,8 @@ def test_tiny_training_run_with_prefix_attention_reduces_loss(tmp_path: Path) ->
     data = HeadData(cache, 3, val_fraction=0.2, seed=0, device=torch.device("cpu"))
     fixed = data.train_windows(torch.arange(0, data.train_pos.numel(), 5), 8)
     before, val_before = _losses(heads, fixed)[0], evaluate(heads, data, window=8)["loss"]
-    tcfg = TrainConfig(steps=60, batch_size=16, lr=1e-2, warmup=5, save_every=30, window=8)
+    tcfg = TrainConfig(steps=60, batch_size=128, lr=1e-2, warmup=5, save_every=30, window=8)
+    assert tcfg.windows_per_batch == 16
     result = train(heads, data, tcfg, tmp_path / "run")
     after = _losses(heads, fixed)[0]
     assert bool((after < 0.7 * before).all()), (before, after)
@@ -371,7 +372,7 @@ def test_train_heads_cli_with_prefix_attention_end_to_end(tmp_path: Path, tok) -
     data.write_text("".join(json.dumps({"prompt": f"Tell me fact number {i} about rivers."}) + "\n" for i in range(8)))
     out = tmp_path / "heads"
     argv = ["train-heads", "--model", str(tmp_path / "target"), "--data", str(data), "--out", str(out),
-            "--heads", "2", "--vocab-size", "512", "--steps", "20", "--batch-size", "4", "--window", "8",
+            "--heads", "2", "--vocab-size", "512", "--steps", "20", "--batch-size", "32", "--window", "8",
             "--prompts", "8", "--max-new-tokens", "16", "--gen-batch-size", "8", "--threads", "1",
             "--work-dir", str(tmp_path / "work"), "--prefix-attention"]
     assert main(argv) == 0

@@ -41,7 +41,8 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--prefix-heads", type=int, default=0,
                    help="attention heads of the prefix layer (default: hidden size / 64, or 1)")
     p.add_argument("--window", type=int, default=64,
-                   help="with --prefix-attention: positions per training window; --batch-size counts windows")
+                   help="with --prefix-attention: positions per training window (a batch holds "
+                   "--batch-size / --window windows)")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)

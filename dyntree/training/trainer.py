@@ -6,8 +6,9 @@ the target's own greedy output) and is trained with cross-entropy against the ta
 target frozen. A batch is ``batch_size`` positions drawn at random.
 
 Heads with prefix attention read the prefix layer's output at ``g`` instead of ``hidden[g]``, so
-they train on windows: a batch is ``batch_size`` windows of up to ``window`` consecutive positions
-of one cached sequence (ending at a random position ``g``, starting at ``max(sequence start,
+they train on windows: a batch is ``max(1, batch_size // window)`` windows (the same position
+slots per step as without the layer), each up to ``window`` consecutive positions of one cached
+sequence (ending at a random position ``g``, starting at ``max(sequence start,
 g - window + 1)``); the prefix layer runs causally over each window and the head losses apply at
 every position of it. Held-out sequences are cut into consecutive windows. Cached sequences start
 at the prompt's last token, so the layer sees the response part of the prefix only (at inference
@@ -54,6 +55,11 @@ class TrainConfig:
         for name in ("steps", "batch_size", "window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def windows_per_batch(self) -> int:
+        """Windows per step for heads with a prefix layer: ``batch_size`` position slots."""
+        return max(1, self.batch_size // self.window)
 
 
 def reduced_token_map(counts: np.ndarray, size: int) -> torch.Tensor:
@@ -216,10 +222,11 @@ def train(heads: HydraHeads, data: HeadData, cfg: TrainConfig, out_dir: str | Pa
     t0 = time.time()
     for step in bar:
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        idx = torch.randint(0, n_train, (cfg.batch_size,), generator=gen).to(data.device)
         if heads.prefix is None:
+            idx = torch.randint(0, n_train, (cfg.batch_size,), generator=gen).to(data.device)
             b = data.batch(data.train_pos[idx], data.train_valid[idx])
         else:
+            idx = torch.randint(0, n_train, (cfg.windows_per_batch,), generator=gen).to(data.device)
             b = data.train_windows(idx, cfg.window)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
