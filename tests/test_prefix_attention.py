@@ -329,7 +329,8 @@ def test_windows_stay_inside_one_sequence(tmp_path: Path) -> None:
     assert torch.equal(b["hidden"][:, 0], data.hidden[first].float())
     # head k has a target at row g iff g + k <= end - 2
     rows = first[:, None] + torch.arange(8)
-    assert torch.equal(mask, real[..., None] & (rows[..., None] + torch.arange(1, 4) <= data.train_end[idx, None, None] - 2))
+    has_target = rows[..., None] + torch.arange(1, 4) <= data.train_end[idx, None, None] - 2
+    assert torch.equal(mask, real[..., None] & has_target)
     f, l, e = data.val_windows(8)  # held-out windows tile the held-out positions exactly once
     covered = torch.cat([torch.arange(a, b + 1) for a, b in zip(f.tolist(), l.tolist())])
     assert torch.equal(covered.sort().values, data.val_pos.sort().values)

@@ -90,10 +90,10 @@ def run_train_heads(args: argparse.Namespace) -> int:
     model, tok = load_model(args.model, parse_dtype(args.gen_dtype))
     model.to(device)
     identity = target_identity(model, tok, args.model)
+    prefix_heads = (args.prefix_heads or default_prefix_heads(identity.hidden_size)) if args.prefix_attention else 0
     arch = {"num_heads": args.heads, "num_layers": args.layers, "hidden_size": identity.hidden_size,
             "target": identity, "independent": args.independent, "reduced_vocab": args.vocab_size,
-            "prefix_attention": args.prefix_attention,
-            "prefix_heads": (args.prefix_heads or default_prefix_heads(identity.hidden_size)) if args.prefix_attention else 0}
+            "prefix_attention": args.prefix_attention, "prefix_heads": prefix_heads}
     try:
         HydraConfig(**arch)  # refuse a bad architecture before generating data
     except HydraMismatchError as exc:

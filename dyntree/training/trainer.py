@@ -12,10 +12,12 @@ sequence (ending at a random position ``g``, starting at ``max(sequence start,
 g - window + 1)``); the prefix layer runs causally over each window and the head losses apply at
 every position of it. Held-out sequences are cut into consecutive windows. Cached sequences start
 at the prompt's last token, so the layer sees the response part of the prefix only (at inference
-it sees the whole prompt too). The run is seeded (batch ``s`` is drawn from a generator seeded by ``(seed, s)``),
-resumable (``train_state.pt`` every ``save_every`` steps), logs per-head loss and top-1 accuracy
-(against the target's actual next token, full vocabulary) to ``train_log.jsonl`` and a progress bar,
-and evaluates on held-out sequences at the end.
+it sees the whole prompt too).
+
+The run is seeded (batch ``s`` is drawn from a generator seeded by ``(seed, s)``), resumable
+(``train_state.pt`` every ``save_every`` steps), logs per-head loss and top-1 accuracy (against
+the target's actual next token, full vocabulary) to ``train_log.jsonl`` and a progress bar, and
+evaluates on held-out sequences at the end.
 """
 
 from __future__ import annotations
@@ -110,8 +112,9 @@ class HeadData:
             "mask": mask,
         }
 
-
-    def windows(self, first: torch.Tensor, last: torch.Tensor, end: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
+    def windows(
+        self, first: torch.Tensor, last: torch.Tensor, end: torch.Tensor, window: int
+    ) -> dict[str, torch.Tensor]:
         """A batch of windows: rows ``first[i] .. last[i]`` (at most ``window``) of a sequence ending
         (exclusively) at ``end[i]``, padded at the end. ``hidden`` is ``[B, window, d]`` with
         ``positions`` ``[B, window]`` (from 0 at ``first``: the prefix layer's RoPE is relative),
