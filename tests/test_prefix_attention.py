@@ -145,6 +145,11 @@ def test_save_load_round_trip_and_old_configs(tmp_path: Path) -> None:
     back = load_heads(tmp_path / "new", IDENT, *_target())
     x, pos = _seq(2, 5)
     assert torch.equal(back.prefix_forward(x, pos)[0], heads.prefix_forward(x, pos)[0])
+    save_heads(heads, tmp_path / "fp16")  # fp16 weights run in bf16, positions far apart
+    half = load_heads(tmp_path / "fp16", IDENT, *_target(), dtype=torch.bfloat16)
+    far = pos * 997
+    want = heads.prefix_forward(x, far)[0]
+    assert (half.prefix_forward(x, far)[0].float() - want).abs().max() < 0.05 * want.abs().max()
     # a checkpoint written before prefix attention existed: no such fields, no such weights
     plain = HydraHeads(HydraConfig(num_heads=2, num_layers=1, hidden_size=D, target=IDENT), *_target())
     save_heads(plain, tmp_path / "old")

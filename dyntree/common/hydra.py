@@ -233,8 +233,6 @@ class PrefixAttention(nn.Module):
         with torch.no_grad():
             self.o_proj.weight.zero_()
             self.down.weight.zero_()
-        inv_freq = PREFIX_ROPE_THETA ** -(torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def empty_kv(self, batch: int, like: torch.Tensor) -> PrefixKV:
         """A cache of ``batch`` rows holding no position (dtype and device of ``like``)."""
@@ -242,10 +240,13 @@ class PrefixAttention(nn.Module):
         return PrefixKV(kv, kv, torch.zeros(batch, 0, dtype=torch.bool, device=like.device))
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE: ``x`` ``[B, H, T, head_dim]`` rotated at ``positions`` ``[B, T]``."""
-        angles = positions[:, None, :, None].float() * self.inv_freq  # [B, 1, T, head_dim / 2]
-        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        """RoPE: ``x`` ``[B, H, T, head_dim]`` rotated at ``positions`` ``[B, T]`` (angles in fp32
+        whatever the weights' dtype: a half-precision frequency would drift at long positions)."""
         half = self.head_dim // 2
+        inv_freq = PREFIX_ROPE_THETA ** -(torch.arange(half, device=x.device, dtype=torch.float32) / half)
+        angles = positions[:, None, :, None].float() * inv_freq  # [B, 1, T, head_dim / 2]
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos(), angles.sin()
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
