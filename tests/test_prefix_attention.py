@@ -212,6 +212,11 @@ def test_drafter_refuses_missing_rows() -> None:
         drafter.propose([DraftRequest(0, [1] * 6, 4, 2, hidden=h[-1], kv_len=5, new_hidden=h[2:])])
     with pytest.raises(ValueError, match=r"new_hidden has shape \(5, 17\)"):
         drafter.propose([DraftRequest(0, [1] * 6, 4, 2, kv_len=5, new_hidden=torch.randn(5, D + 1))])
+    drafter.propose([DraftRequest(0, [1] * 4, 4, 2, kv_len=3, new_hidden=h[:3])])
+    with pytest.raises(ValueError, match=r"positions 0..4, but the prefix layer holds positions 0..2"):
+        drafter.propose([DraftRequest(0, [1] * 6, 4, 2, kv_len=5, new_hidden=h)])  # id reused, no release
+    drafter.release(0)
+    assert drafter.propose([DraftRequest(0, [1] * 6, 4, 2, kv_len=5, new_hidden=h)])[0].size > 1
 
 
 # -- the engine's new_hidden rows -------------------------------------------------------------

@@ -137,7 +137,7 @@ class HydraDrafter(Drafter):
             self._prefix[r.request_id] = _Prefix(kv.row(b), out[b, rows.shape[0] - 1].clone())
 
     def _new_rows(self, r: DraftRequest, have: int) -> torch.Tensor:
-        """The rows of ``r.new_hidden`` for positions ``have .. kv_len - 1`` (checked to be there)."""
+        """``r.new_hidden``, checked to be the rows of positions ``have .. kv_len - 1`` exactly."""
         if r.new_hidden is None:
             raise ValueError(
                 f"request {r.request_id!r}: DraftRequest.new_hidden is None but the prefix layer holds "
@@ -148,12 +148,13 @@ class HydraDrafter(Drafter):
             raise ValueError(f"request {r.request_id!r}: DraftRequest.new_hidden has shape "
                              f"{tuple(r.new_hidden.shape)}; expected [n_new, {d}]")
         first = r.kv_len - r.new_hidden.shape[0]
-        if not 0 <= first <= have < r.kv_len:
+        if first != have:
             raise ValueError(
                 f"request {r.request_id!r}: DraftRequest.new_hidden covers positions {first}..{r.kv_len - 1}, "
-                f"but the prefix layer holds positions 0..{have - 1}: rows are missing or the request restarted"
+                f"but the prefix layer holds positions 0..{have - 1} (rows missing or repeated, or a "
+                f"request id reused without release)"
             )
-        return r.new_hidden[have - first :]
+        return r.new_hidden
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest], target_kv: Any = None) -> list[DraftTree]:
