@@ -36,6 +36,7 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto (CUDA when available)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -94,11 +95,12 @@ def _configs(args: argparse.Namespace):
 
 
 def _load(args: argparse.Namespace):
-    from dyntree.models import load_model, parse_dtype
+    from dyntree.models import load_model, parse_dtype, resolve_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return load_model(args.model, parse_dtype(args.dtype))
+    device = resolve_device(args.device)  # refuse a missing GPU before the model load
+    return load_model(args.model, parse_dtype(args.dtype), device)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

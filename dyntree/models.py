@@ -123,12 +123,28 @@ def model_path(name: str) -> Path:
         ) from exc
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32):
-    """Return ``(model, tokenizer)`` for ``name`` in ``dtype``, in eval mode, on the CPU."""
+def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``; refuses a missing GPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA GPU")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {name!r}")
+    return device
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Return ``(model, tokenizer)`` for ``name`` in ``dtype``, in eval mode, on ``device``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_path(name)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model.to(resolve_device(device) if isinstance(device, str) else device)
     model.eval()
     return model, tok

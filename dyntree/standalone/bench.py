@@ -29,6 +29,7 @@ from dyntree.standalone.engine import RequestOutput, SpecEngine
 __all__ = ["Prompt", "load_prompts", "encode_prompt", "run_bench", "run_mode", "compare", "mode_spec", "MODES"]
 
 MODES = ("none", "own", "chain", "static", "dyntree")
+WARMUP_TOKENS = 8  # tokens generated once per mode before the timed runs
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,9 @@ def run_mode(
     seed = CostModel(list(zip(cost.xs, cost.ys)), cost.lr) if cost is not None and cfg.adaptive else None
     engine = SpecEngine(model, tokenizer, make_drafter(name, model=model, tokenizer=tokenizer), cfg, cost_model=seed)
     startup = engine.prepare()
+    # Warm-up (CUDA/cuBLAS initialisation, Triton compiles, first-call allocations) outside the timings.
+    engine.generate([encoded[0]], params.model_copy(update={"max_new_tokens": WARMUP_TOKENS}), ["warm-up"])
+    engine.timing = {k: type(v)() for k, v in engine.timing.items()}
     outs: list[RequestOutput] = []
     start = time.perf_counter()
     for i in tqdm(range(0, len(encoded), batch_size), desc=f"bench {mode}", unit="batch", leave=False):

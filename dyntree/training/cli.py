@@ -60,15 +60,9 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     return p
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def run_train_heads(args: argparse.Namespace) -> int:
     from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, default_prefix_heads, save_heads
-    from dyntree.models import cache_root, load_model, parse_dtype
+    from dyntree.models import cache_root, load_model, parse_dtype, resolve_device
     from dyntree.training.data import generate_cache, read_prompts
     from dyntree.training.target import target_identity, target_weights
     from dyntree.training.trainer import HeadData, TrainConfig, reduced_token_map, train
@@ -84,7 +78,7 @@ def run_train_heads(args: argparse.Namespace) -> int:
     out = Path(args.out)
     work = Path(args.work_dir) if args.work_dir else cache_root() / "train-heads" / out.name
     cache_dir = Path(args.cache_dir) if args.cache_dir else work / "cache"
-    device = _device(args.device)
+    device = resolve_device(args.device)
     t0 = time.time()
 
     model, tok = load_model(args.model, parse_dtype(args.gen_dtype))
