@@ -2,8 +2,8 @@
 
 For each drafter (default: ``ngram``; any registered drafter with ``expand_batch`` can be added
 with ``--drafters``; one without it runs mode ``own`` only) and each node budget (16, 32, 64),
-every tree mode decodes the same Spec-Bench prompts (spread over all categories) in bf16 on this
-CPU, batch size 1. Reports tau, tokens/s, speedup over plain decoding, accepted tokens per depth,
+every tree mode decodes the same Spec-Bench prompts (spread over all categories) at batch size 1,
+on the CPU by default or on a GPU with ``--device cuda``. Reports tau, tokens/s, speedup over plain decoding, accepted tokens per depth,
 the share of outputs identical to plain decoding (bf16: not exact, see README), and the
 tree-building overhead per step (ms and % of step time). Writes
 ``benchmarks/results/modes_eval.json`` and ``modes_eval.png``.
@@ -23,7 +23,7 @@ import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafter import make_drafter
-from dyntree.models import load_model
+from dyntree.models import load_model, parse_dtype, resolve_device
 from dyntree.standalone.bench import _device, _versions, compare, encode_prompt, load_prompts, run_mode
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -38,11 +38,13 @@ def main() -> None:
     ap.add_argument("--drafters", default="ngram")
     ap.add_argument("--modes", default="own,chain,static,dyntree", help="modes of a drafter with expand_batch")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--dtype", default="bf16", help="fp32 (exact), bf16 or fp16")
     ap.add_argument("--out", default=str(RESULTS / "modes_eval.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
-    model, tok = load_model("smollm2", torch.bfloat16)
+    model, tok = load_model("smollm2", parse_dtype(args.dtype), resolve_device(args.device))
     every = load_prompts(SPEC_BENCH)
     prompts = every[:: max(1, len(every) // args.prompts)][: args.prompts]
     encoded = [encode_prompt(tok, p.text, chat=True) for p in prompts]
@@ -66,9 +68,11 @@ def main() -> None:
         r.pop("outputs")
     doc = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": _device(), "versions": _versions(), "dtype": "bf16", "threads": args.threads,
+        "device": _device() if args.device != "cpu" else f"cpu ({args.threads} threads)", "versions": _versions(),
+        "dtype": args.dtype, "threads": args.threads,
         "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
-        "note": "2-core CPU shared with other engineers' jobs; wall-clock numbers are noisy, tau is not",
+        "note": "2-core CPU shared with other jobs; wall-clock numbers are noisy, tau is not"
+        if args.device == "cpu" else "one GPU, no other jobs",
         "num_prompts": len(prompts), "max_new_tokens": args.new, "batch_size": 1, "runs": runs,
     }  # fmt: skip
     out = Path(args.out)
@@ -103,8 +107,8 @@ def plot(doc: dict, path: Path) -> None:
         ax.set_title(title)
     axes[1].axhline(1.0, color="k", lw=0.8)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"SmolLM2-135M bf16, {doc['num_prompts']} Spec-Bench prompts x {doc['max_new_tokens']} tokens, "
-                 f"batch 1, load avg {doc['load_avg_start'][0]}")
+    fig.suptitle(f"SmolLM2-135M {doc['dtype']}, {doc['num_prompts']} Spec-Bench prompts x {doc['max_new_tokens']} "
+                 f"tokens, batch 1, {doc['device']}, load avg {doc['load_avg_start'][0]}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
