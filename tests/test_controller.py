@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dyntree.common.controller import CostModel, Plan, SpeculationController
+from dyntree.common.controller import CostModel, DraftCost, Plan, SpeculationController
 from dyntree.common.options import ControllerOptions
 from dyntree.common.tree import DraftTree
 
@@ -50,6 +50,36 @@ def test_compute_bound_forward_means_plain_decoding() -> None:
     for batch in (1, 4, 64):
         plans = ctrl.plan(list(range(batch)))
         assert all(p == Plan("none", 0, 0) for p in plans)
+
+
+def test_draft_cost_starts_at_the_prior_and_learns_the_drafter() -> None:
+    dc = DraftCost((1.0, 0.0, 0.0))
+    assert dc(4, 16) == pytest.approx(1.0) and dc(4, 0) == 0.0
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):  # true cost: 2 ms + 3 ms per depth + 0.5 ms per node, with noise
+        depth, nodes = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 65, (1,), generator=gen))
+        dc.observe(depth, nodes, 2 + 3 * depth + 0.5 * nodes + float(torch.randn(1, generator=gen)) * 0.1)
+    assert dc(8, 32) == pytest.approx(2 + 24 + 16, rel=0.03)
+    assert dc(1, 4) == pytest.approx(2 + 3 + 2, rel=0.1)
+    assert bool((dc.coef >= 0).all())
+    with pytest.raises(ValueError, match="non-negative"):
+        DraftCost((1.0, -1.0, 0.0))
+    with pytest.raises(ValueError, match="depth, nodes > 0"):
+        dc.observe(0, 4, 1.0)
+
+
+def test_measured_drafting_overhead_turns_speculation_off() -> None:
+    # Free verification and perfect acceptance: speculation pays until the drafter is measured
+    # to cost more per step than the tokens it saves; then every request decodes plainly.
+    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), ControllerOptions(max_nodes=16, max_depth=8))
+    _feed(ctrl, 0, accept_all=True)
+    first = ctrl.plan([0])[0]
+    assert first.max_nodes > 0
+    ctrl.observe_draft(0, 0, 500.0)  # a step without draft nodes is not a measurement
+    assert ctrl.plan([0])[0] == first
+    for _ in range(30):
+        ctrl.observe_draft(first.max_depth, first.max_nodes, 40.0 * first.max_depth)
+    assert ctrl.plan([0])[0] == Plan("none", 0, 0)
 
 
 def test_free_verification_and_high_acceptance_grow_the_tree() -> None:

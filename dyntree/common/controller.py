@@ -14,7 +14,10 @@
   Every request's node increments, ordered by expected accepted tokens per added query token
   (the upper concave hull of its ``E``), are merged across the batch; the controller takes the
   prefix of that list that maximises predicted tokens per millisecond, and speculates only if
-  that beats plain decoding by ``min_gain``. When a forward's cost grows in proportion to its
+  that beats plain decoding by ``min_gain``. Drafting is priced too: a :class:`DraftCost`
+  (ms vs. tree depth and batch draft nodes) starts from the ``draft_ms_*`` options and is fitted
+  online to the measured drafting time of each step (tree building included), so a drafter
+  whose overhead eats the gain is turned down. When a forward's cost grows in proportion to its
   tokens (compute-bound, high batch) no prefix pays and every request decodes plainly.
 """
 
@@ -32,7 +35,7 @@ import torch
 from dyntree.common.options import ControllerOptions
 from dyntree.common.tree import DraftTree
 
-__all__ = ["Plan", "CostModel", "SpeculationController"]
+__all__ = ["Plan", "CostModel", "DraftCost", "SpeculationController"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,41 @@ class CostModel:
         self._monotone()
 
 
+class DraftCost:
+    """Milliseconds of one drafting step as ``a + b * depth + c * nodes``, learned online.
+
+    ``depth`` is the deepest tree of the step and ``nodes`` the draft nodes of the whole batch.
+    Exponentially forgetting least squares, regularised toward the prior coefficients (the
+    ``draft_ms_*`` options), so it starts from them and follows the measured drafter (including
+    tree building) as steps are observed; coefficients are kept non-negative.
+    """
+
+    def __init__(self, prior: Sequence[float], forget: float = 0.98, prior_weight: float = 1.0) -> None:
+        if len(prior) != 3 or any(not c >= 0 for c in prior):
+            raise ValueError(f"DraftCost prior must be 3 non-negative coefficients, got {prior}")
+        self.prior = torch.tensor(prior, dtype=torch.float64)
+        self.forget = forget
+        self.ridge = prior_weight * torch.eye(3, dtype=torch.float64)
+        self._xx = torch.zeros(3, 3, dtype=torch.float64)
+        self._xy = torch.zeros(3, dtype=torch.float64)
+        self.coef = self.prior.clone()
+
+    def __call__(self, depth: int, nodes: int) -> float:
+        if nodes <= 0:
+            return 0.0
+        return float(self.coef @ torch.tensor([1.0, depth, nodes], dtype=torch.float64))
+
+    def observe(self, depth: int, nodes: int, ms: float) -> None:
+        """One measured drafting step (``nodes`` > 0)."""
+        if nodes <= 0 or depth <= 0 or not ms >= 0:
+            raise ValueError(f"DraftCost.observe({depth}, {nodes}, {ms}): depth, nodes > 0 and ms >= 0 needed")
+        x = torch.tensor([1.0, depth, nodes], dtype=torch.float64)
+        self._xx = self.forget * self._xx + torch.outer(x, x)
+        self._xy = self.forget * self._xy + x * ms
+        coef = torch.linalg.solve(self._xx + self.ridge, self._xy + self.ridge @ self.prior)
+        self.coef = coef.clamp_min(0.0)
+
+
 @dataclass
 class _RequestState:
     hits: float
@@ -127,6 +165,7 @@ class SpeculationController:
         self.cost = cost
         self.options = options or ControllerOptions()
         o = self.options
+        self.draft_cost = DraftCost((o.draft_ms_fixed, o.draft_ms_per_depth, o.draft_ms_per_node))
         self._requests: dict[Hashable, _RequestState] = {}
         # Extra-sibling trials: (decayed) catches, trials, and the sum of the requests' alpha.
         catch = 1 - (1 - o.alpha_prior) ** o.sibling_gain_prior
@@ -199,8 +238,7 @@ class SpeculationController:
             tokens += hi - lo
             expected += float(tables[r][0][hi] - tables[r][0][lo])
             max_depth = max(max_depth, int(tables[r][1][hi]))
-            draft_ms = o.draft_ms_fixed + o.draft_ms_per_depth * max_depth + o.draft_ms_per_node * (tokens - b)
-            rate = expected / (self.cost(tokens) + draft_ms)
+            rate = expected / (self.cost(tokens) + self.draft_cost(max_depth, tokens - b))
             if rate > best_rate:
                 best_rate, best_k = rate, k
         alloc = [0] * b
@@ -272,12 +310,16 @@ class SpeculationController:
         """Refine the cost model with one measured verify forward."""
         self.cost.observe(n_query_tokens, ms)
 
+    def observe_draft(self, depth: int, nodes: int, ms: float) -> None:
+        """Refine the drafting-cost model with one measured drafting step (skipped without nodes)."""
+        if nodes > 0 and depth > 0:
+            self.draft_cost.observe(depth, nodes, ms)
+
     def release(self, request_id: Hashable) -> None:
         self._requests.pop(request_id, None)
 
     def predicted_rate(self, request_ids: Sequence[Hashable], plans: Sequence[Plan]) -> float:
         """Predicted committed tokens per millisecond of ``plans`` (for logs and tests)."""
-        o = self.options
         tokens, expected, depth = len(plans), float(len(plans)), 0
         for rid, p in zip(request_ids, plans):
             if p.max_nodes:
@@ -285,6 +327,4 @@ class SpeculationController:
                 tokens += p.max_nodes
                 expected += float(e[p.max_nodes])
                 depth = max(depth, p.max_depth)
-        spec = tokens > len(plans)
-        draft_ms = (o.draft_ms_fixed + o.draft_ms_per_depth * depth + o.draft_ms_per_node * (tokens - len(plans))) if spec else 0.0
-        return expected / (self.cost(tokens) + draft_ms)
+        return expected / (self.cost(tokens) + self.draft_cost(depth, tokens - len(plans)))

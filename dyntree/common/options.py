@@ -133,9 +133,9 @@ class ControllerOptions(BaseModel):
         ge=1,
         description="speculate only if predicted throughput beats plain decoding by this factor",
     )
-    draft_ms_fixed: float = Field(0.0, ge=0, description="drafter cost per step when any request drafts")
-    draft_ms_per_depth: float = Field(0.0, ge=0, description="drafter cost per tree depth level")
-    draft_ms_per_node: float = Field(0.0, ge=0, description="drafter cost per draft node in the batch")
+    draft_ms_fixed: float = Field(0.0, ge=0, description="prior drafter cost per step when any request drafts (refined online)")
+    draft_ms_per_depth: float = Field(0.0, ge=0, description="prior drafter cost per tree depth level (refined online)")
+    draft_ms_per_node: float = Field(0.0, ge=0, description="prior drafter cost per draft node in the batch (refined online)")
     cost_lr: float = Field(0.2, ge=0, le=1, description="online learning rate of the cost model")
 
     @model_validator(mode="after")

@@ -207,6 +207,7 @@ class SpecEngine:
         t2 = time.perf_counter()
         if self.controller is not None:
             self.controller.observe_step(batch.tokens.numel(), (t2 - t1) * 1e3)
+            self.controller.observe_draft(int(batch.depths.max()), sum(t.size - 1 for t in trees), (t1 - t0) * 1e3)
         results = [self._verify(t, logits[r, : t.size], params, gen) for r, t in enumerate(trees)]
         self._compact(cache, live, results, prefix)
         self.timing["draft_s"] += t1 - t0
