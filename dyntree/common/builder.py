@@ -249,7 +249,7 @@ class TreeBuilder:
                     vocab = q.shape[1]
                 elif q.shape[1] != vocab:
                     raise ValueError(f"expand output for tree {b} has vocab {q.shape[1]}, earlier {vocab}")
-                if bool((q < 0).any()) or bool(q.isnan().any()):
+                if not bool((q >= 0).all()):  # one pass: a negative entry or a NaN fails it
                     raise ValueError(f"expand output for tree {b} must be probabilities (>= 0, no NaN)")
                 if sampling:
                     for node, row in zip(g.frontier, q):
@@ -339,9 +339,10 @@ class TreeBuilder:
     def _grow_dyntree(self, g: _Growth, q: torch.Tensor, sampling: bool, gen: torch.Generator | None) -> None:
         o = self.options
         ents = entropy(q).cpu()
-        support = (q > 0).sum(-1).cpu()
-        k = torch.minimum(self._max_children(ents), support)
-        kmax = int(k.max()) if k.numel() else 0
+        k = self._max_children(ents)
+        if sampling:  # draws without replacement need that many tokens with mass; greedy: top_p > 0 below
+            k = torch.minimum(k, (q > 0).sum(-1).cpu())
+        kmax = min(int(k.max()) if k.numel() else 0, q.shape[1])
         if kmax == 0:
             g.frontier = []
             return
