@@ -5,7 +5,7 @@
    gives the hidden states; head ``k`` at output position ``t`` is teacher-forced with the target's
    own tokens and scored against the target's token ``x_{t+k+1}``.
 3. tau (tokens per verify step) and tokens/s for each drafter (Hydra heads, the independent
-   Medusa-style ablation, n-gram) at the same node budget, greedy, in fp32, with the fraction of
+   Medusa-style ablation, Hydra++ heads with prefix attention when given, n-gram) at the same node budget, greedy, in fp32, with the fraction of
    outputs identical to plain decoding.
 4. The reduced-vocabulary trade-off: how many of the target's tokens the reduced vocabulary covers
    (an upper bound on acceptance), and the head forward cost with reduced vs full output.
@@ -96,6 +96,8 @@ def _agreement(model, tok, heads: HydraHeads, prompts: list, outputs: dict) -> d
         prompt = encode_prompt(tok, p.text, chat=True)
         seq = prompt + outputs[p.id]
         hidden = model(torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0].float()
+        if heads.prefix is not None:  # Hydra++: the heads read the prefix layer's causal output
+            hidden = heads.prefix_forward(hidden[None], torch.arange(len(seq))[None])[0][0]
         ids = torch.tensor(seq)
         # position t (the state that produced x_{t+1}); the output starts at len(prompt)
         for t in range(len(prompt) - 1, len(seq) - 2):
@@ -131,6 +133,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", default=str(SHIPPED_HEADS), help="Hydra checkpoint (default: shipped)")
     ap.add_argument("--independent-heads", default=None, help="the --independent ablation checkpoint")
+    ap.add_argument("--prefix-heads", default=None, help="a --prefix-attention (Hydra++) checkpoint")
     ap.add_argument("--prompts", default=str(SPEC_BENCH))
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--mt-bench-extra", type=int, default=6, help="extra MT-Bench prompts for agreement")
@@ -151,7 +154,7 @@ def main() -> int:
     n_tau = len(tau_set)
     plain = _summary("none", plain_outs[:n_tau], plain_walls[:n_tau], tau_set, timing)
     runs = [plain]
-    specs = [f"hydra:{args.heads}", "ngram"] + ([f"hydra:{args.independent_heads}"] if args.independent_heads else [])
+    specs = [f"hydra:{args.heads}", "ngram"] + [f"hydra:{p}" for p in (args.independent_heads, args.prefix_heads) if p]
     for spec in specs:
         outs, walls, timing = _run(model, tok, spec, tau_set, args.budget, args.depth, args.new_tokens)
         run = _summary(spec, outs, walls, tau_set, timing)
@@ -162,7 +165,7 @@ def main() -> int:
     ident = target_identity(model, tok, "smollm2")
     embed, lm_head = target_weights(model)
     agreement = {}
-    for name, path in (("hydra", args.heads), ("independent", args.independent_heads)):
+    for name, path in (("hydra", args.heads), ("independent", args.independent_heads), ("prefix", args.prefix_heads)):
         if path:
             heads = load_heads(path, ident, embed, lm_head)
             agreement[name] = {"config": {k: v for k, v in json.loads((Path(path) / "config.json").read_text()).items()
