@@ -356,21 +356,22 @@ class TreeBuilder:
         room = g.max_nodes - g.drafted if sampling else g.max_nodes  # greedy: trimmed at the end
         take = min(int(ok.sum()), room)
         chosen = sorted(torch.topk(flat_v, take).indices.tolist()) if take > 0 else []
+        new: list[tuple[float, int]] = []
         if sampling:
             counts = torch.bincount(torch.tensor(chosen, dtype=torch.int64) // kmax, minlength=len(g.frontier))
             drawn = draw_children(q, counts.tolist(), o.sampling_scheme, gen)
-        else:
-            drawn = [[] for _ in g.frontier]
-            for c in chosen:  # sorted: each parent's children in rank order
-                drawn[c // kmax].append(int(top_i[c // kmax, c % kmax]))
-        new: list[tuple[float, int]] = []
-        for f, (node, toks) in enumerate(zip(g.frontier, drawn)):
-            if not toks:
-                continue
-            conf = q[f, toks].float()
-            child_vals = self._values(g, [node], conf[None], ents[f])[0]
-            for tok, c, v in zip(toks, conf.tolist(), child_vals.tolist()):
-                new.append((v, g.add(node, tok, c, float(ents[f]), v)))
+            for f, (node, toks) in enumerate(zip(g.frontier, drawn)):
+                if not toks:
+                    continue
+                conf = q[f, toks].float()
+                child_vals = self._values(g, [node], conf[None], ents[f])[0]
+                for tok, c, v in zip(toks, conf.tolist(), child_vals.tolist()):
+                    new.append((v, g.add(node, tok, c, float(ents[f]), v)))
+        else:  # greedy children are the chosen candidates themselves: their values are known
+            p_list, i_list, v_list, e_list = top_p.tolist(), top_i.tolist(), vals.tolist(), ents.tolist()
+            for c in chosen:  # sorted: parents in frontier order, each one's children in rank order
+                f, j = divmod(c, kmax)
+                new.append((v_list[f][j], g.add(g.frontier[f], i_list[f][j], p_list[f][j], e_list[f], v_list[f][j])))
         new.sort(key=lambda t: (-t[0], t[1]))
         g.frontier = [i for v, i in new[: o.max_frontier] if v >= o.threshold]
         if not sampling and g.frontier:
