@@ -62,8 +62,8 @@ def main() -> None:
                 compare(base, run)
                 runs.append(run)
                 print(f"{drafter:8} N={budget:<3} {mode:8} tau={run['tau']:.2f} tok/s={run['tokens_per_s']:.2f} "
-                      f"speedup={run['speedup']:.2f} build={run['build_ms_per_step']:.1f}ms "
-                      f"({run['build_pct_of_step']:.1f}%)", flush=True)
+                      f"speedup={run['speedup']:.2f} draft={run['draft_ms_per_step']:.1f}ms "
+                      f"build={run['build_ms_per_step']}ms ({run['build_pct_of_step']}%)", flush=True)
     for r in runs:
         r.pop("outputs")
     doc = {
@@ -100,16 +100,17 @@ def plot(doc: dict, path: Path) -> None:
         label = f"{d}/{m}"
         axes[0].bar(xs, [sel[b]["tau"] for b in budgets if b in sel], width, label=label)
         axes[1].bar(xs, [sel[b]["speedup"] for b in budgets if b in sel], width, label=label)
-        axes[2].bar(xs, [sel[b]["build_pct_of_step"] for b in budgets if b in sel], width, label=label)
+        axes[2].bar(xs, [sel[b]["build_pct_of_step"] or 0.0 for b in budgets if b in sel], width, label=label)
     for ax, title in zip(axes, ("tau (tokens per target forward)", "speedup over plain (tokens/s)",
-                                "tree build overhead (% of step)")):
+                                "tree-builder overhead (% of step; own: no builder)")):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(budgets))], [f"N={b}" for b in budgets])
         ax.set_title(title)
     axes[1].axhline(1.0, color="k", lw=0.8)
-    axes[0].legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), fontsize=8)
     fig.suptitle(f"SmolLM2-135M {doc['dtype']}, {doc['num_prompts']} Spec-Bench prompts x {doc['max_new_tokens']} "
                  f"tokens, batch 1, {doc['device']}, load avg {doc['load_avg_start'][0]}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
 
 

@@ -144,8 +144,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for r in result["runs"]:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         depth = " ".join(f"{x:.2f}" for x in r["accepted_per_depth"]) or "-"
+        build = f"{r['build_ms_per_step']:.1f}" if r["build_ms_per_step"] is not None else "-"
         print(f"{r['mode']:<10}{r['drafter']:<12}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}{sp:>9}"
-              f"{r['identical_to_none']!s:>11}{r['build_ms_per_step']:>10.1f}  {depth}")
+              f"{r['identical_to_none']!s:>11}{build:>10}  {depth}")
     print(f"wrote {out}")
     return 0
 

@@ -183,8 +183,9 @@ def run_mode(
         "step_ms": round(step_s / n * 1e3, 3),
         "forward_ms_per_step": round(t["forward_s"] / n * 1e3, 3),
         "draft_ms_per_step": round(t["draft_s"] / n * 1e3, 3),
-        "build_ms_per_step": round(build_s / n * 1e3, 3),
-        "build_pct_of_step": round(100 * build_s / step_s, 2) if step_s > 0 else 0.0,
+        # the builder's own time (draft minus the drafter's expand calls); none without a builder
+        "build_ms_per_step": round(build_s / n * 1e3, 3) if cfg.tree else None,
+        "build_pct_of_step": (round(100 * build_s / step_s, 2) if step_s > 0 else 0.0) if cfg.tree else None,
         "startup_s": round(startup, 3),
     })  # fmt: skip
     if categories is not None:
