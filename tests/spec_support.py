@@ -77,3 +77,23 @@ class OracleDrafter(Drafter):
                     prev = len(tokens) - 1
             trees.append(DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.ones(len(tokens))))
         return trees
+
+
+def synthetic_head_cache(path: Path, vocab: int, hidden_size: int, lens: Sequence[int], seed: int = 0):
+    """A Hydra training cache (see ``dyntree.training.data``) whose hidden state at token ``i`` is a
+    fixed vector of token ``i`` plus noise: head k's teacher is then a function of ``x_{g+k}``,
+    which sequential heads can learn."""
+    import numpy as np
+
+    from dyntree.training.data import HiddenCache
+
+    rng = np.random.default_rng(seed)
+    proto = rng.normal(0, 3, (vocab, hidden_size))
+    tokens = rng.integers(0, 60, sum(lens)).astype(np.int32)
+    hidden = (proto[tokens] + rng.normal(0, 0.1, (sum(lens), hidden_size))).astype(np.float16)
+    path.mkdir(parents=True)
+    np.save(path / "tokens.npy", tokens)
+    np.save(path / "hidden.npy", hidden)
+    np.save(path / "offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+    (path / "meta.json").write_text(json.dumps({"hidden_size": hidden_size, "sequences": len(lens), "tokens": sum(lens)}))
+    return HiddenCache(path)

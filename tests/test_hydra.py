@@ -20,6 +20,7 @@ from dyntree.common.hydra import (
 )
 from dyntree.standalone.hydra_drafter import HydraDrafter, parse_hydra_options
 from dyntree.training.trainer import HeadData, TrainConfig, _losses, evaluate, reduced_token_map, train
+from spec_support import synthetic_head_cache
 
 D, VOCAB = 16, 97
 IDENT = TargetIdentity("tiny", D, VOCAB, "ab" * 32)
@@ -208,21 +209,7 @@ def test_generate_cache_is_consistent(tmp_path: Path) -> None:
 
 
 def _synthetic_cache(path: Path, seed: int = 0):
-    """A cache whose hidden state at token i is a fixed vector of token i (plus noise): head k's
-    teacher is then a function of x_{g+k}, which the sequential heads can learn."""
-    from dyntree.training.data import HiddenCache
-
-    rng = np.random.default_rng(seed)
-    proto = rng.normal(0, 3, (VOCAB, D))
-    lens = [30] * 24
-    tokens = rng.integers(0, 60, sum(lens)).astype(np.int32)
-    hidden = (proto[tokens] + rng.normal(0, 0.1, (sum(lens), D))).astype(np.float16)
-    path.mkdir(parents=True)
-    np.save(path / "tokens.npy", tokens)
-    np.save(path / "hidden.npy", hidden)
-    np.save(path / "offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
-    (path / "meta.json").write_text(json.dumps({"hidden_size": D, "sequences": len(lens), "tokens": sum(lens)}))
-    return HiddenCache(path)
+    return synthetic_head_cache(path, VOCAB, D, [30] * 24, seed)
 
 
 def test_tiny_training_run_reduces_loss(tmp_path: Path) -> None:

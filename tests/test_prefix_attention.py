@@ -11,7 +11,7 @@ from typing import Any, Hashable, Sequence
 import pytest
 import torch
 
-from spec_support import OracleDrafter, tiny_llama
+from spec_support import OracleDrafter, synthetic_head_cache, tiny_llama
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.controller import Plan
 from dyntree.common.drafter import DraftRequest, make_drafter
@@ -307,22 +307,8 @@ def test_engine_new_hidden_rows_equal_a_plain_forward(tok, alternate: bool) -> N
 
 
 def _synthetic_cache(path: Path, seed: int = 0):
-    """As in test_hydra: the hidden state at token i is a noisy vector of token i."""
-    import numpy as np
-
-    from dyntree.training.data import HiddenCache
-
-    rng = np.random.default_rng(seed)
-    proto = rng.normal(0, 3, (VOCAB, D))
-    lens = [30, 12, 25, 30, 7, 30, 18, 30] * 3
-    tokens = rng.integers(0, 60, sum(lens)).astype(np.int32)
-    hidden = (proto[tokens] + rng.normal(0, 0.1, (sum(lens), D))).astype(np.float16)
-    path.mkdir(parents=True)
-    np.save(path / "tokens.npy", tokens)
-    np.save(path / "hidden.npy", hidden)
-    np.save(path / "offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
-    (path / "meta.json").write_text(json.dumps({"hidden_size": D, "sequences": len(lens), "tokens": sum(lens)}))
-    return HiddenCache(path)
+    """Sequences of uneven lengths, so windows meet sequence starts."""
+    return synthetic_head_cache(path, VOCAB, D, [30, 12, 25, 30, 7, 30, 18, 30] * 3, seed)
 
 
 def test_windows_stay_inside_one_sequence(tmp_path: Path) -> None:
