@@ -135,11 +135,13 @@ class DraftCost:
         self._xx = torch.zeros(3, 3, dtype=torch.float64)
         self._xy = torch.zeros(3, dtype=torch.float64)
         self.coef = self.prior.clone()
+        self._abc = tuple(self.coef.tolist())  # the planner calls this per candidate: plain floats
 
     def __call__(self, depth: int, nodes: int) -> float:
         if nodes <= 0:
             return 0.0
-        return float(self.coef @ torch.tensor([1.0, depth, nodes], dtype=torch.float64))
+        a, b, c = self._abc
+        return a + b * depth + c * nodes
 
     def observe(self, depth: int, nodes: int, ms: float) -> None:
         """One measured drafting step (``nodes`` > 0)."""
@@ -150,6 +152,7 @@ class DraftCost:
         self._xy = self.forget * self._xy + x * ms
         coef = torch.linalg.solve(self._xx + self.ridge, self._xy + self.ridge @ self.prior)
         self.coef = coef.clamp_min(0.0)
+        self._abc = tuple(self.coef.tolist())
 
 
 @dataclass
@@ -194,23 +197,28 @@ class SpeculationController:
             return self.options.sibling_gain_prior
         return min(max(math.log1p(-catch) / log_miss, 0.0), 1.0)
 
-    def expected_table(self, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(E[n], best_depth[n])`` for ``n = 0..max_nodes`` draft nodes at acceptance ``alpha``."""
+    def expected_table(self, alpha: float) -> tuple[list[float], list[int]]:
+        """``(E[n], best_depth[n])`` for ``n = 0..max_nodes`` draft nodes at acceptance ``alpha``.
+
+        Plain Python floats: the table is small (``max_nodes x max_depth``) and recomputed for
+        every request every step, where tensor ops would cost more in dispatch than in math."""
         o = self.options
         if o.max_depth == 0:
-            return torch.zeros(o.max_nodes + 1, dtype=torch.float64), torch.zeros(o.max_nodes + 1, dtype=torch.int64)
-        n = torch.arange(o.max_nodes + 1, dtype=torch.float64)[:, None]
-        d = torch.arange(1, o.max_depth + 1, dtype=torch.float64)[None, :]
-        width = (n / d).clamp_min(1.0)
-        beta = 1 - (1 - alpha) ** (1 + self.sibling_gain * (width - 1))
-        beta = beta.clamp(0, 1 - 1e-12)
-        e = beta * (1 - beta**d) / (1 - beta)
-        feasible = (d <= n) & ((d == n) if not o.allow_trees else torch.ones_like(e, dtype=torch.bool))
-        e = torch.where(feasible, e, torch.full_like(e, -1.0))  # -1: no such tree
-        best, arg = e.max(dim=1)
-        best[0] = 0.0
-        depth = arg + 1
-        depth[0] = 0
+            return [0.0] * (o.max_nodes + 1), [0] * (o.max_nodes + 1)
+        gain = self.sibling_gain
+        best, depth = [0.0], [0]
+        for n in range(1, o.max_nodes + 1):
+            e_best, d_best = -1.0, 0  # -1: no such tree
+            for d in range(1, min(n, o.max_depth) + 1):
+                if not o.allow_trees and d != n:
+                    continue
+                beta = 1 - (1 - alpha) ** (1 + gain * (max(n / d, 1.0) - 1))
+                beta = min(max(beta, 0.0), 1 - 1e-12)
+                e = beta * (1 - beta**d) / (1 - beta)
+                if e > e_best:
+                    e_best, d_best = e, d
+            best.append(e_best)
+            depth.append(d_best)
         return best, depth
 
     # -- planning -------------------------------------------------------------------------------
@@ -221,7 +229,7 @@ class SpeculationController:
         if b == 0:
             return []
         alphas = [self.alpha(r) for r in request_ids]
-        cache: dict[float, tuple[tuple[torch.Tensor, torch.Tensor], list[tuple[float, int, int]]]] = {}
+        cache: dict[float, tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]] = {}
         for a in set(alphas):
             table = self.expected_table(a)
             cache[a] = (table, self._hull(table[0]))
@@ -257,18 +265,16 @@ class SpeculationController:
                 plans.append(Plan("chain" if d == n else "tree", n, d))
         return plans
 
-    def _hull(self, e: torch.Tensor) -> list[tuple[float, int, int]]:
+    def _hull(self, e: list[float]) -> list[tuple[float, int, int]]:
         """Upper-concave-hull steps ``(gain per node, n_from, n_to)`` of ``E[n]`` worth taking."""
         o = self.options
         steps, n = [], 0
         while n < o.max_nodes:
-            ahead = torch.arange(n + 1, o.max_nodes + 1)
-            gains = (e[n + 1 :] - e[n]) / (ahead - n)
-            gains = torch.where(e[n + 1 :] < 0, torch.full_like(gains, -1.0), gains)
-            j = int(gains.argmax())
-            if float(gains[j]) < o.min_node_value:
+            gains = [(e[m] - e[n]) / (m - n) if e[m] >= 0 else -1.0 for m in range(n + 1, o.max_nodes + 1)]
+            j = max(range(len(gains)), key=gains.__getitem__)  # first of the largest
+            if gains[j] < o.min_node_value:
                 break
-            steps.append((float(gains[j]), n, n + j + 1))
+            steps.append((gains[j], n, n + j + 1))
             n = n + j + 1
         return steps
 
