@@ -82,6 +82,21 @@ def test_measured_drafting_overhead_turns_speculation_off() -> None:
     assert ctrl.plan([0])[0] == Plan("none", 0, 0)
 
 
+def test_padded_batches_are_priced_by_their_widest_tree() -> None:
+    # Forwards are free up to 8 query tokens, then cost grows with tokens. One of 8 requests
+    # accepts everything, the others nothing. Varlen verification (8 + n tokens) lets the good
+    # request speculate; a padded batch would pay 8 x (1 + n) tokens for it, so nobody does.
+    cost = {1: 10.0, 8: 10.5, 16: 20.0, 64: 80.0, 512: 640.0}
+    varlen, padded = SpeculationController(CostModel(cost)), SpeculationController(CostModel(cost), padded=True)
+    for ctrl in (varlen, padded):
+        _feed(ctrl, 0, accept_all=True)
+        for rid in range(1, 8):
+            _feed(ctrl, rid, accept_all=False)
+    assert varlen.plan(list(range(8)))[0].max_nodes > 0
+    assert all(p == Plan("none", 0, 0) for p in padded.plan(list(range(8))))
+    assert padded._verify_tokens(8, 3, 2) == 24 and varlen._verify_tokens(8, 3, 2) == 11
+
+
 def test_free_verification_and_high_acceptance_grow_the_tree() -> None:
     opts = ControllerOptions(max_nodes=32, max_depth=8)
     ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), opts)

@@ -14,7 +14,9 @@
   Every request's node increments, ordered by expected accepted tokens per added query token
   (the upper concave hull of its ``E``), are merged across the batch; the controller takes the
   prefix of that list that maximises predicted tokens per millisecond, and speculates only if
-  that beats plain decoding by ``min_gain``. Drafting is priced too: a :class:`DraftCost`
+  that beats plain decoding by ``min_gain``. An engine that pads every tree of a batch to the
+  widest one (the standalone engine; ``padded=True``) pays ``batch x (1 + widest)`` query tokens,
+  and the plan is priced that way. Drafting is priced too: a :class:`DraftCost`
   (ms vs. tree depth and batch draft nodes) starts from the ``draft_ms_*`` options and is fitted
   online to the measured drafting time of each step (tree building included), so a drafter
   whose overhead eats the gain is turned down. When a forward's cost grows in proportion to its
@@ -164,8 +166,9 @@ class _RequestState:
 class SpeculationController:
     """Decides per step and per request: no speculation, a chain, or a tree with ``(N, D)``."""
 
-    def __init__(self, cost: CostModel, options: ControllerOptions | None = None) -> None:
+    def __init__(self, cost: CostModel, options: ControllerOptions | None = None, padded: bool = False) -> None:
         self.cost = cost
+        self.padded = padded
         self.options = options or ControllerOptions()
         o = self.options
         self.draft_cost = DraftCost((o.draft_ms_fixed, o.draft_ms_per_depth, o.draft_ms_per_node))
@@ -239,14 +242,15 @@ class SpeculationController:
         segments.sort(key=lambda s: (-s[0], s[1], s[2]))
         plain = b / self.cost(b)
         best_rate, best_k = plain, 0
-        tokens, expected, max_depth = b, float(b), 0
+        nodes, widest, expected, max_depth = 0, 0, float(b), 0
         for k, (_, r, lo, hi) in enumerate(segments, start=1):
-            if tokens + hi - lo > o.max_batch_tokens:
+            tokens = self._verify_tokens(b, nodes + hi - lo, max(widest, hi))
+            if tokens > o.max_batch_tokens:
                 break
-            tokens += hi - lo
+            nodes, widest = nodes + hi - lo, max(widest, hi)
             expected += float(tables[r][0][hi] - tables[r][0][lo])
             max_depth = max(max_depth, int(tables[r][1][hi]))
-            rate = expected / (self.cost(tokens) + self.draft_cost(max_depth, tokens - b))
+            rate = expected / (self.cost(tokens) + self.draft_cost(max_depth, nodes))
             if rate > best_rate:
                 best_rate, best_k = rate, k
         alloc = [0] * b
@@ -264,6 +268,11 @@ class SpeculationController:
                 d = int(tables[r][1][n])
                 plans.append(Plan("chain" if d == n else "tree", n, d))
         return plans
+
+    def _verify_tokens(self, batch: int, nodes: int, widest: int) -> int:
+        """Query tokens of the verify forward: roots plus draft nodes, or, for an engine that
+        pads every tree of the batch to the widest (``padded``), ``batch x (1 + widest)``."""
+        return batch * (1 + widest) if self.padded else batch + nodes
 
     def _hull(self, e: list[float]) -> list[tuple[float, int, int]]:
         """Upper-concave-hull steps ``(gain per node, n_from, n_to)`` of ``E[n]`` worth taking."""
@@ -326,11 +335,12 @@ class SpeculationController:
 
     def predicted_rate(self, request_ids: Sequence[Hashable], plans: Sequence[Plan]) -> float:
         """Predicted committed tokens per millisecond of ``plans`` (for logs and tests)."""
-        tokens, expected, depth = len(plans), float(len(plans)), 0
+        nodes, expected, depth = 0, float(len(plans)), 0
         for rid, p in zip(request_ids, plans):
             if p.max_nodes:
                 e, _ = self.expected_table(self.alpha(rid))
-                tokens += p.max_nodes
+                nodes += p.max_nodes
                 expected += float(e[p.max_nodes])
                 depth = max(depth, p.max_depth)
-        return expected / (self.cost(tokens) + self.draft_cost(depth, tokens - len(plans)))
+        tokens = self._verify_tokens(len(plans), nodes, max((p.max_nodes for p in plans), default=0))
+        return expected / (self.cost(tokens) + self.draft_cost(depth, nodes))

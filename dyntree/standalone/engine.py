@@ -184,7 +184,8 @@ class SpecEngine:
             return 0.0
         t = time.perf_counter()
         self._cost = self._cost or self.measure_cost()
-        self.controller = SpeculationController(self._cost, self.spec.controller_options())
+        # this engine pads every tree of a batch to the widest: price plans that way
+        self.controller = SpeculationController(self._cost, self.spec.controller_options(), padded=True)
         return time.perf_counter() - t
 
     # -- one step ------------------------------------------------------------------------------
