@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16")
     ap.add_argument("--drafter", default="ngram")
+    ap.add_argument("--settings", default=",".join(s[0] for s in SETTINGS),
+                    help="comma-separated subset of the settings compared with plain decoding")
     ap.add_argument("--out", default=str(RESULTS / "modes_batch_sweep.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -69,7 +71,7 @@ def main() -> None:
         compare(base, base)
         base["setting"] = "plain"
         runs = [base]
-        for label, mode, spec in SETTINGS:
+        for label, mode, spec in (s for s in SETTINGS if s[0] in args.settings.split(",")):
             run = run_mode(model, tok, encoded, ids, mode, spec.model_copy(update={"drafter": args.drafter}),
                            params, b, cost)
             compare(base, run)
@@ -107,7 +109,7 @@ def plot(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for setting in ("plain", *(s[0] for s in SETTINGS)):
+    for setting in ("plain", *(s[0] for s in SETTINGS if any(r["setting"] == s[0] for r in doc["runs"]))):
         sel = sorted((r for r in doc["runs"] if r["setting"] == setting), key=lambda r: r["batch_size"])
         bs = [r["batch_size"] for r in sel]
         axes[0].plot(bs, [r["decode_tokens_per_s"] for r in sel], marker="o", label=setting)
