@@ -37,6 +37,11 @@ def main() -> None:
     ap.add_argument("--budgets", default="16,32,64")
     ap.add_argument("--drafters", default="ngram")
     ap.add_argument("--modes", default="own,chain,static,dyntree", help="modes of a drafter with expand_batch")
+    ap.add_argument(
+        "--dyntree-thresholds", default="",
+        help="comma-separated path-value thresholds: run dyntree once per value (default: the option's "
+        "default); 0 fills the node budget, for a comparison at equal node counts",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--dtype", default="bf16", help="fp32 (exact), bf16 or fp16")
@@ -53,15 +58,18 @@ def main() -> None:
     base = run_mode(model, tok, encoded, ids, "none", SpecConfig(drafter="none"), params, 1)
     compare(base, base)
     runs = [base]
+    thresholds = [float(t) for t in args.dyntree_thresholds.split(",") if t]
     for drafter in args.drafters.split(","):
         builder = make_drafter(drafter, model=model, tokenizer=tok).drafts_with_builder
         for budget in (int(b) for b in args.budgets.split(",")):
             spec = SpecConfig(drafter=drafter, max_nodes=budget, max_depth=min(8, budget))
-            for mode in args.modes.split(",") if builder else ("own",):
-                run = run_mode(model, tok, encoded, ids, mode, spec, params, 1)
+            for mode, s in variants(args.modes.split(",") if builder else ["own"], spec, thresholds):
+                run = run_mode(model, tok, encoded, ids, mode, s, params, 1)
                 compare(base, run)
+                run["threshold"] = s.tree_options.threshold if mode == "dyntree" else None
                 runs.append(run)
-                print(f"{drafter:8} N={budget:<3} {mode:8} tau={run['tau']:.2f} tok/s={run['tokens_per_s']:.2f} "
+                print(f"{drafter:8} N={budget:<3} {mode:8} thr={run['threshold']} tau={run['tau']:.2f} "
+                      f"nodes={run['draft_nodes_per_step']:.1f} tok/s={run['tokens_per_s']:.2f} "
                       f"speedup={run['speedup']:.2f} draft={run['draft_ms_per_step']:.1f}ms "
                       f"build={run['build_ms_per_step']}ms ({run['build_pct_of_step']}%)", flush=True)
     for r in runs:
@@ -82,20 +90,36 @@ def main() -> None:
     print(f"wrote {out}")
 
 
+def variants(modes: list[str], spec: SpecConfig, thresholds: list[float]) -> list[tuple[str, SpecConfig]]:
+    """(mode, config) pairs to run: ``dyntree`` once per path-value threshold (none: the default)."""
+    out = []
+    for mode in modes:
+        for t in thresholds if mode == "dyntree" and thresholds else [None]:
+            fields = spec.model_dump(exclude_unset=True)
+            if t is not None:
+                fields["tree_options"] = {**fields.get("tree_options", {}), "threshold": t}
+            out.append((mode, SpecConfig.model_validate(fields)))
+    return out
+
+
 def plot(doc: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def series(r: dict) -> str:  # dyntree runs at several thresholds are separate series
+        t = r.get("threshold")
+        return r["mode"] if t is None else f"{r['mode']} thr={t:g}"
+
     runs = [r for r in doc["runs"] if r["mode"] != "none"]
     budgets = sorted({r["max_nodes"] for r in runs})
-    modes = [m for m in ("own", "chain", "static", "dyntree") if any(r["mode"] == m for r in runs)]
+    modes = sorted({series(r) for r in runs}, key=lambda m: (["own", "chain", "static", "dyntree"].index(m.split()[0]), m))
     drafters = sorted({r["drafter"] for r in runs})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     width = 0.8 / max(1, len(modes) * len(drafters))
     for k, (d, m) in enumerate((d, m) for d in drafters for m in modes):
-        sel = {r["max_nodes"]: r for r in runs if r["drafter"] == d and r["mode"] == m}
+        sel = {r["max_nodes"]: r for r in runs if r["drafter"] == d and series(r) == m}
         xs = [i + k * width for i, b in enumerate(budgets) if b in sel]
         label = f"{d}/{m}"
         axes[0].bar(xs, [sel[b]["tau"] for b in budgets if b in sel], width, label=label)
