@@ -135,3 +135,20 @@ def test_bench_runs_every_mode_with_overhead_fields() -> None:
             assert 0 <= run["build_pct_of_step"] <= 100
     with pytest.raises(ValueError, match="unknown mode 'tree'"):
         mode_spec("tree", spec)
+
+
+def test_modes_eval_runs_dyntree_once_per_threshold() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "modes_eval.py"
+    spec_ = importlib.util.spec_from_file_location("modes_eval", path)
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    base = SpecConfig(drafter="ngram", max_nodes=16, max_depth=8, tree_options={"max_children": 6})
+    runs = mod.variants(["chain", "dyntree"], base, [0.02, 0.0])
+    assert [(m, s.tree_options.threshold) for m, s in runs] == [("chain", 0.02), ("dyntree", 0.02), ("dyntree", 0.0)]
+    assert all(s.max_nodes == 16 and s.max_depth == 8 and s.tree_options.max_children == 6 for _, s in runs)
+    assert [s.tree_options.threshold for _, s in mod.variants(["dyntree"], base, [])] == [base.tree_options.threshold]
+    with pytest.raises(ValueError, match="threshold"):
+        mod.variants(["dyntree"], base, [1.5])
