@@ -374,10 +374,12 @@ class TreeBuilder:
                 new.append((v_list[f][j], g.add(g.frontier[f], i_list[f][j], p_list[f][j], e_list[f], v_list[f][j])))
         new.sort(key=lambda t: (-t[0], t[1]))
         g.frontier = [i for v, i in new[: o.max_frontier] if v >= o.threshold]
-        if not sampling and g.frontier:
-            best = g.values[g.frontier[0]]
-            if sum(v >= best for v in g.values[1:]) >= g.max_nodes:
-                g.frontier = []  # N nodes at least as good exist: nothing deeper can make the cut
+        if not sampling and g.frontier and g.drafted >= g.max_nodes:
+            # A descendant's value is at most its ancestor's, and it comes later (ties lose): below a
+            # frontier node worth no more than the N-th best node so far, nothing can make the final
+            # cut, so that node is not expanded at all.
+            cut = sorted(g.values[1:], reverse=True)[g.max_nodes - 1]
+            g.frontier = [i for i in g.frontier if g.values[i] > cut]
 
     # -- assembly -------------------------------------------------------------------------------
     def _finish(self, g: _Growth, sampling: bool, vocab: int | None, mode: TreeMode) -> BuiltTree:
