@@ -23,6 +23,7 @@ import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafter import make_drafter
+from dyntree.common.options import TreeOptions
 from dyntree.models import load_model, parse_dtype, resolve_device
 from dyntree.standalone.bench import _device, _versions, compare, encode_prompt, load_prompts, run_mode
 
@@ -42,6 +43,7 @@ def main() -> None:
         help="comma-separated path-value thresholds: run dyntree once per value (default: the option's "
         "default); 0 fills the node budget, for a comparison at equal node counts",
     )
+    ap.add_argument("--max-children", type=int, default=None, help="dyntree: most children of one node")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--dtype", default="bf16", help="fp32 (exact), bf16 or fp16")
@@ -63,10 +65,11 @@ def main() -> None:
         builder = make_drafter(drafter, model=model, tokenizer=tok).drafts_with_builder
         for budget in (int(b) for b in args.budgets.split(",")):
             spec = SpecConfig(drafter=drafter, max_nodes=budget, max_depth=min(8, budget))
-            for mode, s in variants(args.modes.split(",") if builder else ["own"], spec, thresholds):
+            for mode, s in variants(args.modes.split(",") if builder else ["own"], spec, thresholds, args.max_children):
                 run = run_mode(model, tok, encoded, ids, mode, s, params, 1)
                 compare(base, run)
                 run["threshold"] = s.tree_options.threshold if mode == "dyntree" else None
+                run["max_children"] = s.tree_options.max_children if mode == "dyntree" else None
                 runs.append(run)
                 print(f"{drafter:8} N={budget:<3} {mode:8} thr={run['threshold']} tau={run['tau']:.2f} "
                       f"nodes={run['draft_nodes_per_step']:.1f} tok/s={run['tokens_per_s']:.2f} "
@@ -90,14 +93,19 @@ def main() -> None:
     print(f"wrote {out}")
 
 
-def variants(modes: list[str], spec: SpecConfig, thresholds: list[float]) -> list[tuple[str, SpecConfig]]:
-    """(mode, config) pairs to run: ``dyntree`` once per path-value threshold (none: the default)."""
+def variants(
+    modes: list[str], spec: SpecConfig, thresholds: list[float], max_children: int | None = None
+) -> list[tuple[str, SpecConfig]]:
+    """(mode, config) pairs to run: ``dyntree`` once per path-value threshold (none: the default),
+    with ``max_children`` when given."""
     out = []
     for mode in modes:
         for t in thresholds if mode == "dyntree" and thresholds else [None]:
             fields = spec.model_dump(exclude_unset=True)
-            if t is not None:
-                fields["tree_options"] = {**fields.get("tree_options", {}), "threshold": t}
+            extra = {} if mode != "dyntree" else {"threshold": t, "max_children": max_children}
+            extra = {k: v for k, v in extra.items() if v is not None}
+            if extra:
+                fields["tree_options"] = {**fields.get("tree_options", {}), **extra}
             out.append((mode, SpecConfig.model_validate(fields)))
     return out
 
@@ -108,9 +116,10 @@ def plot(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def series(r: dict) -> str:  # dyntree runs at several thresholds are separate series
-        t = r.get("threshold")
-        return r["mode"] if t is None else f"{r['mode']} thr={t:g}"
+    def series(r: dict) -> str:  # dyntree runs at several thresholds / widths are separate series
+        t, k = r.get("threshold"), r.get("max_children")
+        label = r["mode"] if t is None else f"{r['mode']} thr={t:g}"
+        return label if k in (None, TreeOptions().max_children) else f"{label} k<={k}"
 
     runs = [r for r in doc["runs"] if r["mode"] != "none"]
     budgets = sorted({r["max_nodes"] for r in runs})

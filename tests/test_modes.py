@@ -150,5 +150,7 @@ def test_modes_eval_runs_dyntree_once_per_threshold() -> None:
     assert [(m, s.tree_options.threshold) for m, s in runs] == [("chain", 0.02), ("dyntree", 0.02), ("dyntree", 0.0)]
     assert all(s.max_nodes == 16 and s.max_depth == 8 and s.tree_options.max_children == 6 for _, s in runs)
     assert [s.tree_options.threshold for _, s in mod.variants(["dyntree"], base, [])] == [base.tree_options.threshold]
+    wide = mod.variants(["static", "dyntree"], base, [0.0], max_children=8)
+    assert [(m, s.tree_options.max_children) for m, s in wide] == [("static", 6), ("dyntree", 8)]
     with pytest.raises(ValueError, match="threshold"):
         mod.variants(["dyntree"], base, [1.5])
