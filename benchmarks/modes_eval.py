@@ -102,10 +102,11 @@ def variants(
     for mode in modes:
         for t in thresholds if mode == "dyntree" and thresholds else [None]:
             fields = spec.model_dump(exclude_unset=True)
-            extra = {} if mode != "dyntree" else {"threshold": t, "max_children": max_children}
-            extra = {k: v for k, v in extra.items() if v is not None}
-            if extra:
-                fields["tree_options"] = {**fields.get("tree_options", {}), **extra}
+            tree = fields.setdefault("tree_options", {})
+            if t is not None:
+                tree["threshold"] = t
+            if mode == "dyntree" and max_children is not None:
+                tree["max_children"] = max_children
             out.append((mode, SpecConfig.model_validate(fields)))
     return out
 
