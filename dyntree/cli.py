@@ -104,14 +104,15 @@ def _load(args: argparse.Namespace):
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from dyntree.common.drafter import check_drafter_spec, make_drafter
+    from dyntree.common.drafters import check_drafter_spec
     from dyntree.standalone.bench import encode_prompt
     from dyntree.standalone.engine import SpecEngine
+    from dyntree.standalone.target import make_hf_drafter
 
     spec, params = _configs(args)
     check_drafter_spec(spec.drafter)  # refuse a bad spec before the (slow) model load
     model, tok = _load(args)
-    engine = SpecEngine(model, tok, make_drafter(spec.drafter, model=model, tokenizer=tok), spec)
+    engine = SpecEngine(model, tok, make_hf_drafter(spec.drafter, model, tok), spec)
     out = engine.generate([encode_prompt(tok, args.prompt, args.chat)], params)[0]
     print(out.text)
     depth = ", ".join(f"d{d + 1}={n / out.steps:.2f}" for d, n in enumerate(out.accepted_per_depth)) or "-"
@@ -125,7 +126,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from dyntree.common.drafter import check_drafter_spec
+    from dyntree.common.drafters import check_drafter_spec
     from dyntree.standalone.bench import load_prompts, run_bench
 
     spec, params = _configs(args)

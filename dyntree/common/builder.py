@@ -2,8 +2,10 @@
 
 A drafter that can score arbitrary frontier nodes supplies ``expand``: given frontier node
 indices of the tree under construction (and the :class:`PartialTree` itself, for the tokens along
-each node's path) it returns ``[F, V]`` draft probabilities of the token after each frontier node,
-in ONE batched call per depth. The builder grows the tree from the root, depth by depth:
+each node's path) and ``k``, it returns the top-``k`` :class:`~dyntree.common.drafter.Candidates`
+(token ids, draft probabilities, and each row's entropy) of the token after each frontier node, in
+ONE batched call per depth. The builder never touches the whole vocabulary. It grows the tree
+from the root, depth by depth:
 
 * ``chain``: one child per depth (top-1, or one sample), ``min(max_nodes, max_depth)`` long.
 * ``static``: a fixed shape of rank paths (default: Medusa's 63-node ``mc_sim_7b_63``) truncated
@@ -15,9 +17,15 @@ in ONE batched call per depth. The builder grows the tree from the root, depth b
   accepted) reaches ``threshold``. Greedy trees are then trimmed to the ``max_nodes`` best nodes
   by path value: values never grow along a path, so the kept set is ancestor-closed and its total
   value (the expected number of accepted tokens) is the largest possible for the candidates seen.
+* ``beam``: best-first by draft probability: every frontier node offers its top-``beam_topk``
+  children, and the ``beam_width`` best by path probability (product of draft probabilities
+  from the root) become the next frontier, until the node budget or ``max_depth`` (the Hydra and
+  self-draft drafters' own trees). Deterministic even when sampling (point-mass proposals).
 
-Sampling (``sampling=True``): children are *drawn* from the draft distribution by the scheme the
-verifier assumes (:mod:`dyntree.common.sampling`; default without replacement) and the tree
+Sampling (``sampling=True``): children are *drawn* from the draft distribution, the candidates'
+probabilities renormalised over the top ``max(k, sampling_support)`` (any proposal is lossless as
+long as the verifier knows it exactly: the tree's ``draft_dists`` rows are that distribution), by
+the scheme the verifier assumes (:mod:`dyntree.common.sampling`; default without replacement) and the tree
 carries ``draft_dists``. How many children a node gets is decided *before* drawing them (from the
 node's own distribution, its path value and the other frontier nodes, never from the drawn tokens
 themselves), and drawn nodes are never trimmed afterwards: dropping a draw after looking at it
@@ -27,12 +35,14 @@ with :func:`~dyntree.common.sampling.sample_verify` they are point-mass proposal
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
-from dyntree.common.calibration import Calibrator, entropy
+from dyntree.common.calibration import Calibrator
+from dyntree.common.drafter import Candidates
 from dyntree.common.options import SamplingScheme, TreeMode, TreeOptions
 from dyntree.common.tree import DraftTree
 
@@ -76,8 +86,8 @@ class PartialTree:
         return out[::-1]
 
 
-ExpandFn = Callable[[list[int], PartialTree], torch.Tensor]
-BatchExpandFn = Callable[[list[list[int]], list[PartialTree]], Sequence[torch.Tensor]]
+ExpandFn = Callable[[list[int], PartialTree, int], Candidates]
+BatchExpandFn = Callable[[list[list[int]], list[PartialTree], int], Sequence[Candidates]]
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,8 @@ class BuiltTree(DraftTree):
 def draw_children(
     q: torch.Tensor, counts: Sequence[int], scheme: SamplingScheme, generator: torch.Generator | None
 ) -> list[list[int]]:
-    """Draw ``counts[f]`` children from row ``f`` of ``q`` (``[F, V]``), in drawing order.
+    """Draw ``counts[f]`` children from row ``f`` of ``q`` (``[F, V]``, unnormalised), in drawing
+    order; returns column indices.
 
     ``without_replacement``: Gumbel-top-k, which is distributed exactly as drawing one token at a
     time and renormalising over the tokens not yet drawn. ``iid``: independent draws.
@@ -141,7 +152,8 @@ class _Growth:
     ents: list[float] = field(default_factory=lambda: [0.0])
     values: list[float] = field(default_factory=lambda: [1.0])
     shape_path: list[tuple[int, ...]] = field(default_factory=lambda: [()])
-    dists: dict[int, torch.Tensor] = field(default_factory=dict)
+    dists: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # sampling: support, probs
+    logp: list[float] = field(default_factory=lambda: [0.0])  # beam: path log draft probability
     frontier: list[int] = field(default_factory=lambda: [0])
     depth: int = 0
 
@@ -149,6 +161,7 @@ class _Growth:
         return PartialTree(self.tokens, self.parents, self.depths)
 
     def add(self, parent: int, token: int, prob: float, ent: float, value: float, shape: tuple[int, ...] = ()) -> int:
+        self.logp.append(self.logp[parent] + math.log(max(prob, 1e-30)))
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
@@ -186,14 +199,16 @@ class TreeBuilder:
         mode: TreeMode | None = None,
         sampling: bool = False,
         generator: torch.Generator | None = None,
+        vocab_size: int | None = None,
     ) -> BuiltTree:
         """One tree rooted at ``root`` (see :meth:`build_batch`)."""
 
-        def batch_expand(frontiers: list[list[int]], partials: list[PartialTree]) -> list[torch.Tensor]:
-            return [expand(frontiers[0], partials[0])]
+        def batch_expand(frontiers: list[list[int]], partials: list[PartialTree], k: int) -> list[Candidates]:
+            return [expand(frontiers[0], partials[0], k)]
 
         budget = None if max_nodes is None and max_depth is None else [(max_nodes, max_depth)]
-        return self.build_batch([root], batch_expand, budgets=budget, mode=mode, sampling=sampling, generator=generator)[0]
+        return self.build_batch([root], batch_expand, budgets=budget, mode=mode, sampling=sampling,
+                                generator=generator, vocab_size=vocab_size)[0]  # fmt: skip
 
     def build_batch(
         self,
@@ -204,23 +219,31 @@ class TreeBuilder:
         mode: TreeMode | None = None,
         sampling: bool = False,
         generator: torch.Generator | None = None,
+        vocab_size: int | None = None,
+        beam: tuple[int | None, int | None] = (None, None),
     ) -> list[BuiltTree]:
         """Grow one tree per root, calling ``expand`` once per depth for all of them.
 
         Args:
             roots: each tree's root token (the request's last committed token).
-            expand: ``expand(frontiers, partials) -> [Tensor[F_b, V]]``: per tree, draft
-                probabilities of the next token after each frontier node (an empty frontier's
-                entry is ignored).
+            expand: ``expand(frontiers, partials, k) -> [Candidates]``: per tree, the top-``k``
+                candidates after each of its frontier nodes (an empty frontier's entry is ignored).
             budgets: per tree ``(max_nodes, max_depth)``; ``None`` entries use the options.
-            mode: ``chain`` / ``static`` / ``dyntree`` (default: ``options.mode``).
-            sampling: draw children by ``options.sampling_scheme`` and attach ``draft_dists``.
-            generator: random source for sampling (on the device of ``expand``'s outputs).
+            mode: ``chain`` / ``static`` / ``dyntree`` / ``beam`` (default: ``options.mode``).
+            sampling: draw children by ``options.sampling_scheme`` and attach ``draft_dists``
+                (``vocab_size`` columns; required then).
+            generator: random source for sampling (CPU).
+            vocab_size: the target's vocabulary; candidate ids must lie below it.
+            beam: ``(width, topk)`` of ``beam`` trees (``None``: ``ceil(max_nodes / max_depth)``;
+                ``topk`` = width).
         """
         o = self.options
         mode = mode or o.mode
         if budgets is not None and len(budgets) != len(roots):
             raise ValueError(f"budgets has {len(budgets)} entries for {len(roots)} roots")
+        if sampling and vocab_size is None and mode != "beam":
+            raise ValueError("build_batch(sampling=True) needs vocab_size for the trees' draft_dists")
+        sampling = sampling and mode != "beam"
         growths = []
         for r, root in enumerate(roots):
             n_max, d_max = budgets[r] if budgets is not None else (None, None)
@@ -233,37 +256,33 @@ class TreeBuilder:
                 g.frontier = []
             growths.append(g)
         shape = self._shape(mode)
-        vocab: int | None = None
+        k = self._k(mode, shape, growths, beam)
+        if sampling:
+            k = max(k, o.sampling_support)
         while any(g.frontier for g in growths):
             frontiers = [list(g.frontier) for g in growths]
-            outs = expand(frontiers, [g.partial() for g in growths])
+            outs = expand(frontiers, [g.partial() for g in growths], k)
             if len(outs) != len(growths):
-                raise ValueError(f"expand returned {len(outs)} tensors for {len(growths)} trees")
-            for b, (g, q) in enumerate(zip(growths, outs)):
+                raise ValueError(f"expand returned {len(outs)} candidate sets for {len(growths)} trees")
+            for b, (g, c) in enumerate(zip(growths, outs)):
                 if not g.frontier:
                     continue
-                if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.shape[0] != len(g.frontier):
-                    got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
-                    raise ValueError(f"expand output for tree {b} must be [{len(g.frontier)}, V], got {got}")
-                if vocab is None:
-                    vocab = q.shape[1]
-                elif q.shape[1] != vocab:
-                    raise ValueError(f"expand output for tree {b} has vocab {q.shape[1]}, earlier {vocab}")
-                if not bool((q >= 0).all()):  # one pass: a negative entry or a NaN fails it
-                    raise ValueError(f"expand output for tree {b} must be probabilities (>= 0, no NaN)")
+                ids, probs, ents = self._check(b, c, len(g.frontier), vocab_size)
                 if sampling:
-                    for node, row in zip(g.frontier, q):
-                        g.dists[node] = row
+                    for node, row_ids, row_p in zip(g.frontier, ids.tolist(), probs.tolist()):
+                        g.dists[node] = (row_ids, row_p)
                 g.depth += 1
                 if mode == "chain":
-                    self._grow_chain(g, q, sampling, generator)
+                    self._grow_chain(g, ids, probs, ents, sampling, generator)
                 elif mode == "static":
-                    self._grow_static(g, q, shape, sampling, generator)
+                    self._grow_static(g, ids, probs, ents, shape, sampling, generator)
+                elif mode == "beam":
+                    self._grow_beam(g, ids, probs, ents, beam)
                 else:
-                    self._grow_dyntree(g, q, sampling, generator)
+                    self._grow_dyntree(g, ids, probs, ents, sampling, generator)
                 if g.depth >= g.max_depth or g.drafted >= g.max_nodes and (sampling or mode != "dyntree"):
                     g.frontier = []
-        return [self._finish(g, sampling, vocab, mode) for g in growths]
+        return [self._finish(g, sampling, vocab_size, mode) for g in growths]
 
     def observe(self, tree: DraftTree, accepted_nodes: Sequence[int]) -> int:
         """Feed one verification outcome to the calibrator; returns how many nodes were judged."""
@@ -275,58 +294,98 @@ class TreeBuilder:
             return self.options.static_shape or MEDUSA_63
         return ()
 
+    def _k(self, mode: TreeMode, shape: tuple[tuple[int, ...], ...], growths: list[_Growth],
+           beam: tuple[int | None, int | None]) -> int:
+        """Candidates per frontier row the mode can use."""
+        if mode == "chain":
+            return 1
+        if mode == "static":
+            return max((p[-1] + 1 for p in shape), default=1)
+        if mode == "beam":
+            return max((self._beam(g, beam)[1] for g in growths), default=1)
+        return self.options.max_children
+
+    @staticmethod
+    def _beam(g: _Growth, beam: tuple[int | None, int | None]) -> tuple[int, int]:
+        width = beam[0] or max(1, math.ceil(g.max_nodes / max(g.max_depth, 1)))
+        return width, beam[1] or width
+
+    @staticmethod
+    def _check(b: int, c: Candidates, rows: int, vocab: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The candidates of tree ``b`` on the CPU, checked."""
+        if not isinstance(c, Candidates) or c.ids.shape[0] != rows:
+            got = tuple(c.ids.shape) if isinstance(c, Candidates) else type(c).__name__
+            raise ValueError(f"expand output for tree {b} must be Candidates with {rows} rows, got {got}")
+        ids, probs, ents = c.ids.cpu(), c.probs.float().cpu(), c.entropy.float().cpu()
+        if not bool((probs >= 0).all()):  # one pass: a negative entry or a NaN fails it
+            raise ValueError(f"expand output for tree {b}: candidate probabilities must be >= 0 (no NaN)")
+        live = probs > 0
+        if bool(live.any()) and (int(ids[live].min()) < 0 or (vocab is not None and int(ids[live].max()) >= vocab)):
+            raise ValueError(f"expand output for tree {b}: candidate token ids must lie in [0, {vocab})")
+        return ids, probs, ents
+
     def _values(self, g: _Growth, nodes: list[int], conf: torch.Tensor, ents: torch.Tensor) -> torch.Tensor:
         """``[F, k]`` path values of children with confidences ``conf`` (``[F, k]``) under
         ``nodes`` (``F`` parents whose draft entropies are ``ents``), at depth ``g.depth``."""
-        conf = conf.float().cpu()
         depth = torch.full(conf.shape, g.depth, dtype=torch.int64)
-        cal = self.calibrator.predict(depth, conf, ents.float().cpu().reshape(-1, 1).expand(conf.shape))
+        cal = self.calibrator.predict(depth, conf, ents.reshape(-1, 1).expand(conf.shape))
         return torch.tensor([g.values[i] for i in nodes]).reshape(-1, 1) * cal
 
-    def _grow_chain(self, g: _Growth, q: torch.Tensor, sampling: bool, gen: torch.Generator | None) -> None:
-        node, row = g.frontier[0], q[0]
-        g.frontier = []
-        if not bool((row > 0).any()):
-            return
-        if sampling:
-            tok = draw_children(q[:1], [1], self.options.sampling_scheme, gen)[0][0]
-        else:
-            tok = int(row.argmax())
-        ent = entropy(row[None])
-        value = float(self._values(g, [node], row[tok].reshape(1, 1), ent)[0, 0])
-        g.frontier = [g.add(node, tok, float(row[tok]), float(ent[0]), value)]
+    def _draw(self, probs: torch.Tensor, counts: Sequence[int], gen: torch.Generator | None) -> list[list[int]]:
+        return draw_children(probs, counts, self.options.sampling_scheme, gen)
 
-    def _grow_static(
-        self, g: _Growth, q: torch.Tensor, shape: tuple[tuple[int, ...], ...], sampling: bool, gen: torch.Generator | None
-    ) -> None:
+    def _grow_chain(self, g: _Growth, ids: torch.Tensor, probs: torch.Tensor, ents: torch.Tensor,
+                    sampling: bool, gen: torch.Generator | None) -> None:
+        node = g.frontier[0]
+        g.frontier = []
+        if not bool((probs[0] > 0).any()):
+            return
+        j = self._draw(probs[:1], [1], gen)[0][0] if sampling else 0
+        p = probs[0, j] / probs[0].sum() if sampling else probs[0, j]
+        value = float(self._values(g, [node], p.reshape(1, 1), ents[:1])[0, 0])
+        g.frontier = [g.add(node, int(ids[0, j]), float(p), float(ents[0]), value)]
+
+    def _grow_static(self, g: _Growth, ids: torch.Tensor, probs: torch.Tensor, ents: torch.Tensor,
+                     shape: tuple[tuple[int, ...], ...], sampling: bool, gen: torch.Generator | None) -> None:
         allowed = [p for p in shape if len(p) <= g.max_depth][: g.max_nodes]
         allowed_set = set(allowed)
-        ents = entropy(q)
-        support = (q > 0).sum(-1).tolist()
+        support = (probs > 0).sum(-1).tolist()
         child_ranks = []
         for node, n_support in zip(g.frontier, support):
             base = g.shape_path[node]
             ranks = sorted(p[-1] for p in allowed_set if len(p) == len(base) + 1 and p[:-1] == base)
-            child_ranks.append(ranks[:n_support] if sampling else ranks)
+            child_ranks.append(ranks[:n_support] if sampling else [r for r in ranks if r < n_support])
         if sampling:
-            drawn = draw_children(q, [len(r) for r in child_ranks], self.options.sampling_scheme, gen)
+            cols = self._draw(probs, [len(r) for r in child_ranks], gen)
+            probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-30)
         else:
-            k = min(max((r[-1] + 1 for r in child_ranks if r), default=0), q.shape[1])
-            top = torch.topk(q, k, dim=-1).indices.tolist() if k else [[] for _ in g.frontier]
-            drawn = [[top[f][r] for r in ranks if r < k and float(q[f, top[f][r]]) > 0] for f, ranks in enumerate(child_ranks)]
-            child_ranks = [ranks[: len(d)] for ranks, d in zip(child_ranks, drawn)]
+            cols = child_ranks
         new = []
-        for f, (node, ranks, toks) in enumerate(zip(g.frontier, child_ranks, drawn)):
-            if not toks:
+        for f, (node, ranks, col) in enumerate(zip(g.frontier, child_ranks, cols)):
+            if not col:
                 continue
-            conf = q[f, toks].float()
-            vals = self._values(g, [node], conf[None], ents[f])[0]
-            for r, tok, c, v in zip(ranks, toks, conf.tolist(), vals.tolist()):
+            conf = probs[f, col]
+            vals = self._values(g, [node], conf[None], ents[f : f + 1])[0]
+            for r, j, c, v in zip(ranks, col, conf.tolist(), vals.tolist()):
                 path = g.shape_path[node] + (r,)
-                child = g.add(node, tok, c, float(ents[f]), v, path)
+                child = g.add(node, int(ids[f, j]), c, float(ents[f]), v, path)
                 if any(len(p) == len(path) + 1 and p[:-1] == path for p in allowed_set):
                     new.append(child)
         g.frontier = new
+
+    def _grow_beam(self, g: _Growth, ids: torch.Tensor, probs: torch.Tensor, ents: torch.Tensor,
+                   beam: tuple[int | None, int | None]) -> None:
+        width, topk = self._beam(g, beam)
+        room = g.max_nodes - g.drafted
+        p_list, i_list = probs[:, :topk].tolist(), ids[:, :topk].tolist()
+        cands = [(g.logp[node] + math.log(p), f, j) for f, (node, row) in enumerate(zip(g.frontier, p_list))
+                 for j, p in enumerate(row) if p > 0]
+        cands.sort(key=lambda c: -c[0])  # stable: frontier order, then rank
+        keep = cands[: min(width, room)]
+        frontier = list(g.frontier)
+        vals = self._values(g, frontier, probs[:, :topk], ents)
+        g.frontier = [g.add(frontier[f], i_list[f][j], p_list[f][j], float(ents[f]), float(vals[f, j]))
+                      for _, f, j in keep]
 
     def _max_children(self, ents: torch.Tensor) -> torch.Tensor:
         o = self.options
@@ -336,18 +395,17 @@ class TreeBuilder:
             frac = ((ents - o.entropy_low) / (o.entropy_high - o.entropy_low)).clamp(0, 1)
         return 1 + torch.round(frac * (o.max_children - 1)).long()
 
-    def _grow_dyntree(self, g: _Growth, q: torch.Tensor, sampling: bool, gen: torch.Generator | None) -> None:
+    def _grow_dyntree(self, g: _Growth, ids: torch.Tensor, probs: torch.Tensor, ents: torch.Tensor,
+                      sampling: bool, gen: torch.Generator | None) -> None:
         o = self.options
-        ents = entropy(q).cpu()
         k = self._max_children(ents)
-        if sampling:  # draws without replacement need that many tokens with mass; greedy: top_p > 0 below
-            k = torch.minimum(k, (q > 0).sum(-1).cpu())
-        kmax = min(int(k.max()) if k.numel() else 0, q.shape[1])
+        k = torch.minimum(k, (probs > 0).sum(-1))  # draws without replacement need that many tokens with mass
+        kmax = min(int(k.max()) if k.numel() else 0, probs.shape[1])
         if kmax == 0:
             g.frontier = []
             return
-        top_p, top_i = torch.topk(q.float(), kmax, dim=-1)
-        top_p, top_i = top_p.cpu(), top_i.cpu()
+        q = probs / probs.sum(-1, keepdim=True).clamp_min(1e-30) if sampling else probs
+        top_p = q[:, :kmax]
         # Candidate values from the top-k draft probabilities: exact for greedy children, and an
         # estimate made before drawing for sampled ones.
         vals = self._values(g, g.frontier, top_p, ents)
@@ -359,16 +417,16 @@ class TreeBuilder:
         new: list[tuple[float, int]] = []
         if sampling:
             counts = torch.bincount(torch.tensor(chosen, dtype=torch.int64) // kmax, minlength=len(g.frontier))
-            drawn = draw_children(q, counts.tolist(), o.sampling_scheme, gen)
-            for f, (node, toks) in enumerate(zip(g.frontier, drawn)):
-                if not toks:
+            drawn = self._draw(probs, counts.tolist(), gen)
+            for f, (node, cols) in enumerate(zip(g.frontier, drawn)):
+                if not cols:
                     continue
-                conf = q[f, toks].float()
-                child_vals = self._values(g, [node], conf[None], ents[f])[0]
-                for tok, c, v in zip(toks, conf.tolist(), child_vals.tolist()):
-                    new.append((v, g.add(node, tok, c, float(ents[f]), v)))
+                conf = q[f, cols]
+                child_vals = self._values(g, [node], conf[None], ents[f : f + 1])[0]
+                for j, c, v in zip(cols, conf.tolist(), child_vals.tolist()):
+                    new.append((v, g.add(node, int(ids[f, j]), c, float(ents[f]), v)))
         else:  # greedy children are the chosen candidates themselves: their values are known
-            p_list, i_list, v_list, e_list = top_p.tolist(), top_i.tolist(), vals.tolist(), ents.tolist()
+            p_list, i_list, v_list, e_list = top_p.tolist(), ids[:, :kmax].tolist(), vals.tolist(), ents.tolist()
             for c in chosen:  # sorted: parents in frontier order, each one's children in rank order
                 f, j = divmod(c, kmax)
                 new.append((v_list[f][j], g.add(g.frontier[f], i_list[f][j], p_list[f][j], e_list[f], v_list[f][j])))
@@ -391,11 +449,11 @@ class TreeBuilder:
         parents = [-1] + [remap[g.parents[i]] for i in keep[1:]]
         dists = None
         if sampling and vocab is not None:
-            dev = next(iter(g.dists.values())).device if g.dists else torch.device("cpu")
-            dists = torch.zeros(len(keep), vocab, device=dev)
-            for old, row in g.dists.items():
+            dists = torch.zeros(len(keep), vocab)
+            for old, (row_ids, row_p) in g.dists.items():
                 if old in remap:
-                    dists[remap[old]] = row.float()
+                    p = torch.tensor(row_p)
+                    dists[remap[old]].index_add_(0, torch.tensor(row_ids), p / p.sum().clamp_min(1e-30))
         return BuiltTree(
             torch.tensor([g.tokens[i] for i in keep], dtype=torch.int64),
             torch.tensor(parents, dtype=torch.int64),

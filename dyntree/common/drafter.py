@@ -1,128 +1,245 @@
 """The drafter contract: what every draft source (n-gram lookup, Hydra heads, quantized
-self-draft) implements, and the registry that turns a ``--drafter`` spec into an instance.
+self-draft) implements. Engine-neutral: a drafter sees request ids and token ids, hidden states
+pushed to it, and (the self-draft only) a small forward protocol an engine implements; never an
+engine's cache, batch rows or model classes.
 
-A drafter sees one :class:`DraftRequest` per live request and returns one
-:class:`~dyntree.common.tree.DraftTree` per request, rooted at the request's last committed
-token. It never sees engine internals beyond what the request carries; engines translate their
-own state into requests (the standalone engine, the vLLM and SGLang adapters).
+A drafter offers one or both of
+
+* :meth:`Drafter.expand`: top-k candidates for the token after each frontier node of trees under
+  construction, one batched call per depth; the :class:`~dyntree.common.builder.TreeBuilder`
+  grows every tree shape from it (``chain``, ``static``, ``dyntree``, and ``beam``, the drafter's
+  own best-first shape);
+* :meth:`Drafter.propose`: whole trees at once (the n-gram trie of continuations).
+
+The registry that turns a ``--drafter`` spec into an instance is :mod:`dyntree.common.drafters`.
 """
 
 from __future__ import annotations
 
-import importlib
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Hashable, Sequence
+from typing import TYPE_CHECKING, ClassVar, Hashable, Protocol, Sequence
 
 import torch
 
+from dyntree.common.calibration import entropy
+from dyntree.common.sampling import process_logits
 from dyntree.common.tree import DraftTree
 
 if TYPE_CHECKING:
     from dyntree.common.builder import PartialTree
+    from dyntree.common.config import SamplingParams
 
-__all__ = ["DraftRequest", "Drafter", "NoDrafter", "register_drafter", "make_drafter",
-           "check_drafter_spec", "drafter_names"]
+__all__ = ["DraftRequest", "Candidates", "top_candidates", "Drafter", "NoDrafter", "TargetInfo", "SelfDraftBackend"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class DraftRequest:
-    """Everything a drafter may use to propose a tree for one request.
+    """What a drafter knows of one request in one step.
 
     Attributes:
         request_id: engine-unique id, stable for the request's life.
-        token_ids: all committed tokens (prompt + generated); the last one is the tree root.
+        token_ids: all committed tokens (prompt + generated); the last one is the tree root,
+            the ones before it are in the target's KV cache (``kv_len`` of them).
         max_nodes: the most *draft* nodes the tree may hold (the root is not counted).
         max_depth: the deepest a draft node may sit (root depth 0).
-        hidden: the target's last-layer hidden state (after the final norm, i.e. the LM-head
-            input) at the committed token *before* the root: the state whose logits produced the
-            root. ``None`` when the engine has none (a one-token prompt) or the drafter does not
-            ask for it.
-        row: the request's row in the engine's batched target KV cache (for self-drafting).
-        kv_len: how many committed tokens the target KV cache holds for this request
-            (``len(token_ids) - 1``: the root is not cached yet).
-        new_hidden: ``[n_new, d]`` the target's last-layer hidden states (same kind as
-            ``hidden``) of the committed tokens at positions ``kv_len - n_new .. kv_len - 1``
-            (``token_ids[kv_len - n_new : kv_len]``), one row per token in position order: every
-            position whose state the engine computed since it last handed this request to the
-            drafter (at the first call: the prompt positions ``0 .. kv_len - 1``; later: the
-            tokens accepted by the verify steps since, root included, bonus excluded). So
-            ``new_hidden[-1]`` is ``hidden``, and the rows of all calls for a request, in order,
-            cover positions ``0 .. kv_len - 1`` exactly once. The root (position ``kv_len``) is
-            never included: its state is computed by the next verify step. ``None`` when there
-            are no new rows or the drafter does not ask for them (``needs_new_hidden``). A
-            request handed over several times in one step (one :meth:`Drafter.expand_batch`
-            call per depth) carries the same rows each time.
     """
 
     request_id: Hashable
     token_ids: Sequence[int]
     max_nodes: int
     max_depth: int
-    hidden: torch.Tensor | None = None
-    row: int = 0
-    kv_len: int = 0
-    new_hidden: torch.Tensor | None = None
 
     @property
     def root(self) -> int:
         return int(self.token_ids[-1])
 
+    @property
+    def kv_len(self) -> int:
+        """Committed tokens whose KV the target holds (all but the root)."""
+        return len(self.token_ids) - 1
 
-class Drafter(ABC):
-    """Proposes draft trees. Subclasses set ``name`` and implement :meth:`propose`.
 
-    Class flags tell the engine what to supply:
-        needs_hidden: fill :attr:`DraftRequest.hidden`.
-        needs_new_hidden: fill :attr:`DraftRequest.new_hidden` (the hidden states of every
-            committed token, delivered once; for drafters that keep a state over the whole
-            prefix). A class or instance attribute: a drafter may decide it per instance.
-        needs_target_kv: pass the engine's target KV cache object as ``target_kv`` to
-            :meth:`propose` (self-drafting reads the target's prefix KV; it must not modify it).
-        samples: the trees carry ``draft_dists`` (required for lossless sampling).
-        drafts_with_builder: the drafter implements :meth:`expand_batch`, so the engine can shape
-            its trees with :class:`~dyntree.common.builder.TreeBuilder` (``SpecConfig.tree`` =
-            ``chain`` / ``static`` / ``dyntree``) instead of calling :meth:`propose`.
+@dataclass(frozen=True)
+class Candidates:
+    """Top-k next-token candidates for ``F`` frontier rows (flat over a batch, in request order).
+
+    Attributes:
+        ids: ``[F, k]`` int64 token ids, most likely first.
+        probs: ``[F, k]`` float32 draft probabilities (0: no candidate in that slot; a row of
+            zeros: the node gets no children).
+        entropy: ``[F]`` float32 entropy (nats) of the row's *whole* draft distribution.
+    """
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+    entropy: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.ids.dim() != 2 or self.probs.shape != self.ids.shape or self.entropy.shape != self.ids.shape[:1]:
+            raise ValueError(
+                f"Candidates: ids {tuple(self.ids.shape)}, probs {tuple(self.probs.shape)} and entropy "
+                f"{tuple(self.entropy.shape)} must be [F, k], [F, k] and [F]"
+            )
+
+    @classmethod
+    def empty(cls, rows: int, k: int = 1) -> "Candidates":
+        """``rows`` rows without candidates."""
+        return cls(torch.zeros(rows, k, dtype=torch.int64), torch.zeros(rows, k), torch.zeros(rows))
+
+    @classmethod
+    def cat(cls, parts: Sequence["Candidates"]) -> "Candidates":
+        """Rows of ``parts`` back to back (``k`` padded to the widest with empty slots)."""
+        k = max(p.ids.shape[1] for p in parts)
+        pad = lambda x: torch.nn.functional.pad(x, (0, k - x.shape[1]))  # noqa: E731
+        return cls(torch.cat([pad(p.ids.cpu()) for p in parts]), torch.cat([pad(p.probs.float().cpu()) for p in parts]),
+                   torch.cat([p.entropy.float().cpu() for p in parts]))
+
+    def split(self, counts: Sequence[int]) -> list["Candidates"]:
+        """Per-tree views: the first ``counts[0]`` rows, the next ``counts[1]``, ..."""
+        out, start = [], 0
+        for n in counts:
+            out.append(Candidates(self.ids[start : start + n], self.probs[start : start + n], self.entropy[start : start + n]))
+            start += n
+        if start != self.ids.shape[0]:
+            raise ValueError(f"Candidates has {self.ids.shape[0]} rows, the frontiers {start}")
+        return out
+
+
+def top_candidates(
+    logits: torch.Tensor, k: int, shaping: "SamplingParams | None" = None, token_map: torch.Tensor | None = None
+) -> Candidates:
+    """Candidates from dense draft logits ``[F, V']`` (on the drafter's device; moved to the CPU).
+
+    ``shaping`` ``None`` (greedy target): plain softmax; otherwise the target's temperature /
+    top-k / top-p applied exactly as to the target's logits. ``token_map`` maps column ``j`` to a
+    full token id (a drafter over a reduced vocabulary). Rows of all ``-inf`` get no candidates.
+    """
+    x = logits.float()
+    dead = torch.isneginf(x.amax(dim=-1))
+    if bool(dead.any()):
+        x = x.masked_fill(dead[:, None], 0.0)
+    probs = torch.softmax(x, dim=-1) if shaping is None or shaping.greedy else process_logits(
+        x, shaping.temperature, shaping.top_k, shaping.top_p
+    )
+    probs = probs.masked_fill(dead[:, None], 0.0)
+    ent = entropy(probs)
+    top_p, top_i = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+    if token_map is not None:
+        top_i = token_map[top_i]
+    return Candidates(top_i.cpu(), top_p.cpu(), ent.cpu())
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a drafter may borrow from the target model (engines fill it from their own model).
+
+    Attributes:
+        name: a human-readable model name (messages only).
+        hidden_size: width of the target's last hidden state.
+        embed: ``[vocab, hidden]`` input-embedding weight (frozen, shared, never copied).
+        lm_head: ``[vocab, hidden]`` LM-head weight (frozen, shared).
+        tokenizer_sha256: hash of the tokenizer's vocabulary
+            (:func:`~dyntree.common.hydra.tokenizer_sha256`).
+    """
+
+    name: str
+    hidden_size: int
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    tokenizer_sha256: str
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.shape[0])
+
+
+class SelfDraftBackend(Protocol):
+    """What the quantized self-draft needs from an engine: a forward of its draft layers over draft
+    tokens against each request's committed prefix KV (read-only), keeping the draft tokens' own
+    KV in a scratch area for one speculation step.
+
+    Scratch slots are numbered in the order tokens were forwarded: a forward of ``W`` tokens per
+    request appends slots ``S .. S + W - 1`` (``S``: slots so far this step) for every request.
+    """
+
+    def reset(self, requests: Sequence[DraftRequest]) -> None:
+        """Start a step for ``requests`` (in this order): drop the scratch KV."""
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, scratch_mask: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[B, W, V]`` of ``tokens`` ``[B, W]`` at ``positions`` ``[B, W]``.
+
+        Query ``(b, w)`` attends to request ``b``'s whole committed prefix and to the scratch
+        slots (and this call's own tokens, the last ``W`` columns) where ``scratch_mask`` ``[B, W,
+        S + W]`` is True. Rows of padding queries are garbage."""
+        ...
+
+
+class Drafter:
+    """Proposes draft trees; subclasses implement :meth:`expand`, :meth:`propose` or both.
+
+    Attributes:
+        name: registry name.
+        needs_hidden: the speculator forwards the target's last-layer hidden states of committed
+            tokens to :meth:`observe_hidden` (engines push them; see ``Speculator.observe_hidden``).
+        needs_self_draft: the engine must :meth:`attach` a :class:`SelfDraftBackend` before use.
+        max_depth: the deepest this drafter can draft (``None``: no limit); budgets are clamped.
+        beam_width / beam_topk: defaults of the ``beam`` tree (``None``: spread the node budget
+            evenly over the depths; ``topk`` = width).
     """
 
     name: ClassVar[str] = ""
-    needs_hidden: ClassVar[bool] = False
-    needs_new_hidden: bool = False
-    needs_target_kv: ClassVar[bool] = False
-    samples: ClassVar[bool] = False
-    drafts_with_builder: ClassVar[bool] = False
+    needs_hidden: bool = False
+    needs_self_draft: ClassVar[bool] = False
+    max_depth: int | None = None
+    beam_width: int | None = None
+    beam_topk: int | None = None
 
-    @abstractmethod
-    def propose(self, requests: Sequence[DraftRequest], target_kv: Any = None) -> list[DraftTree]:
-        """One tree per request, in order; a tree may be just the root (no speculation)."""
+    @property
+    def drafts_with_builder(self) -> bool:
+        """Implements :meth:`expand` (every builder tree shape works)."""
+        return type(self).expand is not Drafter.expand
 
-    def expand_batch(
+    @property
+    def has_own_trees(self) -> bool:
+        """Implements :meth:`propose` (``SpecConfig.tree`` unset uses it; else the ``beam`` tree)."""
+        return type(self).propose is not Drafter.propose
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
+        """One tree per request, in order, within its budget; a tree may be just the root."""
+        raise NotImplementedError(f"drafter {self.name!r} does not propose whole trees")
+
+    def expand(
         self,
         requests: Sequence[DraftRequest],
         frontiers: Sequence[Sequence[int]],
         partials: Sequence["PartialTree"],
-        vocab_size: int,
-        target_kv: Any = None,
-    ) -> list[torch.Tensor]:
-        """Score the next token after frontier nodes of trees under construction (tree modes).
+        k: int,
+        shaping: "SamplingParams | None",
+    ) -> Candidates:
+        """Top-``k`` candidates for the token after every frontier node, flat over the batch.
 
-        Called once per depth for the whole batch. ``frontiers[b]`` lists node indices of
-        ``partials[b]`` (the tree being grown for ``requests[b]``; ``partials[b].path_tokens(i)``
-        gives the tokens from the root to node ``i``). A call whose partial trees hold only their
-        roots starts a new step. Returns one ``[len(frontiers[b]), vocab_size]`` float tensor per
-        request: logits or log-probabilities of the token after each frontier node, ``-inf`` for
-        tokens the drafter rules out (a row of all ``-inf``: no children). The engine shapes them
-        with the request's temperature / top-k / top-p exactly like the target's logits.
-        Only drafters with ``drafts_with_builder = True`` implement this.
+        Called once per depth. ``frontiers[b]`` lists node indices of ``partials[b]`` (the tree
+        being grown for ``requests[b]``; ``partials[b].path_tokens(i)`` gives the tokens from the
+        root to node ``i``); a call whose partial trees hold only their roots starts a new step.
+        Returns ``sum(len(f) for f in frontiers)`` rows in request then frontier order, shaped by
+        ``shaping`` as :func:`top_candidates` does.
         """
-        raise NotImplementedError(f"drafter {self.name!r} does not implement expand_batch (drafts_with_builder is False)")
+        raise NotImplementedError(f"drafter {self.name!r} has no expand (its trees come from propose)")
 
-    def observe(self, request_id: Hashable, token_ids: Sequence[int], accepted_depth: int) -> None:
-        """Called after each verify step with the request's full committed tokens and how many
-        draft tokens were accepted (0 = only the bonus token). Default: nothing."""
+    def attach(self, backend: SelfDraftBackend) -> None:
+        """Take the engine's self-draft forward (drafters with ``needs_self_draft``)."""
+        raise TypeError(f"drafter {self.name!r} drafts without the engine's forward")
+
+    def observe_hidden(self, request_id: Hashable, states: torch.Tensor) -> None:
+        """``states`` ``[n, d]``: the target's last-layer hidden states (the LM-head input) of the
+        request's next ``n`` committed positions, in order (first the prompt's, then each step's
+        accepted nodes, root first). Only called when ``needs_hidden``."""
+
+    def observe(self, request_id: Hashable, token_ids: Sequence[int], accepted_drafts: int) -> None:
+        """After each verify step: the request's committed tokens and how many drafts were accepted."""
 
     def release(self, request_id: Hashable) -> None:
-        """The request finished; drop any per-request state. Default: nothing."""
+        """The request finished; drop any per-request state."""
 
 
 class NoDrafter(Drafter):
@@ -130,66 +247,5 @@ class NoDrafter(Drafter):
 
     name = "none"
 
-    def propose(self, requests: Sequence[DraftRequest], target_kv: Any = None) -> list[DraftTree]:
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         return [DraftTree.root_only(r.root) for r in requests]
-
-
-_REGISTRY: dict[str, Callable[..., Drafter]] = {}
-_CHECKS: dict[str, Callable[[str | None], None]] = {}
-#: Modules whose import registers the built-in drafters (imported on first registry use).
-_BUILTIN_MODULES = ("dyntree.common.ngram", "dyntree.standalone.hydra_drafter", "dyntree.standalone.qspec")
-
-
-def register_drafter(
-    name: str, check: Callable[[str | None], None] | None = None
-) -> Callable[[Callable[..., Drafter]], Callable[..., Drafter]]:
-    """Register a factory ``factory(options: str | None, **context) -> Drafter`` under ``name``.
-
-    ``options`` is the text after ``name:`` in a spec such as ``qspec:w4a16,g128``; ``context``
-    carries what the engine can offer (``model``, ``tokenizer``, ...), which a factory takes or
-    ignores by keyword. ``check(options)``, if given, validates the options without building
-    anything (so a CLI can refuse a bad spec before loading a model); it raises ``ValueError``.
-    """
-
-    def deco(factory: Callable[..., Drafter]) -> Callable[..., Drafter]:
-        _REGISTRY[name] = factory
-        if check is not None:
-            _CHECKS[name] = check
-        return factory
-
-    return deco
-
-
-register_drafter("none")(lambda options=None, **_: NoDrafter())
-
-
-def drafter_names() -> list[str]:
-    _load_builtin_drafters()
-    return sorted(_REGISTRY)
-
-
-def _split(spec: str) -> tuple[str, str | None]:
-    _load_builtin_drafters()
-    name, _, options = spec.partition(":")
-    name = name.strip().lower()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown drafter {spec!r}; choose one of: {', '.join(sorted(_REGISTRY))}")
-    return name, options or None
-
-
-def check_drafter_spec(spec: str) -> None:
-    """Validate a spec ``name[:options]`` without building the drafter (no model needed)."""
-    name, options = _split(spec)
-    if name in _CHECKS:
-        _CHECKS[name](options)
-
-
-def make_drafter(spec: str, **context: Any) -> Drafter:
-    """Build a drafter from a spec ``name[:options]``; unknown names raise ``ValueError``."""
-    name, options = _split(spec)
-    return _REGISTRY[name](options, **context)
-
-
-def _load_builtin_drafters() -> None:
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(module)

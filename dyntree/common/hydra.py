@@ -31,16 +31,21 @@ Torch only: this module never imports transformers.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+if TYPE_CHECKING:
+    from dyntree.common.drafter import TargetInfo
+
 __all__ = [
+    "tokenizer_sha256",
     "HydraConfig",
     "HydraHeads",
     "HydraMismatchError",
@@ -58,6 +63,13 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 PREFIX_MLP_RATIO = 3
 #: RoPE base of the prefix layer.
 PREFIX_ROPE_THETA = 10000.0
+
+
+def tokenizer_sha256(tokenizer: Any) -> str:
+    """sha256 of a tokenizer's vocabulary (``get_vocab()``: token -> id, sorted by id), independent
+    of file layout: heads trained for one tokenizer are refused with another of the same size."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
 class HydraMismatchError(ValueError):
@@ -80,6 +92,11 @@ class TargetIdentity:
     hidden_size: int
     vocab_size: int
     tokenizer_sha256: str
+
+    @classmethod
+    def of(cls, target: "TargetInfo") -> "TargetIdentity":
+        """The identity of a target as an engine describes it."""
+        return cls(target.name, target.hidden_size, target.vocab_size, target.tokenizer_sha256)
 
 
 @dataclass(frozen=True)

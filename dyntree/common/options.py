@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["TreeOptions", "CalibrationOptions", "ControllerOptions", "TreeMode", "SamplingScheme"]
 
-TreeMode = Literal["chain", "static", "dyntree"]
+TreeMode = Literal["chain", "static", "dyntree", "beam"]
 SamplingScheme = Literal["without_replacement", "iid"]
 
 
@@ -69,6 +69,9 @@ class TreeOptions(BaseModel):
         None,
         description="static mode: rank paths like ((0,), (0, 0), (1,)), each path's prefix listed "
         "before it; default: Medusa's 63-node mc_sim_7b_63",
+    )
+    sampling_support: int = Field(
+        32, ge=1, le=4096, description="sampling: children are drawn from the draft's top this-many tokens (renormalised)"
     )
     sampling_scheme: SamplingScheme = Field(
         "without_replacement",

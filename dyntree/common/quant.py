@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -321,11 +322,19 @@ class QuantLinear(nn.Module):
     The bias, if any, is kept as given (shared with the source layer, not copied). Forward:
     ``y = fq(x) @ deq(W)^T + b`` computed in ``x.dtype``, where ``fq`` is
     :func:`fake_quantize_activations` when ``act_bits`` is set. Int4 weights with 16-bit
-    activations on CUDA use the Triton W4A16 kernel when Triton is importable; everything else
-    dequantizes on the fly (no dequantized copy is kept).
+    activations go through ``int4_matmul`` when one is given (a device kernel such as
+    :func:`dyntree.kernels.w4a16.int4_linear`, passed in by the engine: this module never imports
+    the kernels) and it accepts the input; everything else dequantizes on the fly (no dequantized
+    copy is kept).
     """
 
-    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None, act_bits: int | None = None):
+    def __init__(
+        self,
+        qweight: QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        act_bits: int | None = None,
+        int4_matmul: "Callable[..., torch.Tensor | None] | None" = None,
+    ):
         super().__init__()
         if act_bits is not None and act_bits not in _ACT_BITS:
             raise ValueError(f"QuantLinear: act_bits must be 4, 8 or None, got {act_bits}")
@@ -340,15 +349,22 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", qweight.scales)
         self.register_buffer("zeros", qweight.zeros)
         self.bias = bias
+        self.int4_matmul = int4_matmul if qweight.bits == 4 else None
         self._dense: torch.Tensor | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, spec: QSpec, scale_dtype: torch.dtype = torch.float16) -> "QuantLinear":
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        spec: QSpec,
+        scale_dtype: torch.dtype = torch.float16,
+        int4_matmul: "Callable[..., torch.Tensor | None] | None" = None,
+    ) -> "QuantLinear":
         """Quantize ``linear`` as ``spec`` says (``spec`` must quantize)."""
         if spec.weight_bits is None:
             raise ValueError("QuantLinear.from_linear: spec 'none' does not quantize")
         qw = quantize_weight(linear.weight, spec.weight_bits, spec.group_size, spec.symmetric, scale_dtype)
-        return cls(qw, linear.bias, spec.act_bits)
+        return cls(qw, linear.bias, spec.act_bits, int4_matmul)
 
     @property
     def quantized_weight(self) -> QuantizedWeight:
@@ -374,24 +390,16 @@ class QuantLinear(nn.Module):
             x = fake_quantize_activations(x, self.act_bits)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self._use_kernel(x2):
-            from dyntree.kernels.w4a16 import w4a16_matmul
-
-            y = w4a16_matmul(x2, self.qweight, self.scales, self.zeros, self.group_size)
-        elif self._dense is not None and self._dense.dtype == x.dtype:
+        y = None
+        if self.int4_matmul is not None and self.act_bits is None:
+            y = self.int4_matmul(x2, self.qweight, self.scales, self.zeros, self.group_size)
+        if y is None and self._dense is not None and self._dense.dtype == x.dtype:
             y = x2 @ self._dense.t()
-        else:
+        elif y is None:
             y = x2 @ dequantize_weight(self.quantized_weight, x.dtype).t()
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
-
-    def _use_kernel(self, x2: torch.Tensor) -> bool:
-        if not (x2.is_cuda and self.bits == 4 and x2.dtype in (torch.float16, torch.bfloat16)):
-            return False
-        from dyntree.kernels.w4a16 import kernel_supports
-
-        return kernel_supports(self.in_features, self.group_size)
 
     def extra_repr(self) -> str:
         act = f"a{self.act_bits}" if self.act_bits else "a16"

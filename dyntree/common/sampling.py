@@ -39,9 +39,9 @@ import torch
 
 from dyntree.common.options import SamplingScheme
 from dyntree.common.tree import DraftTree
-from dyntree.common.verify import VerifyResult
+from dyntree.common.verify import VerifyResult, sampling_accept
 
-__all__ = ["SamplingScheme", "process_logits", "node_outcomes", "sample_verify"]
+__all__ = ["SamplingScheme", "process_logits", "node_outcomes", "node_accept_probs", "sample_verify"]
 
 _SCHEMES = get_args(SamplingScheme)
 _EPS = 1e-12
@@ -193,6 +193,49 @@ def node_outcomes(
     return outcome, walk.cur
 
 
+def node_accept_probs(
+    tree: DraftTree, target_probs: torch.Tensor, scheme: SamplingScheme = "without_replacement"
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """Per-node residual probabilities for :func:`~dyntree.common.verify.sampling_accept`.
+
+    At every node with children, the children are walked in order as the sequential rule says:
+    child ``j`` with token ``x_j`` gets ``p[child] = p_j(x_j)`` and ``q[child] = q_j(x_j)`` (1 for
+    point-mass proposals), where ``p_j``/``q_j`` are the target/draft distributions left after
+    rejecting children ``1..j-1``. These do not depend on any random draw, so all of them can be
+    computed up front (on the device, by a GPU engine) and ``coin < min(1, p/q)`` tested per
+    node. Returns ``(p [N], q [N], residual)`` (float64; root entries 1) where ``residual[i]``
+    is the bonus distribution at node ``i`` after all its children are rejected (only nodes with
+    children are listed; at a leaf the bonus is drawn from the target's own row).
+    """
+    n = tree.size
+    if target_probs.dim() != 2 or target_probs.shape[0] != n:
+        raise ValueError(
+            f"target_probs must have shape [{n}, V] (one row per tree node), got {tuple(target_probs.shape)}"
+        )
+    dists = tree.draft_dists
+    if dists is not None and dists.shape[1] != target_probs.shape[1]:
+        raise ValueError(
+            f"tree.draft_dists has vocab {dists.shape[1]}, target_probs has {target_probs.shape[1]}"
+        )
+    children: dict[int, list[int]] = {}
+    for i, par in enumerate(tree.parents.tolist()[1:], start=1):
+        children.setdefault(par, []).append(i)
+    tokens = tree.tokens.tolist()
+    p_node = torch.ones(n, dtype=torch.float64)
+    q_node = torch.ones(n, dtype=torch.float64)
+    residual: dict[int, torch.Tensor] = {}
+    for node, kids in children.items():
+        walk = _ChildWalk(target_probs[node], dists[node] if dists is not None else None, scheme)
+        for c in kids:
+            x = tokens[c]
+            walk.accept_prob(x)  # validates the token (and a stochastic child's draft mass)
+            p_node[c] = float(walk.cur[x])
+            q_node[c] = float(walk.q[x]) if walk.q is not None else 1.0
+            walk.reject(x)
+        residual[node] = walk.cur
+    return p_node, q_node, residual
+
+
 def sample_verify(
     tree: DraftTree,
     target_probs: torch.Tensor,
@@ -206,42 +249,20 @@ def sample_verify(
             ``scheme`` from ``draft_dists[parent]``, without it as point-mass proposals.
         target_probs: ``[N, V]``; row ``i`` is the target's (processed) distribution of the token
             after node ``i``.
-        generator: random source for the accept/reject draws (on ``target_probs``' device).
+        generator: random source for the accept coins and the bonus draw (CPU).
         scheme: ``"without_replacement"`` (RSD) or ``"iid"`` (SpecInfer).
 
     Returns:
         The accepted path (root first) and the committed tokens (accepted drafts + one more).
+
+    One coin per node (:func:`node_accept_probs`, then
+    :func:`~dyntree.common.verify.sampling_accept`): with independent coins, taking the
+    lowest-index passing child is the same law as trying the children one after another.
     """
-    n = tree.size
-    if target_probs.dim() != 2 or target_probs.shape[0] != n:
-        raise ValueError(
-            f"target_probs must have shape [{n}, V] (one row per tree node), got {tuple(target_probs.shape)}"
-        )
-    dists = tree.draft_dists
-    if dists is not None and dists.shape[1] != target_probs.shape[1]:
-        raise ValueError(
-            f"tree.draft_dists has vocab {dists.shape[1]}, target_probs has {target_probs.shape[1]}"
-        )
-    children: list[list[int]] = [[] for _ in range(n)]
-    for i, par in enumerate(tree.parents.tolist()[1:], start=1):
-        children[par].append(i)
-    tokens = tree.tokens.tolist()
-    node = 0
-    path = [0]
-    while True:
-        kids = children[node]
-        if not kids:
-            bonus = _categorical(target_probs[node], generator)
-            return VerifyResult(path, [tokens[i] for i in path[1:]] + [bonus])
-        walk = _ChildWalk(target_probs[node], dists[node] if dists is not None and kids else None, scheme)
-        accepted = None
-        for c in kids:
-            if _uniform(generator) < walk.accept_prob(tokens[c]):
-                accepted = c
-                break
-            walk.reject(tokens[c])
-        if accepted is None:
-            bonus = _categorical(walk.cur, generator)
-            return VerifyResult(path, [tokens[i] for i in path[1:]] + [bonus])
-        node = accepted
-        path.append(node)
+    p_node, q_node, residual = node_accept_probs(tree, target_probs, scheme)
+    coins = torch.rand(tree.size, generator=generator, dtype=torch.float64)
+    index, length = sampling_accept(tree.parents[None], p_node[None], q_node[None], coins[None])
+    path = index[0, : int(length[0])].tolist()
+    end = path[-1]
+    bonus = _categorical(residual[end] if end in residual else target_probs[end], generator)
+    return VerifyResult(path, tree.tokens[path[1:]].tolist() + [bonus])

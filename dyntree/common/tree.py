@@ -9,17 +9,25 @@ parent comes earlier in the list. From the flat arrays we derive what a verify p
 * ``positions(prefix_len)``: the RoPE position of each node, ``prefix_len + depth``;
 * ``path(i)``: the node indices from the root to ``i``.
 
-:class:`TreeBatch` pads several trees to one width for a batched forward.
+:class:`DraftBatch` is one step's trees for a whole batch, flat and ragged (node arrays back to
+back, ``qo_indptr`` offsets, packed ancestor bits): the format the speculator hands to engines and
+the kernels take. :class:`TreeBatch` is its padded view (every tree padded to the widest) for
+engines that run a dense ``[B, T]`` forward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from functools import cached_property
+from typing import Hashable, Sequence
 
 import torch
 
-__all__ = ["DraftTree", "TreeBatch", "TreeError"]
+__all__ = ["DraftTree", "DraftBatch", "TreeBatch", "TreeError", "WORD_BITS", "pack_ancestor_bits",
+           "unpack_ancestor_bits"]
+
+#: Bits per word of a packed ancestor mask.
+WORD_BITS = 32
 
 
 class TreeError(ValueError):
@@ -187,3 +195,111 @@ class TreeBatch:
     @property
     def width(self) -> int:
         return self.tokens.shape[1]
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """One speculation step's draft trees for a batch of requests, flat and ragged.
+
+    Request ``b`` owns nodes ``qo_indptr[b] : qo_indptr[b + 1]`` of the flat arrays (its tree's
+    nodes in tree order, root first). ``parents`` are *local* indices within the request's tree
+    (``-1`` for roots), the convention of every kernel and of :class:`DraftTree`.
+
+    Attributes:
+        request_ids: one id per request, in batch order.
+        trees: the per-request :class:`DraftTree` objects (what the verifier walks).
+        tokens: ``[N]`` int64 node tokens (``N`` = all nodes of all trees).
+        parents: ``[N]`` int64 local parent index.
+        depths: ``[N]`` int64 depth (root 0): the node's position is ``kv_len + depth``.
+        qo_indptr: ``[B + 1]`` int64 offsets of each request's nodes.
+    """
+
+    request_ids: list[Hashable]
+    trees: list[DraftTree]
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    qo_indptr: torch.Tensor
+
+    @classmethod
+    def from_trees(cls, request_ids: Sequence[Hashable], trees: Sequence[DraftTree]) -> "DraftBatch":
+        if len(request_ids) != len(trees) or not trees:
+            raise TreeError(f"DraftBatch needs one tree per request, got {len(trees)} trees for {len(request_ids)} ids")
+        sizes = torch.tensor([t.size for t in trees], dtype=torch.int64)
+        indptr = torch.zeros(len(trees) + 1, dtype=torch.int64)
+        indptr[1:] = sizes.cumsum(0)
+        return cls(
+            list(request_ids), list(trees),
+            torch.cat([t.tokens for t in trees]), torch.cat([t.parents for t in trees]),
+            torch.cat([t.depths for t in trees]), indptr,
+        )  # fmt: skip
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.trees)
+
+    @property
+    def num_nodes(self) -> int:
+        """All nodes of all trees (roots included): the verify forward's query tokens."""
+        return int(self.qo_indptr[-1])
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft nodes of all trees (roots excluded)."""
+        return self.num_nodes - self.batch_size
+
+    def positions(self, kv_lens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """``[N]`` RoPE positions ``kv_len[b] + depth`` (each root sits right after its prefix)."""
+        kv = torch.as_tensor(kv_lens, dtype=torch.int64)
+        return torch.repeat_interleave(kv, self.qo_indptr.diff()) + self.depths
+
+    def flat_index(self, request: int, nodes: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Flat indices of request ``request``'s local ``nodes``."""
+        return int(self.qo_indptr[request]) + torch.as_tensor(nodes, dtype=torch.int64)
+
+    @cached_property
+    def tree_bits(self) -> torch.Tensor:
+        """``[B, T_max, ceil(T_max / 32)]`` int32 packed ancestor masks (tree attention)."""
+        return pack_ancestor_bits(self.padded().mask)
+
+    def padded(self) -> "TreeBatch":
+        """The padded ``[B, T_max]`` view for engines that run a dense batched forward."""
+        return self._padded
+
+    @cached_property
+    def _padded(self) -> "TreeBatch":
+        return TreeBatch.from_trees(self.trees)
+
+
+def pack_ancestor_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Pack ``[B, T, T]`` bool ancestor masks into ``[B, T, ceil(T/32)]`` int32 words.
+
+    Bit ``j % 32`` of word ``j // 32`` in row ``i`` is set iff ``mask[b, i, j]`` (node ``j`` is
+    ``i`` or an ancestor of ``i``; :class:`TreeBatch` padding rows hold only their own bit). Words
+    are two's-complement int32, so bit 31 makes a word negative.
+    """
+    if mask.dim() != 3 or mask.shape[1] != mask.shape[2]:
+        raise ValueError(f"mask must have shape [B, T, T], got {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be bool, got {mask.dtype}")
+    b, t, _ = mask.shape
+    words = (t + WORD_BITS - 1) // WORD_BITS
+    padded = torch.zeros(b, t, words * WORD_BITS, dtype=torch.int64, device=mask.device)
+    padded[..., :t] = mask.to(torch.int64)
+    weights = torch.ones(WORD_BITS, dtype=torch.int64, device=mask.device) << torch.arange(
+        WORD_BITS, device=mask.device
+    )
+    packed = (padded.view(b, t, words, WORD_BITS) * weights).sum(-1)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32)
+
+
+def unpack_ancestor_bits(bits: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """Inverse of :func:`pack_ancestor_bits`: ``[B, T, W]`` int32 -> ``[B, T, num_nodes]`` bool."""
+    if bits.dim() != 3 or bits.dtype != torch.int32:
+        raise ValueError(f"bits must be [B, T, W] int32, got {tuple(bits.shape)} {bits.dtype}")
+    if num_nodes > bits.shape[2] * WORD_BITS:
+        raise ValueError(f"num_nodes={num_nodes} exceeds {bits.shape[2]} words of {WORD_BITS} bits")
+    shifts = torch.arange(WORD_BITS, dtype=torch.int32, device=bits.device)
+    unpacked = (bits.unsqueeze(-1) >> shifts) & 1
+    return unpacked.flatten(-2)[..., :num_nodes].bool()

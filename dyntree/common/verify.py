@@ -1,10 +1,28 @@
-"""Greedy tree verification: which drafted path the target agrees with, and the bonus token.
+"""Tree accept: which drafted path the target agrees with (greedy and sampled), for a whole batch.
 
-Given the target's argmax at every node of a :class:`DraftTree` (the token the target would emit
-after that node's path), a non-root node *matches* when its token equals the target's argmax at
-its parent. The accepted path is the deepest node whose every non-root ancestor (and itself)
-matches (ties: lowest index); the committed tokens are the path's draft tokens followed by the
-target's argmax at the path's end (the bonus). This is token-identical to plain greedy decoding.
+Both functions take padded ``[B, T]`` node arrays (the :class:`~dyntree.common.tree.TreeBatch`
+convention: node 0 is the root, parents precede children, a node ``i > 0`` whose parent is ``-1``
+is padding and never accepted) and return
+
+* ``accept_index``: ``[B, T]`` int64, the accepted path's node indices root first, padded with
+  ``-1`` (``accept_index[b, 0] == 0`` always);
+* ``accept_len``: ``[B]`` int64, the path length *including the root*; the path ends at node
+  ``accept_index[b, accept_len[b] - 1]``.
+
+**Greedy** (:func:`greedy_accept`): node ``i > 0`` *matches* iff ``tokens[i] ==
+target_argmax[parents[i]]``; a node is accepted iff it and all its non-root ancestors match; the
+path ends at the deepest accepted node (ties: lowest index), and the bonus token is
+``target_argmax[end]``. Committing the path's drafts and the bonus is exactly greedy decoding.
+
+**Sampling** (:func:`sampling_accept`): node ``i > 0`` *passes* iff ``coins[i] * draft_probs[i] <
+target_probs[i]``, i.e. ``coins[i] < min(1, p/q)``. From the root, move to the lowest-index child
+that passes; stop when none does. Lossless when ``p``/``q`` are each node's residual-adjusted
+probabilities given the siblings rejected before it, which
+:func:`~dyntree.common.sampling.node_accept_probs` computes; the bonus is then drawn from the end
+node's residual distribution.
+
+These are the core's verification and, unchanged, the torch references of the
+``tree_accept_*`` kernels (:mod:`dyntree.kernels.tree_accept`).
 """
 
 from __future__ import annotations
@@ -15,7 +33,7 @@ import torch
 
 from dyntree.common.tree import DraftTree
 
-__all__ = ["VerifyResult", "greedy_verify"]
+__all__ = ["VerifyResult", "check_tree_arrays", "greedy_accept", "sampling_accept", "greedy_verify"]
 
 
 @dataclass(frozen=True)
@@ -36,19 +54,86 @@ class VerifyResult:
         return len(self.accepted_nodes) - 1
 
 
+def check_tree_arrays(**arrays: torch.Tensor) -> tuple[int, int]:
+    """Shapes of padded ``[B, T]`` node arrays (all equal, at least one node); raises otherwise."""
+    shape: tuple[int, ...] | None = None
+    for name, t in arrays.items():
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be [B, T], got {tuple(t.shape)}")
+        if shape is None:
+            shape = tuple(t.shape)
+        elif tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} like the other node arrays")
+        if t.shape[1] == 0:
+            raise ValueError(f"{name} has no nodes: every tree has at least its root")
+    assert shape is not None
+    return shape[0], shape[1]
+
+
+def _path_to(parents: list[int], end: int) -> list[int]:
+    path = [end]
+    while path[-1] > 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def _pack_paths(paths: list[list[int]], width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    index = torch.full((len(paths), width), -1, dtype=torch.int64)
+    for b, path in enumerate(paths):
+        index[b, : len(path)] = torch.tensor(path, dtype=torch.int64)
+    lens = torch.tensor([len(p) for p in paths], dtype=torch.int64)
+    return index.to(device), lens.to(device)
+
+
+def greedy_accept(
+    tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy tree accept: ``(accept_index [B, T], accept_len [B] incl. root, bonus [B])``."""
+    b, t = check_tree_arrays(tokens=tokens, parents=parents, target_argmax=target_argmax)
+    paths, bonus = [], []
+    for r, (tok, par, top) in enumerate(zip(tokens.tolist(), parents.tolist(), target_argmax.tolist())):
+        accepted = [True] + [False] * (t - 1)
+        depth = [0] * t
+        end = 0
+        for i in range(1, t):
+            p = par[i]
+            if 0 <= p < i:  # padding (parent -1) is never accepted
+                accepted[i] = accepted[p] and tok[i] == top[p]
+                depth[i] = depth[p] + 1
+                if accepted[i] and depth[i] > depth[end]:
+                    end = i
+        paths.append(_path_to(par, end))
+        bonus.append(top[end])
+    index, lens = _pack_paths(paths, t, tokens.device)
+    return index, lens, torch.tensor(bonus, dtype=torch.int64, device=tokens.device)
+
+
+def sampling_accept(
+    parents: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor, coins: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampling tree accept (per-node ``coin * q < p``, lowest-index descent):
+    ``(accept_index [B, T], accept_len [B] incl. root)``. The test runs in the inputs' dtype."""
+    b, t = check_tree_arrays(parents=parents, target_probs=target_probs, draft_probs=draft_probs, coins=coins)
+    dtype = torch.promote_types(torch.promote_types(target_probs.dtype, draft_probs.dtype), coins.dtype)
+    test = (coins.to(dtype) * draft_probs.to(dtype) < target_probs.to(dtype)).tolist()
+    paths = []
+    for par, ok in zip(parents.tolist(), test):
+        passes = [i > 0 and 0 <= par[i] < i and ok[i] for i in range(t)]
+        end = 0
+        while True:
+            nxt = next((i for i in range(end + 1, t) if par[i] == end and passes[i]), None)
+            if nxt is None:
+                break
+            end = nxt
+        paths.append(_path_to(par, end))
+    return _pack_paths(paths, t, parents.device)
+
+
 def greedy_verify(tree: DraftTree, target_argmax: torch.Tensor) -> VerifyResult:
-    """Verify ``tree`` against ``target_argmax`` (``[N]``, the target's argmax at each node)."""
+    """Verify one ``tree`` against ``target_argmax`` (``[N]``, the target's argmax at each node)."""
     n = tree.size
     if target_argmax.shape != (n,):
         raise ValueError(f"target_argmax must have shape [{n}], got {tuple(target_argmax.shape)}")
-    target_argmax = target_argmax.to(torch.int64).cpu()
-    match = torch.ones(n, dtype=torch.bool)
-    if n > 1:
-        match[1:] = tree.tokens[1:] == target_argmax[tree.parents[1:]]
-    # a node is accepted iff no node on its root path fails to match
-    accepted = ~(tree.ancestor_mask() & ~match).any(dim=1)
-    score = torch.where(accepted, tree.depths * n - torch.arange(n), torch.full((n,), -1))
-    end = int(score.argmax())
-    path = tree.path(end)
-    tokens = [int(tree.tokens[i]) for i in path[1:]] + [int(target_argmax[end])]
-    return VerifyResult(path, tokens)
+    index, length, bonus = greedy_accept(tree.tokens[None], tree.parents[None], target_argmax.to(torch.int64).cpu()[None])
+    path = index[0, : int(length[0])].tolist()
+    return VerifyResult(path, tree.tokens[path[1:]].tolist() + [int(bonus[0])])

@@ -10,6 +10,9 @@ padding (never accepted). Both variants return
   accepted draft tokens is ``accept_len - 1``, and the path ends at node
   ``accept_index[b, accept_len[b] - 1]``.
 
+The torch references *are* the core's verification (:mod:`dyntree.common.verify`), imported
+here under the kernel names, so there is one accept.
+
 **Greedy** (:func:`tree_accept_greedy_reference`): node ``i > 0`` *matches* iff
 ``tokens[i] == target_argmax[parents[i]]``; a node is accepted iff it and all its non-root
 ancestors match; the path ends at the deepest accepted node (ties: lowest index). The bonus
@@ -31,6 +34,9 @@ from __future__ import annotations
 
 import torch
 
+from dyntree.common.verify import check_tree_arrays
+from dyntree.common.verify import greedy_accept as tree_accept_greedy_reference
+from dyntree.common.verify import sampling_accept as tree_accept_sampling_reference
 from dyntree.kernels._triton import HAS_TRITON, next_pow2, tl, triton
 
 __all__ = [
@@ -39,85 +45,6 @@ __all__ = [
     "tree_accept_greedy_triton",
     "tree_accept_sampling_triton",
 ]
-
-
-def _check_tree_arrays(**arrays: torch.Tensor) -> tuple[int, int]:
-    shape: tuple[int, ...] | None = None
-    for name, t in arrays.items():
-        if t.dim() != 2:
-            raise ValueError(f"{name} must be [B, T], got {tuple(t.shape)}")
-        if shape is None:
-            shape = tuple(t.shape)
-        elif tuple(t.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} like the other node arrays")
-        if t.shape[1] == 0:
-            raise ValueError(f"{name} has no nodes: every tree has at least its root")
-    assert shape is not None
-    return shape[0], shape[1]
-
-
-def _path_to(parents: list[int], end: int) -> list[int]:
-    path = [end]
-    while path[-1] > 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
-
-
-def _pack_paths(paths: list[list[int]], width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    index = torch.full((len(paths), width), -1, dtype=torch.int64)
-    for b, path in enumerate(paths):
-        index[b, : len(path)] = torch.tensor(path, dtype=torch.int64)
-    lens = torch.tensor([len(p) for p in paths], dtype=torch.int64)
-    return index.to(device), lens.to(device)
-
-
-def tree_accept_greedy_reference(
-    tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy tree accept in plain Python over the node lists.
-
-    Returns ``(accept_index [B, T], accept_len [B], bonus [B])`` (see the module docstring).
-    """
-    b, t = _check_tree_arrays(tokens=tokens, parents=parents, target_argmax=target_argmax)
-    paths, bonus = [], []
-    for r in range(b):
-        tok, par, top = tokens[r].tolist(), parents[r].tolist(), target_argmax[r].tolist()
-        accepted = [True] + [False] * (t - 1)
-        depth = [0] * t
-        for i in range(1, t):
-            p = par[i]
-            if 0 <= p < i:  # padding (parent -1) is never accepted
-                accepted[i] = accepted[p] and tok[i] == top[p]
-                depth[i] = depth[p] + 1
-        end = max((i for i in range(t) if accepted[i]), key=lambda i: (depth[i], -i))
-        paths.append(_path_to(par, end))
-        bonus.append(top[end])
-    index, lens = _pack_paths(paths, t, tokens.device)
-    return index, lens, torch.tensor(bonus, dtype=torch.int64, device=tokens.device)
-
-
-def tree_accept_sampling_reference(
-    parents: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor, coins: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sampling tree accept in plain Python: per-node test, then top-down lowest-index descent.
-
-    Returns ``(accept_index [B, T], accept_len [B])`` (see the module docstring).
-    """
-    b, t = _check_tree_arrays(parents=parents, target_probs=target_probs, draft_probs=draft_probs, coins=coins)
-    paths = []
-    for r in range(b):
-        par = parents[r].tolist()
-        # The test in fp32, as the kernel computes it: coin * q < p.
-        test = (coins[r].float() * draft_probs[r].float() < target_probs[r].float()).tolist()
-        passes = [i > 0 and 0 <= par[i] < i and test[i] for i in range(t)]
-        end = 0
-        while True:
-            nxt = next((i for i in range(end + 1, t) if par[i] == end and passes[i]), None)
-            if nxt is None:
-                break
-            end = nxt
-        paths.append(_path_to(par, end))
-    return _pack_paths(paths, t, parents.device)
 
 
 if HAS_TRITON:
@@ -195,7 +122,7 @@ def tree_accept_greedy_triton(
     """Triton greedy tree accept, one program per request (same contract as the reference)."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
-    b, t = _check_tree_arrays(tokens=tokens, parents=parents, target_argmax=target_argmax)
+    b, t = check_tree_arrays(tokens=tokens, parents=parents, target_argmax=target_argmax)
     for name, x in (("tokens", tokens), ("parents", parents), ("target_argmax", target_argmax)):
         if x.stride(1) != 1:
             raise ValueError(f"{name} must be contiguous along the node dimension")
@@ -216,7 +143,7 @@ def tree_accept_sampling_triton(
     """Triton sampling tree accept, one program per request (same contract as the reference)."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
-    b, t = _check_tree_arrays(parents=parents, target_probs=target_probs, draft_probs=draft_probs, coins=coins)
+    b, t = check_tree_arrays(parents=parents, target_probs=target_probs, draft_probs=draft_probs, coins=coins)
     for name, x in (("parents", parents), ("target_probs", target_probs), ("draft_probs", draft_probs), ("coins", coins)):
         if x.stride(1) != 1:
             raise ValueError(f"{name} must be contiguous along the node dimension")

@@ -28,7 +28,8 @@ import torch
 from dyntree.common.quant import QuantizedWeight, dequantize_weight
 from dyntree.kernels._triton import HAS_TRITON, interpreting, tl, triton
 
-__all__ = ["HAS_TRITON", "W4A16Config", "w4a16_matmul", "w4a16_matmul_reference", "kernel_supports", "default_config"]
+__all__ = ["HAS_TRITON", "W4A16Config", "w4a16_matmul", "w4a16_matmul_reference", "int4_linear", "kernel_supports",
+           "default_config"]
 
 _BLOCK_KS = (128, 64, 32)
 
@@ -151,6 +152,19 @@ def w4a16_matmul(
         num_stages=config.num_stages,
     )
     return y.to(x.dtype)
+
+
+def int4_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
+) -> torch.Tensor | None:
+    """The W4A16 kernel where it serves (Triton, CUDA, 16-bit activations, a supported shape),
+    else ``None``: the ``int4_matmul`` hook an engine hands to
+    :class:`~dyntree.common.quant.QuantLinear` (which then dequantizes on the fly)."""
+    if not (HAS_TRITON and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)):
+        return None
+    if not kernel_supports(x.shape[1], group_size):
+        return None
+    return w4a16_matmul(x, packed, scales, zeros, group_size)
 
 
 if HAS_TRITON:

@@ -23,8 +23,9 @@ from tqdm.auto import tqdm
 
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.controller import CostModel
-from dyntree.common.drafter import make_drafter
+from dyntree.common.drafters import make_drafter
 from dyntree.standalone.engine import RequestOutput, SpecEngine
+from dyntree.standalone.target import make_hf_drafter
 
 __all__ = ["Prompt", "load_prompts", "encode_prompt", "run_bench", "run_mode", "compare", "mode_spec", "MODES"]
 
@@ -157,35 +158,36 @@ def run_mode(
     name, cfg = mode_spec(mode, spec)
     name = name or "none"
     seed = CostModel(list(zip(cost.xs, cost.ys)), cost.lr) if cost is not None and cfg.adaptive else None
-    engine = SpecEngine(model, tokenizer, make_drafter(name, model=model, tokenizer=tokenizer), cfg, cost_model=seed)
+    engine = SpecEngine(model, tokenizer, make_hf_drafter(name, model, tokenizer), cfg, cost_model=seed)
     startup = engine.prepare()
     # Warm-up (CUDA/cuBLAS initialisation, Triton compiles, first-call allocations) outside the timings.
     engine.generate([encoded[0]], params.model_copy(update={"max_new_tokens": WARMUP_TOKENS}), ["warm-up"])
-    engine.timing = {k: type(v)() for k, v in engine.timing.items()}
+    engine.speculator.stats.reset()
     outs: list[RequestOutput] = []
     start = time.perf_counter()
     for i in tqdm(range(0, len(encoded), batch_size), desc=f"bench {mode}", unit="batch", leave=False):
         outs += engine.generate(encoded[i : i + batch_size], params, ids[i : i + batch_size])
     wall = time.perf_counter() - start
     run = _summarise(mode, name, outs, wall)
-    t = engine.timing
-    n = max(t["steps"], 1)
-    step_s = t["draft_s"] + t["verify_s"]
-    build_s = t["draft_s"] - t["expand_s"]
+    t = engine.speculator.stats
+    n = max(t.steps, 1)
+    step_s = t.draft_s + t.forward_s + t.accept_s
     run.update({
         "tree": cfg.tree,
         "adaptive": cfg.adaptive,
         "max_nodes": cfg.max_nodes if name != "none" else 0,
         "max_depth": cfg.max_depth if name != "none" else 0,
-        "draft_s": round(t["draft_s"], 3),
-        "verify_s": round(t["verify_s"], 3),
-        "engine_steps": t["steps"],
+        "draft_s": round(t.draft_s, 3),
+        "verify_s": round(t.forward_s + t.accept_s, 3),
+        "engine_steps": t.steps,
         "step_ms": round(step_s / n * 1e3, 3),
-        "forward_ms_per_step": round(t["forward_s"] / n * 1e3, 3),
-        "draft_ms_per_step": round(t["draft_s"] / n * 1e3, 3),
-        # the builder's own time (draft minus the drafter's expand calls); none without a builder
-        "build_ms_per_step": round(build_s / n * 1e3, 3) if cfg.tree else None,
-        "build_pct_of_step": (round(100 * build_s / step_s, 2) if step_s > 0 else 0.0) if cfg.tree else None,
+        "forward_ms_per_step": round(t.forward_s / n * 1e3, 3),
+        "accept_ms_per_step": round(t.accept_s / n * 1e3, 3),
+        "draft_ms_per_step": round(t.draft_s / n * 1e3, 3),
+        # planning and tree building (draft minus the drafter's own calls); none without a builder
+        "build_ms_per_step": round(t.build_s / n * 1e3, 3) if engine.speculator.builder else None,
+        "build_pct_of_step": (round(100 * t.build_s / step_s, 2) if step_s > 0 else 0.0)
+        if engine.speculator.builder else None,
         "startup_s": round(startup, 3),
     })  # fmt: skip
     if categories is not None:
@@ -229,8 +231,8 @@ def run_bench(
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     spec = spec.model_copy(update={"drafter": drafter})
     tree_modes = [m for m in modes if m in ("chain", "static", "dyntree")]
-    if tree_modes and not make_drafter(drafter, model=model, tokenizer=tokenizer).drafts_with_builder:
-        raise ValueError(f"mode(s) {tree_modes} need a drafter with expand_batch; {drafter!r} has none (use mode own)")
+    if tree_modes and not make_hf_drafter(drafter, model, tokenizer).drafts_with_builder:
+        raise ValueError(f"mode(s) {tree_modes} need a drafter with expand; {drafter!r} has none (use mode own)")
     encoded = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
     ids = [p.id for p in prompts]
     category = {p.id: p.category for p in prompts}

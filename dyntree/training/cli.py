@@ -64,7 +64,8 @@ def run_train_heads(args: argparse.Namespace) -> int:
     from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, default_prefix_heads, save_heads
     from dyntree.models import cache_root, load_model, parse_dtype, resolve_device
     from dyntree.training.data import generate_cache, read_prompts
-    from dyntree.training.target import target_identity, target_weights
+    from dyntree.common.hydra import TargetIdentity
+    from dyntree.standalone.target import hf_target
     from dyntree.training.trainer import HeadData, TrainConfig, reduced_token_map, train
 
     for name in ("heads", "layers", "steps", "batch_size", "prompts", "max_new_tokens", "gen_batch_size", "window"):
@@ -83,7 +84,8 @@ def run_train_heads(args: argparse.Namespace) -> int:
 
     model, tok = load_model(args.model, parse_dtype(args.gen_dtype))
     model.to(device)
-    identity = target_identity(model, tok, args.model)
+    target = hf_target(model, tok, args.model)
+    identity = TargetIdentity.of(target)
     prefix_heads = (args.prefix_heads or default_prefix_heads(identity.hidden_size)) if args.prefix_attention else 0
     arch = {"num_heads": args.heads, "num_layers": args.layers, "hidden_size": identity.hidden_size,
             "target": identity, "independent": args.independent, "reduced_vocab": args.vocab_size,
@@ -98,7 +100,7 @@ def run_train_heads(args: argparse.Namespace) -> int:
     t_gen = time.time() - t0
     print(f"data: {cache.meta['sequences']} responses, {cache.meta['tokens']} tokens ({t_gen:.0f} s)", file=sys.stderr)
 
-    embed, lm_head = target_weights(model)
+    embed, lm_head = target.embed, target.lm_head
     vocab = identity.vocab_size
     token_map = reduced_token_map(cache.token_counts(vocab), args.vocab_size) if args.vocab_size else None
     command = "dyntree train-heads " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("train-heads") + 1:]) \

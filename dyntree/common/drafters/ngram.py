@@ -7,25 +7,31 @@ continuations become sibling branches of one tree; a node's draft probability is
 continuations (weighted by match length) that pass through it. The tree keeps the
 ``max_nodes`` nodes with the highest path probability.
 
-For the tree builder (``chain`` / ``static`` / ``dyntree`` modes) the same index gives a draft
-distribution after any path: committed tokens plus the path's drafted tokens form the context
-whose suffix is looked up.
+For the tree builder (``chain`` / ``static`` / ``dyntree`` / ``beam`` modes) the same index gives a
+draft distribution after any path: committed tokens plus the path's drafted tokens form the
+context whose suffix is looked up. It is sparse by nature (a handful of continuations), so the
+candidates come straight from the counts: no vocabulary-sized tensor is ever made.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+import math
+from typing import TYPE_CHECKING, Hashable, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dyntree.common.builder import PartialTree
-from dyntree.common.drafter import DraftRequest, Drafter, register_drafter
+from dyntree.common.drafter import Candidates, DraftRequest, Drafter
+from dyntree.common.sampling import process_logits
 from dyntree.common.tree import DraftTree
 
-__all__ = ["NgramOptions", "NgramDrafter"]
+if TYPE_CHECKING:
+    from dyntree.common.builder import PartialTree
+    from dyntree.common.config import SamplingParams
+
+__all__ = ["NgramOptions", "NgramDrafter", "parse_ngram_options"]
 
 
 class NgramOptions(BaseModel):
@@ -77,39 +83,56 @@ class NgramDrafter(Drafter):
         self.options = options or NgramOptions()
         self._index: dict[Hashable, _Index] = {}
 
-    def propose(self, requests: Sequence[DraftRequest], target_kv: Any = None) -> list[DraftTree]:
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         return [self._propose_one(r) for r in requests]
 
-    def expand_batch(
+    def expand(
         self,
         requests: Sequence[DraftRequest],
         frontiers: Sequence[Sequence[int]],
-        partials: Sequence[PartialTree],
-        vocab_size: int,
-        target_kv: Any = None,
-    ) -> list[torch.Tensor]:
-        """Log-probabilities ``[F, vocab_size]`` of the next token after each frontier node."""
+        partials: Sequence["PartialTree"],
+        k: int,
+        shaping: "SamplingParams | None",
+    ) -> Candidates:
+        """The top-``k`` continuations after each frontier node, by (match-length weighted) share.
+
+        Sampling shapes the share like the target's logits (its log is the logit)."""
         if not len(requests) == len(frontiers) == len(partials):
             raise ValueError(
-                f"expand_batch got {len(requests)} requests, {len(frontiers)} frontiers, {len(partials)} partial trees"
+                f"expand got {len(requests)} requests, {len(frontiers)} frontiers, {len(partials)} partial trees"
             )
-        out = []
+        rows = sum(len(f) for f in frontiers)
+        ids = torch.zeros(rows, k, dtype=torch.int64)
+        probs = torch.zeros(rows, k)
+        ents = torch.zeros(rows)
+        row = 0
         for req, front, part in zip(requests, frontiers, partials):
             index = self._indexed(req)
-            scores = torch.full((len(front), vocab_size), float("-inf"))
-            for f, node in enumerate(front):
+            for node in front:
                 drafted = part.path_tokens(node)[1:]  # the root is the last committed token
                 counts: dict[int, float] = defaultdict(float)
                 for weight, c in self._matches(index, index.tokens + drafted):
                     counts[index.tokens[c]] += weight
                 if counts:
-                    toks = torch.tensor(list(counts), dtype=torch.int64)
-                    if int(toks.max()) >= vocab_size:
-                        raise ValueError(f"token id {int(toks.max())} is outside vocab_size {vocab_size}")
-                    w = torch.tensor(list(counts.values()))
-                    scores[f, toks] = torch.log(w / w.sum())
-            out.append(scores)
-        return out
+                    dist = self._shape(counts, shaping)
+                    ents[row] = -sum(p * math.log(p) for p in dist.values() if p > 0)
+                    top = sorted(dist.items(), key=lambda t: -t[1])[:k]
+                    ids[row, : len(top)] = torch.tensor([t for t, _ in top])
+                    probs[row, : len(top)] = torch.tensor([p for _, p in top])
+                row += 1
+        return Candidates(ids, probs, ents)
+
+    @staticmethod
+    def _shape(counts: dict[int, float], shaping: "SamplingParams | None") -> dict[int, float]:
+        """The draft distribution of one row: shares, or for sampling the shares' logs shaped
+        like the target's logits (temperature, top-k, top-p)."""
+        total = sum(counts.values())
+        if shaping is None or shaping.greedy:
+            return {t: w / total for t, w in counts.items()}
+        toks = list(counts)
+        logits = torch.log(torch.tensor([counts[t] / total for t in toks]))
+        p = process_logits(logits, shaping.temperature, shaping.top_k, shaping.top_p)
+        return dict(zip(toks, p.tolist()))
 
     def release(self, request_id: Hashable) -> None:
         self._index.pop(request_id, None)
@@ -179,7 +202,8 @@ def _trie_tree(root: int, conts: list[tuple[float, list[int]]], max_nodes: int) 
     )
 
 
-def _parse_options(options: str | None) -> NgramOptions:
+def parse_ngram_options(options: str | None) -> NgramOptions:
+    """Parse ``key=value`` pairs (``min_n``, ``max_n``, ``max_matches``), comma separated."""
     if not options:
         return NgramOptions()
     fields: dict[str, str] = {}
@@ -189,8 +213,3 @@ def _parse_options(options: str | None) -> NgramOptions:
             raise ValueError(f"ngram option {part!r} must look like key=value (min_n, max_n, max_matches)")
         fields[key.strip()] = value.strip()
     return NgramOptions(**fields)
-
-
-@register_drafter("ngram", check=_parse_options)
-def _make_ngram(options: str | None = None, **_: Any) -> NgramDrafter:
-    return NgramDrafter(_parse_options(options))

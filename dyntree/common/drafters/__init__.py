@@ -1,0 +1,69 @@
+"""The drafters and their registry: a ``--drafter`` spec ``name[:options]`` -> a drafter.
+
+Built in: ``none`` (plain decoding), ``ngram`` (prompt lookup), ``hydra`` (trained heads; needs
+``target=TargetInfo``), ``qspec`` (quantized self-draft; the engine attaches its forward).
+:func:`register_drafter` adds more. ``check`` functions validate options without building
+anything, so a CLI or an engine plugin can refuse a bad spec before it loads a model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from dyntree.common.drafter import Drafter, NoDrafter
+from dyntree.common.drafters.hydra import make_hydra_drafter, parse_hydra_options
+from dyntree.common.drafters.ngram import NgramDrafter, parse_ngram_options
+from dyntree.common.drafters.qspec import make_qspec_drafter
+from dyntree.common.quant import parse_qspec
+
+__all__ = ["register_drafter", "make_drafter", "check_drafter_spec", "drafter_names"]
+
+Factory = Callable[..., Drafter]
+Check = Callable[[str | None], object]
+
+_REGISTRY: dict[str, tuple[Factory, Check | None]] = {
+    "none": (lambda options=None, **_: NoDrafter(), None),
+    "ngram": (lambda options=None, **_: NgramDrafter(parse_ngram_options(options)), parse_ngram_options),
+    "hydra": (make_hydra_drafter, parse_hydra_options),
+    "qspec": (make_qspec_drafter, parse_qspec),
+}
+
+
+def register_drafter(name: str, check: Check | None = None) -> Callable[[Factory], Factory]:
+    """Register ``factory(options: str | None, **context) -> Drafter`` under ``name``.
+
+    ``options`` is the text after ``name:``; ``context`` carries what the engine offers
+    (``target=TargetInfo``, ...), which a factory takes or ignores by keyword. ``check(options)``
+    validates the options without building anything and raises ``ValueError``."""
+
+    def deco(factory: Factory) -> Factory:
+        _REGISTRY[name] = (factory, check)
+        return factory
+
+    return deco
+
+
+def drafter_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _split(spec: str) -> tuple[str, str | None]:
+    name, _, options = spec.partition(":")
+    name = name.strip().lower()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown drafter {spec!r}; choose one of: {', '.join(sorted(_REGISTRY))}")
+    return name, options or None
+
+
+def check_drafter_spec(spec: str) -> None:
+    """Validate a spec ``name[:options]`` without building the drafter (no model needed)."""
+    name, options = _split(spec)
+    check = _REGISTRY[name][1]
+    if check is not None:
+        check(options)
+
+
+def make_drafter(spec: str, **context: Any) -> Drafter:
+    """Build a drafter from a spec ``name[:options]``; unknown names raise ``ValueError``."""
+    name, options = _split(spec)
+    return _REGISTRY[name][0](options, **context)

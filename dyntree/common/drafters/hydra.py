@@ -1,0 +1,195 @@
+"""The ``hydra`` drafter: trained Hydra heads score the tree builder's frontiers, one batched head
+forward per depth.
+
+Spec: ``hydra[:OPTIONS]`` where OPTIONS is a comma-separated list of a checkpoint directory
+(default: the heads shipped for SmolLM2 in ``dyntree/assets/hydra-smollm2``) and ``width=W`` /
+``topk=T`` settings of its own (``beam``) trees: at every depth each frontier node offers head
+``d``'s top-``T`` tokens and the ``W`` best by cumulative head probability become the next
+frontier; ``W`` defaults to ``ceil(max_nodes / depth)`` so the node budget is spread evenly over the
+depths, ``T`` to ``W``. Trees are at most ``num_heads`` deep.
+
+Head ``d`` reads the target's last-layer hidden state at the token before the root (pushed by the
+engine through :meth:`HydraDrafter.observe_hidden`) and the embeddings of the path's tokens. Heads
+with prefix attention (Hydra++) keep each request's prefix-layer KV cache: the states pushed since
+the last step are run through the layer in one batched forward at the step's first ``expand``,
+and the layer's output at the newest position feeds the heads; :meth:`release` drops the cache.
+
+Pure torch: the target's weights and identity arrive as a :class:`~dyntree.common.drafter.TargetInfo`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Hashable, Sequence
+
+import torch
+
+from dyntree.common.drafter import Candidates, DraftRequest, Drafter, TargetInfo, top_candidates
+from dyntree.common.hydra import HydraHeads, PrefixKV, TargetIdentity, load_heads
+
+if TYPE_CHECKING:
+    from dyntree.common.builder import PartialTree
+    from dyntree.common.config import SamplingParams
+
+__all__ = ["HydraDrafter", "HydraOptions", "SHIPPED_HEADS", "make_hydra_drafter", "parse_hydra_options"]
+
+#: The heads trained for SmolLM2-135M-Instruct that ship with the package.
+SHIPPED_HEADS = Path(__file__).resolve().parents[2] / "assets" / "hydra-smollm2"
+
+
+@dataclass(frozen=True)
+class HydraOptions:
+    path: Path = SHIPPED_HEADS
+    width: int | None = None
+    topk: int | None = None
+
+
+def parse_hydra_options(options: str | None) -> HydraOptions:
+    """Parse ``PATH``, ``width=W``, ``topk=T`` (comma separated, any order, all optional)."""
+    path, ints = SHIPPED_HEADS, {}
+    for item in (options or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        if not eq:
+            path = Path(item).expanduser()
+            continue
+        if key not in ("width", "topk"):
+            raise ValueError(f"hydra option {key!r} is unknown; use PATH, width=W, topk=T")
+        try:
+            ints[key] = int(value)
+        except ValueError:
+            raise ValueError(f"hydra option {key}={value!r} must be an integer") from None
+        if ints[key] < 1:
+            raise ValueError(f"hydra option {key} must be >= 1, got {ints[key]}")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"hydra checkpoint {path} has no config.json (train one with `dyntree train-heads`)")
+    return HydraOptions(path, ints.get("width"), ints.get("topk"))
+
+
+@dataclass
+class _State:
+    """One request's hidden states: rows pushed but not yet consumed, how many were pushed in
+    all, the heads' current input, and (prefix attention) the prefix layer's cache."""
+
+    pending: list[torch.Tensor] = field(default_factory=list)
+    pushed: int = 0
+    last: torch.Tensor | None = None
+    kv: PrefixKV | None = None
+
+
+class HydraDrafter(Drafter):
+    """Drafts with :class:`~dyntree.common.hydra.HydraHeads` over the target's hidden states."""
+
+    name = "hydra"
+    needs_hidden = True
+
+    def __init__(self, heads: HydraHeads, width: int | None = None, topk: int | None = None) -> None:
+        self.heads = heads.eval()
+        self.beam_width, self.beam_topk = width, topk
+        self.max_depth = heads.num_heads
+        self.device = heads.out_weight.device
+        self.dtype = heads.out_weight.dtype
+        self._state: dict[Hashable, _State] = {}
+
+    def observe_hidden(self, request_id: Hashable, states: torch.Tensor) -> None:
+        d = self.heads.config.hidden_size
+        if states.dim() != 2 or states.shape[1] != d:
+            raise ValueError(f"request {request_id!r}: hidden states of shape {tuple(states.shape)}; expected [n, {d}]")
+        if states.shape[0] == 0:
+            return
+        s = self._state.setdefault(request_id, _State())
+        s.pushed += states.shape[0]
+        if self.heads.prefix is None:
+            s.last = states[-1].to(self.device, self.dtype)
+        else:
+            s.pending.append(states.to(self.device, self.dtype))
+
+    def release(self, request_id: Hashable) -> None:
+        self._state.pop(request_id, None)
+
+    def _inputs(self, requests: Sequence[DraftRequest]) -> list[torch.Tensor | None]:
+        """The heads' input ``[d]`` per request (``None``: no state yet, nothing to draft from)."""
+        for r in requests:
+            have = self._state[r.request_id].pushed if r.request_id in self._state else 0
+            if have != r.kv_len:
+                raise ValueError(
+                    f"request {r.request_id!r}: the engine pushed hidden states for {have} positions, but "
+                    f"{r.kv_len} tokens are committed before the root (observe_hidden must cover every "
+                    "committed position once, in order)"
+                )
+        if self.heads.prefix is not None:
+            self._advance([self._state[r.request_id] for r in requests if r.kv_len > 0])
+        return [self._state[r.request_id].last if r.kv_len > 0 else None for r in requests]
+
+    def _advance(self, states: list[_State]) -> None:
+        """Run the prefix layer over every request's pending positions, in one batch."""
+        todo = [s for s in states if s.pending]
+        if not todo:
+            return
+        rows = [torch.cat(s.pending) for s in todo]
+        width = max(x.shape[0] for x in rows)
+        hidden = torch.zeros(len(todo), width, self.heads.config.hidden_size, device=self.device, dtype=self.dtype)
+        valid = torch.zeros(len(todo), width, dtype=torch.bool, device=self.device)
+        for b, x in enumerate(rows):
+            hidden[b, : x.shape[0]] = x
+            valid[b, : x.shape[0]] = True
+        have = torch.tensor([s.pushed - x.shape[0] for s, x in zip(todo, rows)], device=self.device)
+        positions = have[:, None] + torch.arange(width, device=self.device)
+        assert self.heads.prefix is not None
+        empty = self.heads.prefix.empty_kv(1, hidden)
+        past = PrefixKV.stack([s.kv if s.kv is not None else empty for s in todo])
+        with torch.inference_mode():
+            out, kv = self.heads.prefix_forward(hidden, positions, past, valid)
+        for b, (s, x) in enumerate(zip(todo, rows)):
+            s.kv, s.last, s.pending = kv.row(b), out[b, x.shape[0] - 1].clone(), []
+
+    @torch.inference_mode()
+    def expand(
+        self,
+        requests: Sequence[DraftRequest],
+        frontiers: Sequence[Sequence[int]],
+        partials: Sequence["PartialTree"],
+        k: int,
+        shaping: "SamplingParams | None",
+    ) -> Candidates:
+        """Head ``d`` scores the nodes at depth ``d - 1`` (one batched forward per distinct depth);
+        nodes deeper than the last head, and requests without a hidden state, get no candidates."""
+        if not len(requests) == len(frontiers) == len(partials):
+            raise ValueError(
+                f"expand got {len(requests)} requests, {len(frontiers)} frontiers, {len(partials)} partial trees"
+            )
+        inputs = self._inputs(requests)
+        rows = sum(len(f) for f in frontiers)
+        by_depth: dict[int, list[tuple[int, int, list[int]]]] = {}
+        row = 0
+        for b, (front, part) in enumerate(zip(frontiers, partials)):
+            for node in front:
+                path = part.path_tokens(node)
+                if inputs[b] is not None and len(path) <= self.heads.num_heads:
+                    by_depth.setdefault(len(path), []).append((b, row, path))
+                row += 1
+        out = Candidates.empty(rows, k)
+        token_map = self.heads.token_map if self.heads.config.reduced_vocab else None
+        for depth, items in by_depth.items():
+            hidden = torch.stack([inputs[b] for b, _, _ in items])
+            path = torch.tensor([p for _, _, p in items], dtype=torch.int64, device=self.device)
+            c = top_candidates(self.heads.head_logits(depth, hidden, path), k, shaping, token_map)
+            idx = torch.tensor([r for _, r, _ in items])
+            width = c.ids.shape[1]
+            out.ids[idx, :width], out.probs[idx, :width], out.entropy[idx] = c.ids, c.probs, c.entropy
+        return out
+
+
+def make_hydra_drafter(options: str | None = None, *, target: TargetInfo | None = None, **_: object) -> HydraDrafter:
+    """Factory for ``--drafter hydra[:PATH][,width=W][,topk=T]``; needs the target's weights."""
+    opts = parse_hydra_options(options)
+    if target is None:
+        raise ValueError("hydra drafter needs the target's weights and identity (make_drafter(..., target=TargetInfo))")
+    identity = TargetIdentity.of(target)
+    device = target.embed.device
+    dtype = torch.float32 if device.type == "cpu" else target.embed.dtype
+    heads = load_heads(opts.path, identity, target.embed, target.lm_head, dtype=dtype, device=device)
+    return HydraDrafter(heads, opts.width, opts.topk)

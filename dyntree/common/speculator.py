@@ -1,0 +1,368 @@
+"""The speculation step every engine calls: :class:`Speculator`.
+
+An engine owns its model, KV cache and scheduling; the speculator owns everything else. Per step::
+
+    batch = speculator.propose([SpecRequest(rid, token_ids, params), ...])   # plan, draft, build
+    # engine: ONE target forward over batch.tokens at batch.positions(kv_lens), tree mask from
+    #         batch.tree_bits (or batch.padded().mask), each request's committed prefix visible
+    result = speculator.accept(batch, logits, generator, forward_ms)          # verify, learn
+    # engine: keep the KV of result.accept_index (compaction), commit result.tokens, and push the
+    #         accepted nodes' last-layer hidden states if speculator.needs_hidden:
+    speculator.observe_hidden(rid, hidden[batch.flat_index(b, result.accepted(b))])
+
+and ``release(rid)`` when a request ends. Inside: the adaptive controller's plan (per request
+budgets, or plain decoding), the drafter's own trees or the :class:`~dyntree.common.builder.TreeBuilder`
+over its top-k ``expand`` (one batched call per depth), budget checks, greedy or lossless sampling
+verification, and the feedback to the drafter, the builder's calibration and the controller
+(acceptance, measured forward and drafting time). :attr:`Speculator.stats` holds per-request and
+per-depth counts and the time spent.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Sequence
+
+import torch
+
+from dyntree.common.builder import BuiltTree, PartialTree, TreeBuilder
+from dyntree.common.config import SamplingParams, SpecConfig
+from dyntree.common.controller import CostModel, Plan, SpeculationController
+from dyntree.common.drafter import Candidates, DraftRequest, Drafter
+from dyntree.common.options import TreeMode
+from dyntree.common.sampling import process_logits, sample_verify
+from dyntree.common.tree import DraftBatch, DraftTree
+from dyntree.common.verify import VerifyResult, greedy_accept
+
+__all__ = ["SpecRequest", "AcceptResult", "RequestStats", "SpecStats", "Speculator"]
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class SpecRequest:
+    """One live request as an engine hands it to :meth:`Speculator.propose`.
+
+    Attributes:
+        request_id: engine-unique, stable for the request's life.
+        token_ids: every committed token (prompt + generated); the last is the tree root, the
+            others are in the target's KV cache.
+        params: how the request samples (greedy by default); the draft is shaped the same way.
+        max_nodes: optional cap on this request's draft nodes this step (e.g. the engine's free
+            KV slots); never raises the configured budget.
+    """
+
+    request_id: Hashable
+    token_ids: Sequence[int]
+    params: SamplingParams = GREEDY
+    max_nodes: int | None = None
+
+
+@dataclass(frozen=True)
+class AcceptResult:
+    """Verification of one :class:`~dyntree.common.tree.DraftBatch`.
+
+    Attributes:
+        request_ids: batch order.
+        accept_index: ``[B, T_max]`` int64 local node indices of each accepted path, root first,
+            ``-1`` padded: the KV to keep, in the form the ``kv_compact_*`` kernels take.
+        accept_len: ``[B]`` int64 path lengths including the root.
+        tokens: per request, the tokens to commit: accepted drafts, then the bonus token.
+    """
+
+    request_ids: list[Hashable]
+    accept_index: torch.Tensor
+    accept_len: torch.Tensor
+    tokens: list[list[int]]
+
+    def accepted(self, b: int) -> list[int]:
+        """Request ``b``'s accepted local node indices, root first."""
+        return self.accept_index[b, : int(self.accept_len[b])].tolist()
+
+    def result(self, b: int) -> VerifyResult:
+        return VerifyResult(self.accepted(b), self.tokens[b])
+
+
+@dataclass
+class RequestStats:
+    """One request's speculation so far."""
+
+    steps: int = 0
+    proposed: int = 0  # draft nodes
+    accepted: int = 0  # accepted draft tokens
+    accepted_per_depth: list[int] = field(default_factory=list)  # index d-1: accepted at depth d
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per verify step (accepted drafts + bonus), before any stop cut."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class SpecStats:
+    """Totals since the last :meth:`reset`: steps, per-depth counts, and time (seconds)."""
+
+    steps: int = 0
+    proposed_per_depth: list[int] = field(default_factory=list)
+    accepted_per_depth: list[int] = field(default_factory=list)
+    draft_s: float = 0.0  # propose(): plan, drafter, builder
+    expand_s: float = 0.0  # of draft_s: inside the drafter's expand / propose
+    accept_s: float = 0.0  # accept(): verification and learning
+    forward_s: float = 0.0  # the engine's verify forwards, as reported to accept()
+    requests: dict[Hashable, RequestStats] = field(default_factory=dict)
+
+    @property
+    def build_s(self) -> float:
+        """Planning and tree building: drafting time outside the drafter."""
+        return self.draft_s - self.expand_s
+
+    def reset(self) -> None:
+        live = self.requests
+        self.__init__()  # type: ignore[misc]
+        self.requests = {rid: RequestStats() for rid in live}
+
+
+def _add(counts: list[int], depth: int, n: int = 1) -> None:
+    while len(counts) < depth:
+        counts.append(0)
+    counts[depth - 1] += n
+
+
+class Speculator:
+    """Plans, drafts, builds, verifies and learns; engines run the target forward around it.
+
+    Args:
+        drafter: the draft source (a self-draft must have its engine backend attached).
+        spec: what to speculate with.
+        vocab_size: the target's vocabulary (candidate ids are checked against it).
+        cost_model: the adaptive controller's cost of one verify forward, or a function that
+            measures it (called once, by :meth:`prepare`); required when ``spec.adaptive``.
+        padded: the engine pads every tree of a batch to the widest (the controller prices a
+            verify as ``batch x widest`` query tokens).
+    """
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        spec: SpecConfig | None = None,
+        *,
+        vocab_size: int,
+        cost_model: CostModel | Callable[[], CostModel] | None = None,
+        padded: bool = False,
+    ) -> None:
+        self.drafter = drafter
+        self.spec = spec = spec or SpecConfig()
+        self.vocab_size = vocab_size
+        if spec.tree is not None and not drafter.drafts_with_builder:
+            raise ValueError(
+                f"SpecConfig.tree={spec.tree!r} needs a drafter with expand; drafter {drafter.name!r} has "
+                "none (leave tree unset to use its own trees)"
+            )
+        if drafter.needs_self_draft and getattr(drafter, "backend", None) is None:
+            raise ValueError(f"drafter {drafter.name!r} drafts with the target's own forward: attach the engine's "
+                             "SelfDraftBackend before building the speculator")
+        self.own_mode: TreeMode | None = None if drafter.has_own_trees else "beam"
+        uses_builder = spec.tree is not None or self.own_mode is not None
+        self.builder = TreeBuilder(spec.builder_options()) if uses_builder else None
+        self._cost = cost_model
+        self._padded = padded
+        self.controller: SpeculationController | None = None
+        if spec.adaptive and cost_model is None:
+            raise ValueError("SpecConfig.adaptive needs a cost model (or a function that measures one)")
+        self.stats = SpecStats()
+        self._trees: dict[Hashable, DraftTree] = {}
+        self._tokens: dict[Hashable, Sequence[int]] = {}
+        self._params: dict[Hashable, SamplingParams] = {}
+
+    @property
+    def needs_hidden(self) -> bool:
+        """Engines push the target's last-layer hidden states of committed tokens (observe_hidden)."""
+        return self.drafter.needs_hidden
+
+    def prepare(self) -> float:
+        """Set up the adaptive controller (measuring the cost model if a function was given);
+        returns the seconds it took. :meth:`propose` calls it; call it first to keep it out of timings."""
+        if not self.spec.adaptive or self.controller is not None:
+            return 0.0
+        t = time.perf_counter()
+        if not isinstance(self._cost, CostModel):
+            assert self._cost is not None
+            self._cost = self._cost()
+        self.controller = SpeculationController(self._cost, self.spec.controller_options(), padded=self._padded)
+        return time.perf_counter() - t
+
+    # -- the step ------------------------------------------------------------------------------
+    def propose(self, requests: Sequence[SpecRequest], generator: torch.Generator | None = None) -> DraftBatch:
+        """One draft tree per request, flat: plan, draft or build, check budgets. ``generator``
+        (CPU) draws the children of sampled requests' trees."""
+        if not requests:
+            raise ValueError("propose needs at least one request")
+        if len({r.request_id for r in requests}) != len(requests):
+            raise ValueError("propose: request ids must be unique")
+        self.prepare()
+        t0 = time.perf_counter()
+        expand_s = 0.0
+        ids = [r.request_id for r in requests]
+        plans = self.controller.plan(ids) if self.controller is not None else None
+        drafts = [self._draft_request(r, plans[i] if plans else None) for i, r in enumerate(requests)]
+        trees: list[DraftTree] = [DraftTree.root_only(d.root) for d in drafts]
+        # one builder run per tree mode and draft shaping (greedy, or temperature / top-k / top-p)
+        groups: dict[tuple[TreeMode | None, tuple[float, int, float] | None], list[int]] = {}
+        for i, d in enumerate(drafts):
+            if d.max_nodes > 0 and d.max_depth > 0:
+                mode = "chain" if plans is not None and plans[i].mode == "chain" and self.builder else self.spec.tree
+                p = requests[i].params
+                groups.setdefault((mode or self.own_mode, None if p.greedy else (p.temperature, p.top_k, p.top_p)), []).append(i)
+        for (mode, _), rows in groups.items():
+            reqs = [drafts[i] for i in rows]
+            if mode is None:
+                t = time.perf_counter()
+                built = self.drafter.propose(reqs)
+                expand_s += time.perf_counter() - t
+            else:
+                built, spent = self._build(reqs, mode, requests[rows[0]].params, generator)
+                expand_s += spent
+            if len(built) != len(reqs):
+                raise RuntimeError(f"drafter {self.drafter.name!r} returned {len(built)} trees for {len(reqs)} requests")
+            for i, tree in zip(rows, built):
+                trees[i] = tree
+        for d, tree in zip(drafts, trees):
+            if tree.root != d.root or tree.size - 1 > d.max_nodes or tree.max_depth > d.max_depth:
+                raise RuntimeError(
+                    f"drafter {self.drafter.name!r} broke its budget or root: root {tree.root} (want {d.root}), "
+                    f"{tree.size - 1} nodes (max {d.max_nodes}), depth {tree.max_depth} (max {d.max_depth})"
+                )
+        batch = DraftBatch.from_trees(ids, trees)
+        for r, tree in zip(requests, trees):
+            self._trees[r.request_id], self._tokens[r.request_id], self._params[r.request_id] = tree, r.token_ids, r.params
+        draft_ms = (time.perf_counter() - t0) * 1e3
+        if self.controller is not None:
+            self.controller.observe_draft(int(batch.depths.max()), batch.num_drafts, draft_ms)
+        self.stats.draft_s += draft_ms / 1e3
+        self.stats.expand_s += expand_s
+        return batch
+
+    def accept(
+        self,
+        batch: DraftBatch,
+        target: torch.Tensor,
+        generator: torch.Generator | None = None,
+        forward_ms: float | None = None,
+    ) -> AcceptResult:
+        """Verify ``batch`` against the target and learn from the outcome.
+
+        Args:
+            batch: this step's :meth:`propose` result.
+            target: ``[N, V]`` target logits, one row per flat node (the distribution of the token
+                after it), or ``[N]`` target argmax (greedy requests only).
+            generator: random source of sampled requests (CPU).
+            forward_ms: the engine's measured verify forward (refines the controller's cost model).
+        """
+        t0 = time.perf_counter()
+        n = batch.num_nodes
+        if target.shape[0] != n or target.dim() not in (1, 2):
+            raise ValueError(f"accept: target must be [{n}, V] logits or [{n}] argmax, got {tuple(target.shape)}")
+        params = [self._params[rid] for rid in batch.request_ids]
+        padded = batch.padded()
+        argmax = target if target.dim() == 1 else target.argmax(dim=-1)
+        top = torch.zeros(padded.tokens.shape, dtype=torch.int64)
+        top[padded.valid] = argmax.to(torch.int64).cpu()
+        index, length, bonus = greedy_accept(padded.tokens, padded.parents, top)
+        tokens: list[list[int]] = []
+        for b, (tree, p) in enumerate(zip(batch.trees, params)):
+            if p.greedy:
+                path = index[b, : int(length[b])]
+                tokens.append(tree.tokens[path[1:]].tolist() + [int(bonus[b])])
+                continue
+            if target.dim() != 2:
+                raise ValueError(f"accept: request {batch.request_ids[b]!r} samples; pass logits, not argmax")
+            lo, hi = int(batch.qo_indptr[b]), int(batch.qo_indptr[b + 1])
+            probs = process_logits(target[lo:hi].float().cpu(), p.temperature, p.top_k, p.top_p)
+            res = sample_verify(tree, probs, generator, self.spec.tree_options.sampling_scheme)
+            index[b] = -1
+            index[b, : len(res.accepted_nodes)] = torch.tensor(res.accepted_nodes)
+            length[b] = len(res.accepted_nodes)
+            tokens.append(res.tokens)
+        result = AcceptResult(list(batch.request_ids), index, length, tokens)
+        self._learn(batch, result, forward_ms)
+        self.stats.accept_s += time.perf_counter() - t0
+        return result
+
+    def observe_hidden(self, request_id: Hashable, states: torch.Tensor) -> None:
+        """The target's last-layer hidden states ``[n, d]`` (the LM-head input) of the request's
+        next ``n`` committed positions, in order: after the prefill every prompt token but the
+        last, then after each step the accepted nodes' (root first; not the bonus). Ignored unless
+        :attr:`needs_hidden`."""
+        if self.drafter.needs_hidden:
+            self.drafter.observe_hidden(request_id, states)
+
+    def release(self, request_id: Hashable) -> RequestStats:
+        """The request ended: drop its state everywhere; returns its statistics."""
+        self.drafter.release(request_id)
+        if self.controller is not None:
+            self.controller.release(request_id)
+        for d in (self._trees, self._tokens, self._params):
+            d.pop(request_id, None)
+        return self.stats.requests.pop(request_id, RequestStats())
+
+    # -- inside the step -----------------------------------------------------------------------
+    def _draft_request(self, r: SpecRequest, plan: Plan | None) -> DraftRequest:
+        nodes = plan.max_nodes if plan is not None else self.spec.max_nodes
+        depth = plan.max_depth if plan is not None else self.spec.max_depth
+        if r.max_nodes is not None:
+            nodes = min(nodes, max(r.max_nodes, 0))
+        if self.drafter.max_depth is not None:
+            depth = min(depth, self.drafter.max_depth)
+        if len(r.token_ids) == 0:
+            raise ValueError(f"request {r.request_id!r} has no tokens (the last committed token is the root)")
+        return DraftRequest(r.request_id, r.token_ids, nodes, depth)
+
+    def _build(
+        self, reqs: list[DraftRequest], mode: TreeMode, params: SamplingParams, gen: torch.Generator | None
+    ) -> tuple[list[DraftTree], float]:
+        """Grow ``reqs``' trees in ``mode``; returns them and the seconds spent in the drafter."""
+        assert self.builder is not None
+        shaping = None if params.greedy else params
+        spent = 0.0
+
+        def expand(frontiers: list[list[int]], partials: list[PartialTree], k: int) -> list[Candidates]:
+            nonlocal spent
+            t = time.perf_counter()
+            cands = self.drafter.expand(reqs, frontiers, partials, k, shaping)
+            spent += time.perf_counter() - t
+            return cands.split([len(f) for f in frontiers])
+
+        built = self.builder.build_batch(
+            [r.root for r in reqs], expand, budgets=[(r.max_nodes, r.max_depth) for r in reqs], mode=mode,
+            sampling=not params.greedy, generator=gen, vocab_size=self.vocab_size,
+            beam=(self.drafter.beam_width, self.drafter.beam_topk),
+        )  # fmt: skip
+        return list(built), spent
+
+    def _learn(self, batch: DraftBatch, result: AcceptResult, forward_ms: float | None) -> None:
+        """Feed the outcome to the drafter, the builder's calibration, the controller and the stats."""
+        st = self.stats
+        st.steps += 1
+        for b, (rid, tree) in enumerate(zip(batch.request_ids, batch.trees)):
+            nodes = result.accepted(b)
+            self.drafter.observe(rid, list(self._tokens[rid]) + result.tokens[b], len(nodes) - 1)
+            if self.builder is not None and isinstance(tree, BuiltTree) and tree.size > 1:
+                self.builder.observe(tree, nodes)
+            if self.controller is not None:
+                self.controller.observe(rid, tree, nodes)
+            rs = st.requests.setdefault(rid, RequestStats())
+            rs.steps += 1
+            rs.proposed += tree.size - 1
+            rs.accepted += len(nodes) - 1
+            for d in tree.depths[1:].tolist():
+                _add(st.proposed_per_depth, d)
+            for d in range(1, len(nodes)):
+                _add(rs.accepted_per_depth, d)
+                _add(st.accepted_per_depth, d)
+        if self.controller is not None and forward_ms is not None and forward_ms > 0:
+            width = max(t.size for t in batch.trees)
+            n_query = batch.batch_size * width if self._padded else batch.num_nodes
+            self.controller.observe_step(n_query, forward_ms)
+        if forward_ms is not None:
+            st.forward_s += forward_ms / 1e3

@@ -1,0 +1,166 @@
+"""The quantized self-draft's forward over a Hugging Face model and its ``DynamicCache``: the
+:class:`~dyntree.common.drafter.SelfDraftBackend` the standalone engine attaches to a ``qspec``
+drafter.
+
+The draft forward is the target's own decoder ``forward`` run on a shallow copy of the decoder
+whose layer list is the draft's (:func:`~dyntree.common.drafters.qspec.build_draft_layers`), so
+with quantization off it computes exactly what the target computes. KV: the draft reads the
+engine's committed prefix KV (its cache rows, read-only, never copied as a whole) and keeps its
+draft tokens' KV in a scratch cache for one step. The HF attention needs one contiguous key
+tensor per layer, so each draft layer call concatenates that layer's prefix with the scratch for
+the duration of the call (a transient copy of one layer's prefix, never a second full cache).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from torch import nn
+
+from dyntree.common.drafter import DraftRequest
+from dyntree.common.drafters.qspec import build_draft_layers
+from dyntree.common.quant import QSpec, QSpecError, QuantLinear
+from dyntree.kernels.w4a16 import int4_linear
+
+if TYPE_CHECKING:
+    from dyntree.standalone.engine import SpecEngine
+
+__all__ = ["HFSelfDraft"]
+
+
+class _ScratchKV:
+    """The cache object the draft forward writes to: per layer, the target's prefix KV (views,
+    read-only, set for the duration of one forward) followed by this step's draft tokens' KV
+    (scratch, owned)."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.prefix: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
+        self.scratch: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
+        self.peak_transient_bytes = 0
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        old = self.scratch[layer_idx]
+        self.scratch[layer_idx] = (key, value) if old is None else (torch.cat([old[0], key], 2), torch.cat([old[1], value], 2))
+        k, v = self.scratch[layer_idx]
+        pre = self.prefix[layer_idx]
+        if pre is None:
+            return k, v
+        full_k, full_v = torch.cat([pre[0], k], 2), torch.cat([pre[1], v], 2)
+        self.peak_transient_bytes = max(self.peak_transient_bytes, 2 * full_k.numel() * full_k.element_size())
+        return full_k, full_v
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        pre, scr = self.prefix[layer_idx], self.scratch[layer_idx]
+        return (0 if pre is None else pre[0].shape[2]) + (0 if scr is None else scr[0].shape[2])
+
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(2 * s[0].numel() * s[0].element_size() for s in self.scratch if s is not None)
+
+
+class HFSelfDraft:
+    """Draft layers over the engine's cache rows (see the module docstring).
+
+    Args:
+        engine: the standalone engine whose model and live cache the draft reads.
+        spec: what to quantize.
+        materialize: keep dequantized dense copies of the quantized weights (CPU acceptance
+            measurements only: same numbers, faster, but the memory saving is gone).
+    """
+
+    def __init__(self, engine: "SpecEngine", spec: QSpec, materialize: bool = False) -> None:
+        model = engine.model
+        decoder = model.get_decoder()
+        layers = getattr(decoder, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise QSpecError(f"qspec: the target's decoder ({type(decoder).__name__}) has no .layers ModuleList")
+        self.engine = engine
+        self.spec = spec
+        self.lm_head = model.get_output_embeddings()
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        draft_layers = build_draft_layers(layers, spec, int4_linear if self.device.type == "cuda" else None)
+        self.decoder = copy.copy(decoder)  # the target's forward code over the draft's layers
+        self.decoder._modules = dict(decoder._modules)
+        self.decoder.layers = draft_layers
+        self.decoder.config = copy.copy(decoder.config)
+        self.decoder.config.num_hidden_layers = len(draft_layers)
+        self.quant_layers = [m for m in draft_layers.modules() if isinstance(m, QuantLinear)]
+        if materialize:
+            for m in self.quant_layers:
+                m.materialize(self.dtype)
+        self.target_bytes = _param_bytes(model)
+        self.last_scratch_bytes = 0
+        self.last_transient_bytes = 0
+        self._rows: list[int] = []
+        self._kv_lens = torch.zeros(0, dtype=torch.int64)
+        self._kv = _ScratchKV(len(draft_layers))
+
+    @property
+    def overhead_bytes(self) -> int:
+        """Memory the draft adds to the target: its quantized weights (0 for ``none``)."""
+        return sum(m.nbytes for m in self.quant_layers)
+
+    def reset(self, requests: Sequence[DraftRequest]) -> None:
+        rows = self.engine.cache_rows([r.request_id for r in requests])
+        for r, row in zip(requests, rows):
+            if self.engine.kv_len(row) != r.kv_len:
+                raise ValueError(f"qspec: request {r.request_id!r} has kv_len={r.kv_len}, the engine's cache "
+                                 f"row holds {self.engine.kv_len(row)}")
+        self._rows = rows
+        self._kv_lens = torch.tensor([r.kv_len for r in requests])
+        self._kv = _ScratchKV(len(self.decoder.layers))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, scratch_mask: torch.Tensor) -> torch.Tensor:
+        prefix_len = int(self._kv_lens.max()) if self._kv_lens.numel() else 0
+        b, w = tokens.shape
+        see_prefix = (torch.arange(prefix_len)[None, :] < self._kv_lens[:, None])[:, None, :].expand(b, w, prefix_len)
+        allowed = torch.cat([see_prefix, scratch_mask], dim=-1)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        self._kv.prefix = self._prefix(prefix_len)
+        try:
+            with torch.inference_mode():
+                hidden = self.decoder(
+                    input_ids=tokens.to(self.device),
+                    position_ids=positions.to(self.device),
+                    attention_mask=mask[:, None].to(self.device),
+                    past_key_values=self._kv,
+                    use_cache=True,
+                ).last_hidden_state
+                logits = self.lm_head(hidden)
+        finally:
+            self._kv.prefix = [None] * len(self._kv.prefix)
+        self.last_scratch_bytes = self._kv.scratch_bytes
+        self.last_transient_bytes = self._kv.peak_transient_bytes
+        return logits
+
+    def _prefix(self, prefix_len: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per draft layer, the target's keys/values for the requests' rows, sliced to the
+        longest prefix (views when the requests are the cache's rows in order)."""
+        cache = self.engine.cache
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        layers = getattr(cache, "layers", [])
+        for i in range(len(self.decoder.layers)):
+            layer = layers[i] if i < len(layers) else None
+            keys = getattr(layer, "keys", None)
+            if prefix_len == 0 or keys is None or keys.numel() == 0:
+                out.append(None)
+                continue
+            values = layer.values
+            if self._rows != list(range(keys.shape[0])):
+                idx = torch.tensor(self._rows, device=keys.device)
+                keys, values = keys.index_select(0, idx), values.index_select(0, idx)
+            out.append((keys[:, :, :prefix_len], values[:, :, :prefix_len]))
+        return out
+
+
+def _param_bytes(model: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():  # tied weights appear once
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total

@@ -1,0 +1,31 @@
+"""What drafters borrow from a Hugging Face target: :func:`hf_target` fills the engine-neutral
+:class:`~dyntree.common.drafter.TargetInfo`, and :func:`make_hf_drafter` builds a drafter from a
+spec with it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dyntree.common.drafter import Drafter, TargetInfo
+from dyntree.common.drafters import make_drafter
+from dyntree.common.hydra import tokenizer_sha256
+
+__all__ = ["hf_target", "make_hf_drafter"]
+
+
+def hf_target(model: Any, tokenizer: Any, name: str | None = None) -> TargetInfo:
+    """The target's name, hidden size, frozen embedding and LM-head weights, and tokenizer hash."""
+    name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+    return TargetInfo(
+        name=str(name),
+        hidden_size=int(model.config.hidden_size),
+        embed=model.get_input_embeddings().weight.detach(),
+        lm_head=model.get_output_embeddings().weight.detach(),
+        tokenizer_sha256=tokenizer_sha256(tokenizer),
+    )
+
+
+def make_hf_drafter(spec: str, model: Any, tokenizer: Any) -> Drafter:
+    """``make_drafter(spec)`` with the target's weights for drafters that borrow them (hydra)."""
+    name = spec.partition(":")[0].strip().lower()
+    return make_drafter(spec, target=hf_target(model, tokenizer)) if name == "hydra" else make_drafter(spec)
