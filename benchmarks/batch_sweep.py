@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.drafter import make_drafter
+from dyntree.common.drafters import make_drafter
 from dyntree.models import load_model, parse_dtype
 from dyntree.standalone.bench import _device, _versions, compare, encode_prompt, load_prompts, run_mode
 from dyntree.standalone.engine import SpecEngine

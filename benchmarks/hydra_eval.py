@@ -26,13 +26,12 @@ from typing import Any
 import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.drafter import make_drafter
-from dyntree.common.hydra import HydraHeads, load_heads
+from dyntree.common.drafters.hydra import SHIPPED_HEADS
+from dyntree.common.hydra import HydraHeads, TargetIdentity, load_heads
 from dyntree.models import load_model
 from dyntree.standalone.bench import Prompt, encode_prompt, load_prompts
 from dyntree.standalone.engine import SpecEngine
-from dyntree.standalone.hydra_drafter import SHIPPED_HEADS
-from dyntree.training.target import target_identity, target_weights
+from dyntree.standalone.target import hf_target, make_hf_drafter
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -58,7 +57,7 @@ def _pick(path: Path, per_category: int, mt_bench_extra: int) -> tuple[list, lis
 
 def _run(model, tok, spec: str, prompts: list, budget: int, depth: int, new: int) -> tuple[list, list, dict]:
     """Decode ``prompts`` one at a time (batch 1: tokens/s is per-request latency)."""
-    drafter = make_drafter(spec, model=model, tokenizer=tok)
+    drafter = make_hf_drafter(spec, model, tok)
     engine = SpecEngine(model, tok, drafter, SpecConfig(drafter=spec, max_nodes=budget, max_depth=depth))
     params = SamplingParams(max_new_tokens=new)
     outs, walls = [], []
@@ -66,7 +65,8 @@ def _run(model, tok, spec: str, prompts: list, budget: int, depth: int, new: int
         start = time.perf_counter()
         outs += engine.generate([encode_prompt(tok, p.text, chat=True)], params, request_ids=[p.id])
         walls.append(time.perf_counter() - start)
-    return outs, walls, dict(engine.timing)
+    st = engine.speculator.stats
+    return outs, walls, {"draft_s": st.draft_s, "verify_s": st.forward_s + st.accept_s}
 
 
 def _summary(spec: str, outs: list, walls: list, prompts: list, timing: dict) -> dict[str, Any]:
@@ -162,8 +162,8 @@ def main() -> int:
         run["speedup"] = round(run["tokens_per_s"] / plain["tokens_per_s"], 4)
         runs.append(run)
 
-    ident = target_identity(model, tok, "smollm2")
-    embed, lm_head = target_weights(model)
+    target = hf_target(model, tok, "smollm2")
+    ident, embed, lm_head = TargetIdentity.of(target), target.embed, target.lm_head
     agreement = {}
     for name, path in (("hydra", args.heads), ("independent", args.independent_heads), ("prefix", args.prefix_heads)):
         if path:

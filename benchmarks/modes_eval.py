@@ -1,6 +1,6 @@
 """Tree modes at equal node budgets on Spec-Bench: ``chain`` vs ``static`` vs ``dyntree`` per drafter.
 
-For each drafter (default: ``ngram``; any registered drafter with ``expand_batch`` can be added
+For each drafter (default: ``ngram``; any registered drafter with ``expand`` can be added
 with ``--drafters``; one without it runs mode ``own`` only) and each node budget (16, 32, 64),
 every tree mode decodes the same Spec-Bench prompts (spread over all categories) at batch size 1,
 on the CPU by default or on a GPU with ``--device cuda``. Reports tau, tokens/s, speedup over plain decoding, accepted tokens per depth,
@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.drafter import make_drafter
 from dyntree.common.options import TreeOptions
 from dyntree.models import load_model, parse_dtype, resolve_device
 from dyntree.standalone.bench import _device, _versions, compare, encode_prompt, load_prompts, run_mode
+from dyntree.standalone.target import make_hf_drafter
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SPEC_BENCH = Path(os.environ.get("DYNTREE_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "data/spec_bench/question.jsonl"
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=40, help="new tokens per prompt")
     ap.add_argument("--budgets", default="16,32,64")
     ap.add_argument("--drafters", default="ngram")
-    ap.add_argument("--modes", default="own,chain,static,dyntree", help="modes of a drafter with expand_batch")
+    ap.add_argument("--modes", default="own,chain,static,dyntree", help="modes of a drafter with expand")
     ap.add_argument(
         "--dyntree-thresholds", default="",
         help="comma-separated path-value thresholds: run dyntree once per value (default: the option's "
@@ -62,7 +62,7 @@ def main() -> None:
     runs = [base]
     thresholds = [float(t) for t in args.dyntree_thresholds.split(",") if t]
     for drafter in args.drafters.split(","):
-        builder = make_drafter(drafter, model=model, tokenizer=tok).drafts_with_builder
+        builder = make_hf_drafter(drafter, model, tok).drafts_with_builder
         for budget in (int(b) for b in args.budgets.split(",")):
             spec = SpecConfig(drafter=drafter, max_nodes=budget, max_depth=min(8, budget))
             for mode, s in variants(args.modes.split(",") if builder else ["own"], spec, thresholds, args.max_children):

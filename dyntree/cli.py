@@ -45,7 +45,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one prompt and print step statistics")
     g.add_argument("prompt")
-    g.add_argument("--tree", default=None, choices=["chain", "static", "dyntree"],
+    g.add_argument("--tree", default=None, choices=["chain", "static", "dyntree", "beam"],
                    help="shape trees with the builder (default: the drafter's own trees)")
     _spec_args(g)
     g.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16")
@@ -56,7 +56,7 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--categories", default=None, help="comma-separated `category` values to keep")
     b.add_argument("--per-category", type=int, default=None, help="keep the first N prompts of each category")
     b.add_argument("--modes", default="none,dyntree",
-                   help="comma-separated: none (plain), own (the drafter's trees), chain, static, dyntree")
+                   help="comma-separated: none (plain), own (the drafter's trees), chain, static, dyntree, beam")
     b.add_argument("--batch-size", type=int, default=1)
     b.add_argument("--dtype", default="bf16", help="fp32, bf16 or fp16")
     b.add_argument("--out", required=True, help="where to write RESULT.json")

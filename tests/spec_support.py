@@ -59,7 +59,7 @@ class OracleDrafter(Drafter):
                  vocab: int = 49152) -> None:
         self.refs, self.prompt_lens, self.decoys, self.vocab = references, prompt_lens, decoys, vocab
 
-    def propose(self, requests: Sequence[DraftRequest], target_kv: Any = None) -> list[DraftTree]:
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         trees = []
         for r in requests:
             done = len(r.token_ids) - self.prompt_lens[r.request_id]

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from dyntree.common.builder import MEDUSA_63, PartialTree, TreeBuilder, draw_children
 from dyntree.common.calibration import Calibrator, entropy
+from dyntree.common.drafter import Candidates, top_candidates
 from dyntree.common.options import CalibrationOptions, ControllerOptions, TreeOptions
 from dyntree.common.sampling import sample_verify
 from dyntree.common.tree import DraftTree
@@ -25,14 +26,16 @@ class ToyDrafter:
     def __init__(self, vocab: int, sharpness: float, seed: int = 0) -> None:
         self.vocab, self.sharpness, self.seed = vocab, sharpness, seed
         self.calls: list[list[int]] = []
+        self.ks: list[int] = []  # candidates asked for per call
 
     def dist(self, path: list[int]) -> torch.Tensor:
         g = torch.Generator().manual_seed(hash((self.seed, *path)) % (2**31))
         return torch.softmax(torch.randn(self.vocab, generator=g) * self.sharpness, -1)
 
-    def __call__(self, frontier: list[int], partial: PartialTree) -> torch.Tensor:
+    def __call__(self, frontier: list[int], partial: PartialTree, k: int) -> Candidates:
         self.calls.append([partial.depths[i] for i in frontier])
-        return torch.stack([self.dist(partial.path_tokens(i)) for i in frontier])
+        self.ks.append(k)
+        return top_candidates(torch.stack([self.dist(partial.path_tokens(i)) for i in frontier]).log(), k)
 
 
 def _path_tokens(tree: DraftTree, i: int) -> list[int]:
@@ -44,7 +47,7 @@ def _path_tokens(tree: DraftTree, i: int) -> list[int]:
     vocab=st.integers(3, 24),
     sharpness=st.sampled_from([0.3, 1.5, 4.0, 10.0]),
     seed=st.integers(0, 10_000),
-    mode=st.sampled_from(["chain", "static", "dyntree"]),
+    mode=st.sampled_from(["chain", "static", "dyntree", "beam"]),
     sampling=st.booleans(),
     iid=st.booleans(),
     max_nodes=st.integers(0, 40),
@@ -64,8 +67,9 @@ def test_builder_invariants(
     drafter = ToyDrafter(vocab, sharpness, seed)
     tree = TreeBuilder(opts).build(
         5, drafter, max_nodes=max_nodes, max_depth=max_depth, mode=mode,  # type: ignore[arg-type]
-        sampling=sampling, generator=torch.Generator().manual_seed(seed),
+        sampling=sampling, generator=torch.Generator().manual_seed(seed), vocab_size=vocab,
     )
+    sampling = sampling and mode != "beam"  # beam trees are deterministic (point-mass proposals)
     n = tree.size
     assert tree.root == 5 and n - 1 <= max_nodes and tree.max_depth <= max_depth
     assert all(0 <= int(tree.parents[i]) < i for i in range(1, n))  # parents before children
@@ -73,6 +77,11 @@ def test_builder_invariants(
     for depth, call in enumerate(drafter.calls):
         assert call and set(call) == {depth}  # ... over that depth's frontier only
     assert (tree.draft_dists is not None) == (sampling and bool(drafter.calls))
+    # the builder never asks for the whole vocabulary: the most candidates the mode can use
+    want_k = {"chain": 1, "static": 10, "dyntree": max_children, "beam": 1024}[mode]
+    if sampling:
+        want_k = max(want_k, opts.sampling_support)
+    assert all(k <= want_k for k in drafter.ks)
     for i in range(1, n):
         par = int(tree.parents[i])
         q = drafter.dist(_path_tokens(tree, par))
@@ -97,6 +106,10 @@ def test_builder_invariants(
         assert float(tree.values[1:].min()) >= threshold
     if mode == "chain":
         assert n - 1 == min(max_nodes, max_depth) and tree.max_depth == n - 1
+    if mode == "beam" and n > 1:  # per depth, the best children by path probability, at most the width
+        width = -(-max_nodes // max(max_depth, 1))
+        for d in range(1, tree.max_depth + 1):
+            assert int((tree.depths == d).sum()) <= width
     if mode == "static":
         kept = [p for p in MEDUSA_63 if len(p) <= max_depth][:max_nodes]
         # softmax rows have full support: the whole truncated shape, minus ranks >= vocab
@@ -155,7 +168,8 @@ def test_sampled_child_counts_are_decided_before_drawing() -> None:
     sizes = set()
     for seed in range(12):
         tree = TreeBuilder(TreeOptions(threshold=0.0)).build(
-            0, drafter, max_nodes=3, max_depth=3, sampling=True, generator=torch.Generator().manual_seed(seed)
+            0, drafter, max_nodes=3, max_depth=3, sampling=True, generator=torch.Generator().manual_seed(seed),
+            vocab_size=drafter.vocab,
         )
         sizes.add(len(tree.children(0)))
     assert len(sizes) == 1
@@ -191,7 +205,7 @@ def test_sampled_builder_with_sample_verify_matches_target_first_token() -> None
     g = torch.Generator().manual_seed(0)
     counts: Counter = Counter()
     for _ in range(n):
-        tree = builder.build(0, drafter, max_nodes=3, max_depth=2, sampling=True, generator=g)
+        tree = builder.build(0, drafter, max_nodes=3, max_depth=2, sampling=True, generator=g, vocab_size=vocab)
         tp = torch.stack([torch.roll(target, int(tree.tokens[i])) for i in range(tree.size)])
         counts[(sample_verify(tree, tp, g).tokens[0],)] += 1
     assert _chi2_pvalue(counts, {(y,): float(target[y]) for y in range(vocab)}, n) > 1e-3

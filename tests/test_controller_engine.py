@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 from spec_support import tiny_llama
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.controller import CostModel
-from dyntree.common.drafter import NoDrafter, make_drafter
+from dyntree.common.drafter import NoDrafter
+from dyntree.common.drafters import make_drafter
 from dyntree.models import model_path
 from dyntree.standalone.engine import SpecEngine
 from test_engine_tiny import _prompts
@@ -44,7 +45,7 @@ def test_proportional_cost_falls_back_to_plain_decoding(tok, setup, tree) -> Non
     outs = eng.generate(prompts, PARAMS)
     assert [o.token_ids for o in outs] == plain
     assert all(o.draft_nodes == 0 and o.tau == 1.0 for o in outs)
-    assert eng.timing["expand_s"] == 0.0  # the drafter was not even asked
+    assert eng.speculator.stats.expand_s == 0.0  # the drafter was not even asked
 
 
 @pytest.mark.parametrize("tree", [None, "chain", "dyntree"])
@@ -67,12 +68,12 @@ def test_cost_model_measured_once_per_engine(tok, setup) -> None:
     cost = eng.measure_cost(sizes=(1, 8), kv_len=16, repeats=1)
     assert cost.xs == [1, 8] and cost.ys[0] > 0 and cost.ys[1] >= cost.ys[0]
     eng2 = SpecEngine(model, tok, make_drafter("ngram"), SpecConfig(adaptive=True), cost_model=cost)
-    assert eng2.prepare() >= 0.0 and eng2.controller is not None and eng2.controller.cost is cost
+    assert eng2.prepare() >= 0.0 and eng2.speculator.controller is not None and eng2.speculator.controller.cost is cost
     assert eng2.prepare() == 0.0  # set up once
     eng2.generate(prompts[:1], SamplingParams(max_new_tokens=4))
-    assert eng2.controller.cost is cost  # kept across generate calls
+    assert eng2.speculator.controller.cost is cost  # kept across generate calls
     plain = SpecEngine(model, tok, make_drafter("ngram"))
-    assert plain.prepare() == 0.0 and plain.controller is None
+    assert plain.prepare() == 0.0 and plain.speculator.controller is None
 
 
 def test_spec_config_errors_name_the_field(tok) -> None:
@@ -84,7 +85,7 @@ def test_spec_config_errors_name_the_field(tok) -> None:
         SpecConfig(controller={"max_nodes": 64})
     with pytest.raises(ValidationError, match="threshold"):
         SpecConfig(tree_options={"threshold": 2.0})
-    with pytest.raises(ValueError, match="tree='static'.*expand_batch"):
+    with pytest.raises(ValueError, match="tree='static'.*expand"):
         SpecEngine(tiny_llama(0), tok, NoDrafter(), SpecConfig(tree="static"))
     opts = SpecConfig(tree="chain", max_nodes=4, max_depth=8, adaptive=True).controller_options()
     assert opts.max_depth == 4 and not opts.allow_trees

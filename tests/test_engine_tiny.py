@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from spec_support import OracleDrafter, tiny_llama
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.drafter import make_drafter
+from dyntree.common.drafters import make_drafter
 from dyntree.models import model_path
 from dyntree.standalone.engine import SpecEngine
 

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from dyntree.common.config import SpecConfig
 from dyntree.common.drafter import DraftRequest
+from dyntree.common.drafters.hydra import HydraDrafter, parse_hydra_options
 from dyntree.common.hydra import (
     HydraConfig,
     HydraHeads,
@@ -18,7 +20,7 @@ from dyntree.common.hydra import (
     load_heads,
     save_heads,
 )
-from dyntree.standalone.hydra_drafter import HydraDrafter, parse_hydra_options
+from dyntree.common.speculator import Speculator, SpecRequest
 from dyntree.training.trainer import HeadData, TrainConfig, _losses, evaluate, reduced_token_map, train
 from spec_support import synthetic_head_cache
 
@@ -152,13 +154,21 @@ def _counting_heads(k: int = 3) -> _Counting:
     return heads
 
 
+def _speculator(drafter: HydraDrafter, max_nodes: int, max_depth: int) -> Speculator:
+    """Hydra's own (``beam``) trees through the public speculation API."""
+    return Speculator(drafter, SpecConfig(max_nodes=max_nodes, max_depth=max_depth), vocab_size=VOCAB)
+
+
 @pytest.mark.parametrize("max_nodes,max_depth", [(16, 8), (5, 2), (1, 1), (9, 3)])
 def test_drafter_respects_budget_and_batches_per_depth(max_nodes: int, max_depth: int) -> None:
     heads = _counting_heads(k=3)
     drafter = HydraDrafter(heads)
-    reqs = [DraftRequest(i, [1, 2, 3 + i], max_nodes, max_depth, hidden=torch.randn(D)) for i in range(3)]
-    reqs.append(DraftRequest(9, [4], max_nodes, max_depth, hidden=None))  # no hidden: no speculation
-    trees = drafter.propose(reqs)
+    sp = _speculator(drafter, max_nodes, max_depth)
+    reqs = [SpecRequest(i, [1, 2, 3 + i]) for i in range(3)]
+    for r in reqs:  # positions 0 .. kv_len - 1 (the tokens before the root)
+        sp.observe_hidden(r.request_id, torch.randn(len(r.token_ids) - 1, D))
+    reqs.append(SpecRequest(9, [4]))  # no hidden: no speculation
+    trees = sp.propose(reqs).trees
     assert [t.root for t in trees] == [3, 4, 5, 4]
     assert trees[3].size == 1
     depth = min(3, max_depth)
@@ -174,14 +184,17 @@ def test_drafter_respects_budget_and_batches_per_depth(max_nodes: int, max_depth
 def test_drafter_children_are_the_heads_top_tokens() -> None:
     heads = _heads(k=2)
     drafter = HydraDrafter(heads, width=2, topk=2)
+    sp = _speculator(drafter, 4, 4)
     h = torch.randn(D)
-    tree = drafter.propose([DraftRequest(0, [7], 4, 4, hidden=h)])[0]
+    sp.observe_hidden(0, h[None])  # the state at the token before the root
+    tree = sp.propose([SpecRequest(0, [5, 7])]).trees[0]
     probs1 = torch.softmax(heads.head_logits(1, h[None], torch.tensor([[7]])), -1)[0]
     assert tree.tokens[1:3].tolist() == probs1.topk(2).indices.tolist()
     assert torch.allclose(tree.draft_probs[1:3], probs1.topk(2).values)
     first = int(tree.tokens[1])
     probs2 = torch.softmax(heads.head_logits(2, h[None], torch.tensor([[7, first]])), -1)[0]
     deep = [i for i in range(3, tree.size) if int(tree.parents[i]) == 1]
+    assert deep  # the beam kept some of the first child's children
     assert [int(tree.tokens[i]) for i in deep] == probs2.topk(len(deep)).indices.tolist()
 
 
@@ -236,25 +249,34 @@ def test_tiny_training_run_reduces_loss(tmp_path: Path) -> None:
         train(again, data, TrainConfig(steps=61), tmp_path / "run")
 
 
-def test_expand_batch_scores_frontiers_with_the_matching_head() -> None:
-    """The tree builder's interface: head d scores nodes at depth d-1, reduced ids map back,
-    nodes past the last head and requests without a hidden state get no children."""
+def test_expand_scores_frontiers_with_the_matching_head() -> None:
+    """The tree builder's interface: head d scores nodes at depth d-1 (its top-k of the softmax,
+    reduced ids mapped back), nodes past the last head and requests without a hidden state get no
+    children, and ids the target's vocabulary lacks are refused."""
     from dyntree.common.builder import PartialTree
+    from dyntree.common.calibration import entropy
 
     heads = _counting_heads(k=2)
     drafter = HydraDrafter(heads)
     h = torch.randn(D)
+    drafter.observe_hidden(0, h[None])
     part = PartialTree(tokens=[7, 4, 10], parents=[-1, 0, 1], depths=[0, 1, 2])
-    reqs = [DraftRequest(0, [7], 8, 4, hidden=h), DraftRequest(1, [7], 8, 4, hidden=None)]
+    reqs = [DraftRequest(0, [5, 7], 8, 4), DraftRequest(1, [7], 8, 4)]  # request 1: no hidden state
     heads.calls = []
-    scores, none = drafter.expand_batch(reqs, [[0, 1, 2], [0]], [part, PartialTree([7], [-1], [0])], VOCAB)
-    assert scores.shape == (3, VOCAB) and none.shape == (1, VOCAB)
+    k = 5
+    cands = drafter.expand(reqs, [[0, 1, 2], [0]], [part, PartialTree([7], [-1], [0])], k, None)
+    assert cands.ids.shape == cands.probs.shape == (4, k) and cands.entropy.shape == (4,)
     assert sorted(heads.calls) == [(1, 1), (2, 1)]  # one forward per depth
-    want1 = torch.log_softmax(heads.head_logits(1, h[None], torch.tensor([[7]])), -1)[0]
-    assert torch.allclose(scores[0, heads.token_map], want1)
-    want2 = torch.log_softmax(heads.head_logits(2, h[None], torch.tensor([[7, 4]])), -1)[0]
-    assert torch.allclose(scores[1, heads.token_map], want2)
-    assert torch.isinf(scores[0, 1::2]).all()  # odd ids are outside the reduced vocabulary
-    assert torch.isinf(scores[2]).all() and torch.isinf(none).all()
-    with pytest.raises(ValueError, match="vocab_size=50"):
-        drafter.expand_batch(reqs[:1], [[0]], [part], 50)
+    for row, path, depth in [(0, [7], 1), (1, [7, 4], 2)]:
+        want = torch.softmax(heads.head_logits(depth, h[None], torch.tensor([path])), -1)[0]
+        top = want.topk(k)
+        assert cands.ids[row].tolist() == heads.token_map[top.indices].tolist()
+        assert torch.allclose(cands.probs[row], top.values)
+        assert torch.allclose(cands.entropy[row], entropy(want[None])[0])
+    assert bool((cands.ids[:2] % 2 == 0).all())  # odd ids are outside the reduced vocabulary
+    assert not cands.probs[2].any() and not cands.probs[3].any()  # past the last head; no hidden
+    # the target's vocabulary bounds candidate ids: the builder refuses ids past it
+    small = int(cands.ids[0, 0])  # the root's best candidate is always drafted
+    sp = Speculator(drafter, SpecConfig(max_nodes=4, max_depth=2), vocab_size=small)
+    with pytest.raises(ValueError, match=rf"must lie in \[0, {small}\)"):
+        sp.propose([SpecRequest(0, [5, 7])])

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.drafter import make_drafter
+from dyntree.common.drafters import make_drafter
+from dyntree.common.drafters.hydra import SHIPPED_HEADS, HydraDrafter
 from dyntree.common.hydra import HydraMismatchError
 from dyntree.standalone.engine import SpecEngine
-from dyntree.standalone.hydra_drafter import SHIPPED_HEADS, HydraDrafter
+from dyntree.standalone.target import hf_target, make_hf_drafter
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +31,12 @@ def test_shipped_heads_refuse_another_target(smol) -> None:
 
     _, tok = smol
     with pytest.raises(HydraMismatchError, match="hidden size mismatch"):
-        make_drafter("hydra", model=tiny_llama(), tokenizer=tok)
+        make_hf_drafter("hydra", tiny_llama(), tok)
 
 
 def test_hydra_greedy_equals_plain(smol, smol_prompts) -> None:
     model, tok = smol
-    drafter = make_drafter("hydra", model=model, tokenizer=tok)
+    drafter = make_hf_drafter("hydra", model, tok)
     assert isinstance(drafter, HydraDrafter) and drafter.needs_hidden
     prompts = smol_prompts[:2]
     params = SamplingParams(max_new_tokens=24)
@@ -50,18 +51,18 @@ def test_hydra_greedy_equals_plain(smol, smol_prompts) -> None:
 
 
 def test_prefix_attention_heads_greedy_equal_plain(smol, smol_prompts) -> None:
-    """Heads with a (random) prefix layer on SmolLM2: the drafter's own trees and builder trees
+    """Heads with a (random) prefix layer on SmolLM2: the drafter's own (beam) trees and builder trees
     reproduce plain greedy decoding (verification makes any draft lossless), and the per-request
     prefix state is released."""
     from dataclasses import replace
 
     from dyntree.common.hydra import HydraHeads
-    from dyntree.training.target import target_weights
 
     model, tok = smol
-    shipped = make_drafter("hydra", model=model, tokenizer=tok).heads
+    shipped = make_hf_drafter("hydra", model, tok).heads
     cfg = replace(shipped.config, prefix_attention=True, prefix_heads=9)
-    heads = HydraHeads(cfg, *target_weights(model), shipped.token_map)
+    target = hf_target(model, tok)
+    heads = HydraHeads(cfg, target.embed, target.lm_head, shipped.token_map)
     missing, unexpected = heads.load_state_dict(shipped.state_dict(), strict=False)
     assert missing and all(k.startswith("prefix.") for k in missing) and not unexpected
     torch.manual_seed(0)
@@ -76,4 +77,4 @@ def test_prefix_attention_heads_greedy_equal_plain(smol, smol_prompts) -> None:
         spec = SpecConfig(drafter="hydra", max_nodes=16, max_depth=4, tree=tree)
         out = SpecEngine(model, tok, drafter, spec).generate(prompts, params)
         assert [o.token_ids for o in out] == [o.token_ids for o in plain], tree
-        assert sum(o.draft_nodes for o in out) > 0 and not drafter._prefix
+        assert sum(o.draft_nodes for o in out) > 0 and not drafter._state

@@ -2,7 +2,7 @@
 
 Real model (SmolLM2-135M-Instruct, fp32): greedy output of every mode equals plain greedy decoding
 token for token on 8 Spec-Bench prompts x 48 new tokens at batch size 4, and every mode really
-speculated. Fast unit tests cover the n-gram drafter's ``expand_batch`` (the builder's scores).
+speculated. Fast unit tests cover the n-gram drafter's ``expand`` (the builder's candidates).
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import torch
 from dyntree.common.builder import PartialTree, TreeBuilder
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.controller import CostModel
-from dyntree.common.drafter import DraftRequest, make_drafter
+from dyntree.common.drafter import DraftRequest
+from dyntree.common.drafters import make_drafter
 from dyntree.standalone.engine import SpecEngine
+from dyntree.standalone.target import make_hf_drafter
 
 NEW = 48
 
@@ -25,26 +27,30 @@ def _req(tokens: list[int]) -> DraftRequest:
     return DraftRequest("r", tokens, max_nodes=8, max_depth=4)
 
 
+def _cands(drafter, tokens, frontier, partial, k=8, shaping=None):
+    c = drafter.expand([_req(tokens)], [frontier], [partial], k, shaping)
+    return {int(i): float(p) for i, p in zip(c.ids[0], c.probs[0]) if p > 0}, float(c.entropy[0])
+
+
 def test_ngram_expand_distribution_follows_earlier_continuations() -> None:
     drafter = make_drafter("ngram:min_n=1,max_n=2")
     # "5 6" was followed by 7 twice and by 9 once; "6" alone by 7, 7, 9
     tokens = [5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 9, 3, 5, 6]
     root = PartialTree([6], [-1], [0])
-    (scores,) = drafter.expand_batch([_req(tokens)], [[0]], [root], vocab_size=12)
-    probs = torch.exp(scores[0])
+    probs, ent = _cands(drafter, tokens, [0], root)
     # suffix (5, 6) matched 3 times with weight 2, suffix (6,) adds nothing new (same positions)
-    assert probs[7].item() == pytest.approx(2 / 3) and probs[9].item() == pytest.approx(1 / 3)
-    assert math.isinf(scores[0, 0].item()) and float(probs.sum()) == pytest.approx(1.0)
+    assert probs == pytest.approx({7: 2 / 3, 9: 1 / 3})
+    assert ent == pytest.approx(-(2 / 3) * math.log(2 / 3) - (1 / 3) * math.log(1 / 3), rel=1e-5)
+    assert _cands(drafter, tokens, [0], root, k=1)[0] == pytest.approx({7: 2 / 3})  # top-k: most likely first
+    # sampling shapes the shares like logits: temperature 0.5 squares them before renormalising
+    hot, _ = _cands(drafter, tokens, [0], root, shaping=SamplingParams(temperature=0.5))
+    assert hot == pytest.approx({7: 0.8, 9: 0.2})
     # after drafting 7 the context ends "6 7": followed by 1 and 2
     grown = PartialTree([6, 7], [-1, 0], [0, 1])
-    (scores,) = drafter.expand_batch([_req(tokens)], [[1]], [grown], vocab_size=12)
-    assert set(torch.nonzero(torch.isfinite(scores[0])).flatten().tolist()) == {1, 2}
-    # an unseen context gives a row of -inf: no children
+    assert set(_cands(drafter, tokens, [1], grown)[0]) == {1, 2}
+    # an unseen context gives no candidates: no children
     lost = PartialTree([6, 11], [-1, 0], [0, 1])
-    (scores,) = drafter.expand_batch([_req(tokens)], [[1]], [lost], vocab_size=12)
-    assert bool(torch.isneginf(scores).all())
-    with pytest.raises(ValueError, match="vocab_size"):
-        drafter.expand_batch([_req(tokens)], [[0]], [root], vocab_size=8)
+    assert _cands(drafter, tokens, [1], lost) == ({}, 0.0)
 
 
 def test_ngram_expand_drives_every_builder_mode() -> None:
@@ -52,20 +58,22 @@ def test_ngram_expand_drives_every_builder_mode() -> None:
     tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 3, 4, 9, 1, 2]
     req = DraftRequest("r", tokens, max_nodes=6, max_depth=4)
 
-    def expand(frontiers, partials):
-        return [torch.softmax(s, -1).nan_to_num(0.0) for s in drafter.expand_batch([req], frontiers, partials, 16)]
+    def expand(frontiers, partials, k):
+        return drafter.expand([req], frontiers, partials, k, None).split([len(f) for f in frontiers])
 
-    for mode in ("chain", "static", "dyntree"):
-        tree = TreeBuilder().build_batch([2], expand, budgets=[(6, 4)], mode=mode)[0]
+    for mode in ("chain", "static", "dyntree", "beam"):
+        tree = TreeBuilder().build_batch([2], expand, budgets=[(6, 4)], mode=mode, vocab_size=16)[0]
         assert tree.tokens[1].item() == 3  # "1 2" is always followed by 3
         assert 1 < tree.size <= 7 and tree.max_depth <= 4
     branchy = TreeBuilder().build_batch([2], expand, budgets=[(6, 4)], mode="dyntree")[0]
     assert sorted(branchy.tokens[branchy.parents == 1].tolist()) == [4, 5]  # after 3: 4 or 5
+    with pytest.raises(ValueError, match=r"candidate token ids must lie in \[0, 4\)"):
+        TreeBuilder().build_batch([2], expand, budgets=[(6, 4)], mode="chain", vocab_size=4)
 
 
 def _run(smol, prompts, spec: SpecConfig, batch: int = 4, cost: CostModel | None = None):
     model, tok = smol
-    drafter = make_drafter(spec.drafter, model=model, tokenizer=tok)
+    drafter = make_hf_drafter(spec.drafter, model, tok)
     eng = SpecEngine(model, tok, drafter, spec, cost_model=cost)
     outs = []
     for i in range(0, len(prompts), batch):
@@ -128,7 +136,7 @@ def test_bench_runs_every_mode_with_overhead_fields() -> None:
         assert run["identical_to_none"] == 1.0 and run["speedup"] is not None
         assert run["tau"] > 1.0 and run["accepted_per_depth"] and run["accepted_per_depth"][0] > 0
         assert 0 <= run["draft_ms_per_step"] <= run["step_ms"] and run["engine_steps"] > 0
-        if mode == "own":  # no builder: the drafter shapes its own trees
+        if mode == "own":  # no builder: the n-gram drafter shapes its own trees
             assert run["build_ms_per_step"] is None and run["build_pct_of_step"] is None
         else:
             assert 0 <= run["build_ms_per_step"] <= run["draft_ms_per_step"]

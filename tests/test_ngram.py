@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from dyntree.common.drafter import DraftRequest, NoDrafter, drafter_names, make_drafter
-from dyntree.common.ngram import NgramDrafter, NgramOptions
+from dyntree.common.drafter import DraftRequest, NoDrafter
+from dyntree.common.drafters import drafter_names, make_drafter
+from dyntree.common.drafters.ngram import NgramDrafter, NgramOptions
 
 
 def _req(tokens, max_nodes=16, max_depth=8, rid=0):

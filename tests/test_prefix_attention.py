@@ -1,5 +1,6 @@
 """Hydra++ prefix attention: the layer and its KV cache, checkpoints, the drafter's per-request
-state, the engine's ``DraftRequest.new_hidden`` rows, and training on windows (fast, tiny models)."""
+state, the hidden-state rows the engine pushes (``observe_hidden``), and training on windows
+(fast, tiny models)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import torch
 from spec_support import OracleDrafter, synthetic_head_cache, tiny_llama
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.controller import Plan
-from dyntree.common.drafter import DraftRequest, make_drafter
+from dyntree.common.drafter import DraftRequest
+from dyntree.common.drafters import make_drafter
+from dyntree.common.drafters.hydra import SHIPPED_HEADS, HydraDrafter
 from dyntree.common.hydra import (
     HydraConfig,
     HydraHeads,
@@ -25,9 +28,10 @@ from dyntree.common.hydra import (
     read_config,
     save_heads,
 )
+from dyntree.common.speculator import Speculator, SpecRequest
 from dyntree.common.tree import DraftTree
 from dyntree.standalone.engine import SpecEngine
-from dyntree.standalone.hydra_drafter import SHIPPED_HEADS, HydraDrafter
+from dyntree.standalone.target import make_hf_drafter
 from dyntree.training.trainer import HeadData, TrainConfig, _losses, evaluate, reduced_token_map, train
 
 D, VOCAB = 16, 97
@@ -169,73 +173,107 @@ def _history(n: int, seed: int = 5) -> torch.Tensor:
     return torch.randn(n, D, generator=torch.Generator().manual_seed(seed))
 
 
+def _speculator(drafter: HydraDrafter, max_nodes: int = 6, max_depth: int = 3) -> Speculator:
+    """The drafter's own (``beam``) trees through the public speculation API."""
+    return Speculator(drafter, SpecConfig(max_nodes=max_nodes, max_depth=max_depth), vocab_size=VOCAB)
+
+
 def test_drafter_feeds_the_heads_the_prefix_output_incrementally() -> None:
-    """Over several calls the drafter's prefix cache equals one full pass over the whole history,
-    for ``propose`` and ``expand_batch``, batched over requests of different lengths."""
+    """Over several pushes and steps the drafter's prefix cache equals one full pass over the whole
+    history, for its own trees and for ``expand``, batched over requests of different lengths."""
     from dyntree.common.builder import PartialTree
 
     heads = _prefix_heads(k=2)
     drafter = HydraDrafter(heads, width=2, topk=2)
-    assert drafter.needs_new_hidden
+    assert drafter.needs_hidden and heads.prefix is not None
+    sp = _speculator(drafter)
     hist = {0: _history(9, 5), 1: _history(6, 6)}
     full = {i: heads.prefix_forward(h[None], torch.arange(h.shape[0])[None])[0][0] for i, h in hist.items()}
 
-    def req(i: int, done: int, upto: int) -> DraftRequest:  # positions done..upto-1 are new
-        return DraftRequest(i, [3] * (upto + 1), 6, 3, hidden=hist[i][upto - 1], kv_len=upto,
-                            new_hidden=hist[i][done:upto])
+    def push(i: int, done: int, upto: int) -> None:  # positions done..upto-1 are new
+        sp.observe_hidden(i, hist[i][done:upto])
 
     def head1(i: int, upto: int) -> torch.Tensor:
         return torch.softmax(heads.head_logits(1, full[i][upto - 1][None], torch.tensor([[3]])), -1)[0]
 
-    trees = drafter.propose([req(0, 0, 4), req(1, 0, 2)])
+    push(0, 0, 4)
+    push(1, 0, 2)
+    trees = sp.propose([SpecRequest(0, [3] * 5), SpecRequest(1, [3] * 3)]).trees
     for i, upto, tree in [(0, 4, trees[0]), (1, 2, trees[1])]:
         assert tree.tokens[1:3].tolist() == head1(i, upto).topk(2).indices.tolist()
-    reqs = [req(0, 4, 9), req(1, 2, 6)]
+    push(0, 4, 6)  # several pushes between steps: ingested together
+    push(0, 6, 9)
+    push(1, 2, 6)
+    reqs = [DraftRequest(0, [3] * 10, 6, 3), DraftRequest(1, [3] * 7, 6, 3)]
     root = PartialTree([3], [-1], [0])
-    for _ in range(2):  # one call per depth carries the same rows: ingested once
-        scores = drafter.expand_batch(reqs, [[0], [0]], [root, root], VOCAB)
-        for i, upto, s in [(0, 9, scores[0]), (1, 6, scores[1])]:
-            assert torch.allclose(s[0], head1(i, upto).log(), atol=1e-5)
-    assert all(drafter._prefix[i].kv.length == hist[i].shape[0] for i in hist)
-    drafter.release(0)
-    assert list(drafter._prefix) == [1]
-    one_token = DraftRequest(7, [3], 6, 3)  # nothing cached yet: no input, no speculation
-    assert drafter.propose([one_token])[0].size == 1
+    for _ in range(2):  # one call per depth sees the same rows: ingested once
+        c = drafter.expand(reqs, [[0], [0]], [root, root], VOCAB, None)
+        for row, (i, upto) in enumerate([(0, 9), (1, 6)]):
+            dense = torch.zeros(VOCAB).scatter(0, c.ids[row], c.probs[row])  # k = VOCAB: the whole row
+            assert torch.allclose(dense, head1(i, upto), atol=1e-5)
+    assert all(drafter._state[i].kv.length == hist[i].shape[0] for i in hist)
+    sp.release(0)
+    assert list(drafter._state) == [1]
+    one_token = SpecRequest(7, [3])  # nothing cached yet: no input, no speculation
+    assert sp.propose([one_token]).trees[0].size == 1
 
 
-def test_drafter_refuses_missing_rows() -> None:
-    drafter = HydraDrafter(_prefix_heads())
+@pytest.mark.parametrize("prefix", [True, False])
+def test_drafter_refuses_missing_rows(prefix: bool) -> None:
+    heads = _prefix_heads()
+    if not prefix:  # the plain heads check the rows the same way
+        heads = HydraHeads(replace(heads.config, prefix_attention=False, prefix_heads=0), *_target())
+    drafter = HydraDrafter(heads)
+    sp = _speculator(drafter, 4, 2)
     h = _history(5)
-    with pytest.raises(ValueError, match="DraftRequest.new_hidden is None"):
-        drafter.propose([DraftRequest(0, [1] * 6, 4, 2, hidden=h[-1], kv_len=5)])
-    with pytest.raises(ValueError, match=r"new_hidden covers positions 2..4"):
-        drafter.propose([DraftRequest(0, [1] * 6, 4, 2, hidden=h[-1], kv_len=5, new_hidden=h[2:])])
-    with pytest.raises(ValueError, match=r"new_hidden has shape \(5, 17\)"):
-        drafter.propose([DraftRequest(0, [1] * 6, 4, 2, kv_len=5, new_hidden=torch.randn(5, D + 1))])
-    drafter.propose([DraftRequest(0, [1] * 4, 4, 2, kv_len=3, new_hidden=h[:3])])
-    with pytest.raises(ValueError, match=r"positions 0..4, but the prefix layer holds positions 0..2"):
-        drafter.propose([DraftRequest(0, [1] * 6, 4, 2, kv_len=5, new_hidden=h)])  # id reused, no release
-    drafter.release(0)
-    assert drafter.propose([DraftRequest(0, [1] * 6, 4, 2, kv_len=5, new_hidden=h)])[0].size > 1
+    six = SpecRequest(0, [1] * 6)  # kv_len 5: positions 0..4 are committed
+    with pytest.raises(ValueError, match=r"pushed hidden states for 0 positions, but 5 tokens are committed"):
+        sp.propose([six])
+    sp.observe_hidden(0, h[2:])  # rows 0..1 missing
+    with pytest.raises(ValueError, match=r"pushed hidden states for 3 positions, but 5 tokens are committed"):
+        sp.propose([six])
+    sp.release(0)
+    with pytest.raises(ValueError, match=r"shape \(5, 17\); expected \[n, 16\]"):
+        sp.observe_hidden(0, torch.randn(5, D + 1))
+    with pytest.raises(ValueError, match=r"shape \(16,\); expected \[n, 16\]"):
+        sp.observe_hidden(0, h[-1])  # one row needs its row dimension
+    sp.observe_hidden(0, h[:3])
+    sp.propose([SpecRequest(0, [1] * 4)])
+    sp.observe_hidden(0, h[2:])  # row 2 repeated: 6 rows for 5 positions
+    with pytest.raises(ValueError, match=r"pushed hidden states for 6 positions, but 5 tokens are committed"):
+        sp.propose([six])
+    sp.release(0)
+    sp.observe_hidden(0, h[:3])
+    sp.observe_hidden(0, h)  # id reused without release: positions 0..2 twice
+    with pytest.raises(ValueError, match=r"pushed hidden states for 8 positions, but 5 tokens are committed"):
+        sp.propose([six])
+    sp.release(0)
+    sp.observe_hidden(0, h)
+    assert sp.propose([six]).trees[0].size > 1
 
 
-# -- the engine's new_hidden rows -------------------------------------------------------------
+# -- the rows the engine pushes ---------------------------------------------------------------
 
 
 class _Recorder(OracleDrafter):
-    """The oracle drafter (wrong where ``refs`` were corrupted) that records what it is handed."""
+    """The oracle drafter (wrong where ``refs`` were corrupted) that records the hidden states it
+    is pushed and, at each ``propose``, how many committed positions they covered."""
 
     needs_hidden = True
-    needs_new_hidden = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.calls: dict[Hashable, list[tuple[int, torch.Tensor | None, torch.Tensor | None]]] = {}
+        self.pushed: dict[Hashable, list[torch.Tensor]] = {}
+        self.calls: dict[Hashable, list[tuple[int, int]]] = {}  # (kv_len, rows pushed so far)
 
-    def propose(self, requests: Sequence[DraftRequest], target_kv: Any = None) -> list[DraftTree]:
+    def observe_hidden(self, request_id: Hashable, states: torch.Tensor) -> None:
+        self.pushed.setdefault(request_id, []).append(states.clone())
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         for r in requests:
-            self.calls.setdefault(r.request_id, []).append((r.kv_len, r.new_hidden, r.hidden))
-        return super().propose(requests, target_kv)
+            rows = sum(x.shape[0] for x in self.pushed.get(r.request_id, []))
+            self.calls.setdefault(r.request_id, []).append((r.kv_len, rows))
+        return super().propose(requests)
 
 
 class _Alternating:
@@ -267,10 +305,10 @@ def tok():
 
 
 @pytest.mark.parametrize("alternate", [False, True])
-def test_engine_new_hidden_rows_equal_a_plain_forward(tok, alternate: bool) -> None:
-    """Each call's rows continue where the last call's ended, the last row is ``hidden``, and
-    all rows together equal the target's hidden states of a plain causal forward at positions
-    ``0 .. kv_len - 1`` (steps that skip the drafter deliver their rows at the next call)."""
+def test_engine_hidden_rows_equal_a_plain_forward(tok, alternate: bool) -> None:
+    """At every drafter call the rows pushed so far cover exactly the committed positions
+    ``0 .. kv_len - 1``, and all rows together equal the target's hidden states of a plain causal
+    forward (steps that skip the drafter still push their rows)."""
     model = tiny_llama(4)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 9, 1)]
@@ -280,27 +318,22 @@ def test_engine_new_hidden_rows_equal_a_plain_forward(tok, alternate: bool) -> N
     drafter = _Recorder(refs, {i: len(p) for i, p in enumerate(prompts)}, decoys=1)
     engine = SpecEngine(model, tok, drafter, SpecConfig(max_nodes=10, max_depth=5))
     if alternate:
-        engine.controller = _Alternating()  # type: ignore[assignment]
+        engine.speculator.controller = _Alternating()  # type: ignore[assignment]
     outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == plain
     assert any(1 < len(o.token_ids) / o.steps < 5 for o in outs)  # partial acceptance happened
     for i, p in enumerate(prompts):
         calls = drafter.calls[i]
-        seen, rows = 0, []
-        for kv_len, new, hidden in calls:
-            if kv_len == 0:  # a one-token prompt: nothing computed yet
-                assert new is None and hidden is None
-                continue
-            assert new is not None and kv_len - new.shape[0] == seen  # continues exactly
-            assert torch.equal(new[-1], hidden)
-            rows.append(new)
-            seen = kv_len
+        assert calls[0][0] == len(p) - 1  # the first call: the prompt's rows (none for a 1-token prompt)
+        for kv_len, rows in calls:
+            assert rows == kv_len  # every committed position once, in order, none ahead
         if alternate:
-            assert len(calls) < outs[i].steps  # some steps skipped the drafter; their rows came later
+            assert len(calls) < outs[i].steps  # some steps skipped the drafter; their rows came anyway
+        got = torch.cat(drafter.pushed[i])
         tokens = torch.tensor([p + plain[i]])
+        assert calls[-1][0] < got.shape[0] <= tokens.shape[1]  # the last step's rows came too
         with torch.inference_mode():
-            want = model.model(input_ids=tokens).last_hidden_state[0, :seen]
-        got = torch.cat(rows)
+            want = model.model(input_ids=tokens).last_hidden_state[0, : got.shape[0]]
         assert got.shape == want.shape
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
 
@@ -377,13 +410,13 @@ def test_train_heads_cli_with_prefix_attention_end_to_end(tmp_path: Path, tok) -
     assert main(argv) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["prefix_attention"] is True and cfg["prefix_heads"] == 1 and cfg["training"]["window"] == 8
-    drafter = make_drafter(f"hydra:{out},width=3", model=model, tokenizer=tok)
-    assert isinstance(drafter, HydraDrafter) and drafter.needs_new_hidden
+    drafter = make_hf_drafter(f"hydra:{out},width=3", model, tok)
+    assert isinstance(drafter, HydraDrafter) and drafter.needs_hidden and drafter.heads.prefix is not None
     prompts = [tok.encode("The river"), tok.encode("Once upon a time there was")]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     plain = SpecEngine(model, tok, make_drafter("none")).generate(prompts, params)
     spec = SpecEngine(model, tok, drafter, SpecConfig(max_nodes=6, max_depth=2)).generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert sum(o.draft_nodes for o in spec) > 0 and not drafter._prefix  # drafted; state released
+    assert sum(o.draft_nodes for o in spec) > 0 and not drafter._state  # drafted; state released
     with pytest.raises(SystemExit, match="prefix_heads=3"):
         main([*argv[:-1], "--prefix-attention", "--prefix-heads", "3", "--out", str(tmp_path / "bad")])

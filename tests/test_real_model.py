@@ -12,7 +12,7 @@ import pytest
 
 from spec_support import OracleDrafter
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.drafter import make_drafter
+from dyntree.common.drafters import make_drafter
 from dyntree.standalone.engine import SpecEngine
 
 pytestmark = pytest.mark.slow

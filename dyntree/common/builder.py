@@ -448,7 +448,7 @@ class TreeBuilder:
         remap = {old: new for new, old in enumerate(keep)}
         parents = [-1] + [remap[g.parents[i]] for i in keep[1:]]
         dists = None
-        if sampling and vocab is not None:
+        if sampling and vocab is not None and g.dists:
             dists = torch.zeros(len(keep), vocab)
             for old, (row_ids, row_p) in g.dists.items():
                 if old in remap:

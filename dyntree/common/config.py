@@ -19,9 +19,10 @@ class SpecConfig(BaseModel):
     ``drafter`` is a drafter spec ``name[:options]`` (``none``, ``ngram``, ...); ``max_nodes``
     bounds the draft nodes per tree (the root is not counted) and ``max_depth`` their depth.
 
-    ``tree`` picks who shapes the tree: ``None`` = the drafter's own :meth:`propose`; ``chain``,
-    ``static`` or ``dyntree`` = the :class:`~dyntree.common.builder.TreeBuilder` over the
-    drafter's ``expand_batch`` (``tree_options`` tunes it). ``adaptive`` turns on the speculation
+    ``tree`` picks the tree shape: ``None`` = the drafter's own trees (its ``propose``, or the
+    builder's ``beam`` shape for drafters without one); ``chain``, ``static``, ``dyntree`` or
+    ``beam`` = the :class:`~dyntree.common.builder.TreeBuilder` over the drafter's ``expand``
+    (``tree_options`` tunes it). ``adaptive`` turns on the speculation
     controller, which sets each request's node and depth budget per step (at most ``max_nodes`` /
     ``max_depth``) and may fall back to plain decoding; ``controller`` tunes it. The budget and
     mode live here only: setting ``mode``/``max_nodes``/``max_depth`` inside ``tree_options`` or

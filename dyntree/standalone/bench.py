@@ -29,7 +29,7 @@ from dyntree.standalone.target import make_hf_drafter
 
 __all__ = ["Prompt", "load_prompts", "encode_prompt", "run_bench", "run_mode", "compare", "mode_spec", "MODES"]
 
-MODES = ("none", "own", "chain", "static", "dyntree")
+MODES = ("none", "own", "chain", "static", "dyntree", "beam")
 WARMUP_TOKENS = 8  # tokens generated once per mode before the timed runs
 
 

@@ -228,12 +228,12 @@ class SpecEngine:
         cache = DynamicCache()
         g = torch.Generator().manual_seed(0)
         with torch.inference_mode():
-            dummy = torch.randint(0, self.vocab_size, (1, kv_len), generator=g)
+            dummy = torch.randint(0, self.lm_head.out_features, (1, kv_len), generator=g)
             causal = torch.tril(torch.ones(kv_len, kv_len, dtype=torch.bool))[None]
             self._forward(dummy, torch.arange(kv_len)[None], self._additive(causal), cache)
 
             def forward(n: int) -> None:
-                toks = torch.randint(0, self.vocab_size, (1, n), generator=g)
+                toks = torch.randint(0, self.lm_head.out_features, (1, n), generator=g)
                 allowed = torch.ones(1, n, kv_len + n, dtype=torch.bool)
                 self.lm_head(self._forward(toks, kv_len + torch.arange(n)[None], self._additive(allowed), cache))
                 self._sync()

@@ -102,10 +102,10 @@ class HydraDrafter(Drafter):
             return
         s = self._state.setdefault(request_id, _State())
         s.pushed += states.shape[0]
-        if self.heads.prefix is None:
-            s.last = states[-1].to(self.device, self.dtype)
+        if self.heads.prefix is None:  # copies: never hold a view of the engine's forward output
+            s.last = states[-1].to(self.device, self.dtype, copy=True)
         else:
-            s.pending.append(states.to(self.device, self.dtype))
+            s.pending.append(states.to(self.device, self.dtype, copy=True))
 
     def release(self, request_id: Hashable) -> None:
         self._state.pop(request_id, None)
@@ -147,20 +147,10 @@ class HydraDrafter(Drafter):
             s.kv, s.last, s.pending = kv.row(b), out[b, x.shape[0] - 1].clone(), []
 
     @torch.inference_mode()
-    def expand(
-        self,
-        requests: Sequence[DraftRequest],
-        frontiers: Sequence[Sequence[int]],
-        partials: Sequence["PartialTree"],
-        k: int,
-        shaping: "SamplingParams | None",
-    ) -> Candidates:
+    def expand(self, requests: Sequence[DraftRequest], frontiers: Sequence[Sequence[int]],
+               partials: Sequence["PartialTree"], k: int, shaping: "SamplingParams | None") -> Candidates:
         """Head ``d`` scores the nodes at depth ``d - 1`` (one batched forward per distinct depth);
         nodes deeper than the last head, and requests without a hidden state, get no candidates."""
-        if not len(requests) == len(frontiers) == len(partials):
-            raise ValueError(
-                f"expand got {len(requests)} requests, {len(frontiers)} frontiers, {len(partials)} partial trees"
-            )
         inputs = self._inputs(requests)
         rows = sum(len(f) for f in frontiers)
         by_depth: dict[int, list[tuple[int, int, list[int]]]] = {}

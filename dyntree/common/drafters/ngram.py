@@ -71,7 +71,7 @@ class _Index:
 class NgramDrafter(Drafter):
     """Prompt lookup with several continuations merged into a tree.
 
-    :meth:`propose` merges whole continuations into a trie (the default). :meth:`expand_batch`
+    :meth:`propose` merges whole continuations into a trie (the default). :meth:`expand`
     serves the tree builder: the draft distribution after any path is the (match-length
     weighted) share of earlier occurrences of the path's suffix that continue with each token.
     """
@@ -86,21 +86,11 @@ class NgramDrafter(Drafter):
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         return [self._propose_one(r) for r in requests]
 
-    def expand(
-        self,
-        requests: Sequence[DraftRequest],
-        frontiers: Sequence[Sequence[int]],
-        partials: Sequence["PartialTree"],
-        k: int,
-        shaping: "SamplingParams | None",
-    ) -> Candidates:
+    def expand(self, requests: Sequence[DraftRequest], frontiers: Sequence[Sequence[int]],
+               partials: Sequence["PartialTree"], k: int, shaping: "SamplingParams | None") -> Candidates:
         """The top-``k`` continuations after each frontier node, by (match-length weighted) share.
 
         Sampling shapes the share like the target's logits (its log is the logit)."""
-        if not len(requests) == len(frontiers) == len(partials):
-            raise ValueError(
-                f"expand got {len(requests)} requests, {len(frontiers)} frontiers, {len(partials)} partial trees"
-            )
         rows = sum(len(f) for f in frontiers)
         ids = torch.zeros(rows, k, dtype=torch.int64)
         probs = torch.zeros(rows, k)

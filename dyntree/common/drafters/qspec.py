@@ -124,23 +124,13 @@ class QSpecDrafter(Drafter):
         self._step = None
 
     @torch.inference_mode()
-    def expand(
-        self,
-        requests: Sequence[DraftRequest],
-        frontiers: Sequence[Sequence[int]],
-        partials: Sequence["PartialTree"],
-        k: int,
-        shaping: "SamplingParams | None",
-    ) -> Candidates:
+    def expand(self, requests: Sequence[DraftRequest], frontiers: Sequence[Sequence[int]],
+               partials: Sequence["PartialTree"], k: int, shaping: "SamplingParams | None") -> Candidates:
         """Draft candidates after every frontier node, from one batched draft forward.
 
         Later calls of a step must pass the same requests, in order, and frontier nodes whose
         ancestors were frontier nodes of earlier calls (the builder's depth-by-depth growth).
         """
-        if not len(requests) == len(frontiers) == len(partials):
-            raise ValueError(
-                f"expand got {len(requests)} requests, {len(frontiers)} frontiers, {len(partials)} partial trees"
-            )
         if self.backend is None:
             raise ValueError("qspec drafter runs the target's own layers: the engine must attach a SelfDraftBackend")
         if all(len(p.tokens) == 1 for p in partials):

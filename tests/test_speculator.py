@@ -1,0 +1,203 @@
+"""The engine-neutral speculation step (:class:`~dyntree.common.speculator.Speculator`), driven
+without any model: a toy target (next token a fixed function of the last two tokens) plays the
+engine's forward, so every property here is the core's own.
+
+Covers the flat ``DraftBatch`` (offsets, positions, packed ancestor bits, padded view), greedy
+verification from logits or argmax, a propose/accept loop that reproduces plain greedy decoding
+token for token in every tree mode, hidden-state routing, budget caps, statistics and release,
+and the errors an engine gets for misuse.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import pytest
+import torch
+
+from dyntree.common.config import SamplingParams, SpecConfig
+from dyntree.common.drafter import DraftRequest, Drafter, NoDrafter
+from dyntree.common.drafters import make_drafter
+from dyntree.common.drafters.qspec import QSpecDrafter
+from dyntree.common.quant import parse_qspec
+from dyntree.common.speculator import SpecRequest, Speculator
+from dyntree.common.tree import DraftBatch, DraftTree, unpack_ancestor_bits
+
+V = 32
+
+
+def toy_next(context: Sequence[int]) -> int:
+    """The toy target's greedy next token: a fixed function of the last two tokens (repetitive
+    text, so the n-gram drafter finds real continuations)."""
+    a, b = (context[-2] if len(context) > 1 else 0), context[-1]
+    return (3 * a + 5 * b + 1) % 11
+
+
+def toy_logits(batch: DraftBatch, tokens: dict[Hashable, list[int]]) -> torch.Tensor:
+    """What an engine's verify forward returns: ``[N, V]`` logits, row ``i`` the distribution of
+    the token after flat node ``i`` given its request's committed tokens and the node's path."""
+    rows = []
+    for b, (rid, tree) in enumerate(zip(batch.request_ids, batch.trees)):
+        ctx = tokens[rid][:-1]  # the root is the tree's node 0
+        for i in range(tree.size):
+            path = tree.tokens[tree.path(i)].tolist()
+            logits = torch.full((V,), -5.0)
+            logits[toy_next(ctx + path)] = 5.0
+            rows.append(logits)
+    return torch.stack(rows)
+
+
+def plain(prompt: list[int], n: int) -> list[int]:
+    out = list(prompt)
+    for _ in range(n):
+        out.append(toy_next(out))
+    return out[len(prompt) :]
+
+
+def decode(sp: Speculator, prompts: dict[Hashable, list[int]], n: int, argmax: bool = False) -> dict[Hashable, list[int]]:
+    """The engine loop: propose, 'forward', accept, commit (no stops), release."""
+    tokens = {rid: list(p) for rid, p in prompts.items()}
+    while any(len(tokens[r]) - len(prompts[r]) < n for r in tokens):
+        live = [r for r in tokens if len(tokens[r]) - len(prompts[r]) < n]
+        batch = sp.propose([SpecRequest(r, tokens[r]) for r in live])
+        logits = toy_logits(batch, tokens)
+        res = sp.accept(batch, logits.argmax(-1) if argmax else logits, forward_ms=1.0)
+        for b, r in enumerate(live):
+            tokens[r] += res.tokens[b]
+    return {r: tokens[r][len(prompts[r]) : len(prompts[r]) + n] for r in tokens}
+
+
+PROMPTS = {"a": [1, 2, 3, 4, 5, 1, 2, 3], "b": [7, 7], "c": [4]}
+
+
+def test_draft_batch_is_flat_and_ragged() -> None:
+    trees = [DraftTree.chain(5, [6, 7]), DraftTree.root_only(9),
+             DraftTree(torch.tensor([1, 2, 3, 4]), torch.tensor([-1, 0, 0, 1]), torch.ones(4))]
+    batch = DraftBatch.from_trees(["x", "y", "z"], trees)
+    assert batch.qo_indptr.tolist() == [0, 3, 4, 8] and batch.num_nodes == 8 and batch.num_drafts == 5
+    assert batch.tokens.tolist() == [5, 6, 7, 9, 1, 2, 3, 4]
+    assert batch.parents.tolist() == [-1, 0, 1, -1, -1, 0, 0, 1]  # local indices
+    assert batch.positions([10, 20, 30]).tolist() == [10, 11, 12, 20, 30, 31, 31, 32]
+    assert batch.flat_index(2, [0, 1, 3]).tolist() == [4, 5, 7]
+    bits = unpack_ancestor_bits(batch.tree_bits, 4)
+    for b, t in enumerate(trees):
+        assert torch.equal(bits[b, : t.size, : t.size], t.ancestor_mask())
+    padded = batch.padded()
+    assert padded.tokens.shape == (3, 4) and padded.valid.sum() == 8
+
+
+@pytest.mark.parametrize("tree", [None, "chain", "static", "dyntree", "beam"])
+def test_propose_accept_loop_equals_plain_greedy(tree) -> None:
+    sp = Speculator(make_drafter("ngram"), SpecConfig(tree=tree, max_nodes=12, max_depth=6), vocab_size=V)
+    out = decode(sp, PROMPTS, 40)
+    assert out == {r: plain(p, 40) for r, p in PROMPTS.items()}
+    assert sp.stats.steps < 3 * 40 and sum(sp.stats.accepted_per_depth) > 0  # it speculated
+    stats = sp.release("a")
+    assert stats.steps > 0 and stats.tau > 1.0 and stats.proposed >= stats.accepted > 0
+    assert "a" not in sp.stats.requests and sp.release("a").steps == 0
+
+
+def test_argmax_and_logits_verify_alike() -> None:
+    runs = []
+    for argmax in (False, True):
+        sp = Speculator(make_drafter("ngram"), SpecConfig(tree="dyntree"), vocab_size=V)
+        runs.append((decode(sp, PROMPTS, 24, argmax), sp.stats.steps, sp.stats.accepted_per_depth))
+    assert runs[0] == runs[1]
+
+
+def test_accept_result_is_what_the_kv_kernels_take() -> None:
+    sp = Speculator(make_drafter("ngram"), SpecConfig(max_nodes=8, max_depth=4), vocab_size=V)
+    tokens = {"a": PROMPTS["a"] + plain(PROMPTS["a"], 8)}
+    batch = sp.propose([SpecRequest("a", tokens["a"])])
+    res = sp.accept(batch, toy_logits(batch, tokens))
+    n = int(res.accept_len[0])
+    assert res.accept_index.shape == (1, batch.trees[0].size) and res.accept_index[0, 0] == 0
+    assert (res.accept_index[0, n:] == -1).all() and n == len(res.tokens[0])  # drafts + bonus
+    path = res.accepted(0)
+    assert batch.trees[0].tokens[path[1:]].tolist() == res.tokens[0][:-1]
+    assert res.tokens[0] == plain(tokens["a"], n)
+
+
+class Recorder(Drafter):
+    """Root-only trees; records the hidden states pushed to it and its budgets."""
+
+    name = "recorder"
+
+    def __init__(self, needs_hidden: bool, max_depth: int | None = None) -> None:
+        self.needs_hidden, self.max_depth = needs_hidden, max_depth
+        self.states: list[torch.Tensor] = []
+        self.budgets: list[tuple[int, int]] = []
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
+        self.budgets += [(r.max_nodes, r.max_depth) for r in requests]
+        return [DraftTree.root_only(r.root) for r in requests]
+
+    def observe_hidden(self, request_id: Hashable, states: torch.Tensor) -> None:
+        self.states.append(states)
+
+
+def test_hidden_states_reach_only_drafters_that_ask() -> None:
+    for wants in (True, False):
+        d = Recorder(wants)
+        sp = Speculator(d, vocab_size=V)
+        assert sp.needs_hidden is wants
+        sp.observe_hidden("a", torch.ones(3, 4))
+        assert len(d.states) == (1 if wants else 0)
+
+
+def test_budgets_are_capped_by_request_and_drafter_depth() -> None:
+    d = Recorder(False, max_depth=3)
+    sp = Speculator(d, SpecConfig(max_nodes=16, max_depth=8), vocab_size=V)
+    sp.propose([SpecRequest("a", [1, 2]), SpecRequest("b", [3], max_nodes=5), SpecRequest("c", [4], max_nodes=0)])
+    assert d.budgets == [(16, 3), (5, 3)]  # a zero budget never reaches the drafter
+
+
+class Greedy(Drafter):
+    """Breaks its budget: always a 3-node chain."""
+
+    name = "greedy"
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
+        return [DraftTree.chain(r.root, [1, 2, 3]) for r in requests]
+
+
+def test_misuse_gets_clear_errors() -> None:
+    sp = Speculator(make_drafter("ngram"), vocab_size=V)
+    with pytest.raises(ValueError, match="unique"):
+        sp.propose([SpecRequest("a", [1]), SpecRequest("a", [2])])
+    with pytest.raises(ValueError, match="no tokens"):
+        sp.propose([SpecRequest("a", [])])
+    batch = sp.propose([SpecRequest("a", [1, 2, 1])])
+    with pytest.raises(ValueError, match=rf"\[{batch.num_nodes}, V\] logits"):
+        sp.accept(batch, torch.zeros(batch.num_nodes + 1, V))
+    hot = SamplingParams(temperature=1.0)
+    batch = sp.propose([SpecRequest("s", [1, 2, 1], hot)])
+    with pytest.raises(ValueError, match="samples; pass logits"):
+        sp.accept(batch, torch.zeros(batch.num_nodes, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="broke its budget"):
+        Speculator(Greedy(), SpecConfig(max_nodes=2), vocab_size=V).propose([SpecRequest("a", [1])])
+    with pytest.raises(ValueError, match="tree='dyntree' needs a drafter with expand"):
+        Speculator(NoDrafter(), SpecConfig(tree="dyntree"), vocab_size=V)
+    with pytest.raises(ValueError, match="attach the engine's SelfDraftBackend"):
+        Speculator(QSpecDrafter(parse_qspec("w4a16")), vocab_size=V)
+    with pytest.raises(ValueError, match="cost model"):
+        Speculator(make_drafter("ngram"), SpecConfig(adaptive=True), vocab_size=V)
+
+
+def test_sampled_requests_verify_losslessly_on_the_first_token() -> None:
+    """A sampled request through propose/accept: the first committed token follows the target's
+    law (chi-square), with builder-drawn trees carrying their draft distributions."""
+    target = torch.log(torch.tensor([0.05, 0.1, 0.15, 0.3, 0.4] + [1e-9] * (V - 5)))
+    sp = Speculator(make_drafter("ngram"), SpecConfig(tree="dyntree", max_nodes=4, max_depth=2), vocab_size=V)
+    g = torch.Generator().manual_seed(0)
+    prompt = [1, 3, 4, 1, 3, 2, 1, 3]  # after "1 3": 4 or 2, so the draft disagrees with the target
+    counts = torch.zeros(V)
+    n = 3000
+    for i in range(n):
+        batch = sp.propose([SpecRequest(i, prompt, SamplingParams(temperature=1.0))], g)
+        assert batch.trees[0].draft_dists is not None
+        counts[sp.accept(batch, target.expand(batch.num_nodes, V), g).tokens[0][0]] += 1
+        sp.release(i)
+    p = torch.softmax(target, -1)[:5]
+    chi2 = float(((counts[:5] - n * p) ** 2 / (n * p)).sum())
+    assert chi2 < 18.5  # 4 degrees of freedom, p ~ 0.001
