@@ -1,5 +1,5 @@
-"""Tests for the quantized self-draft (dyntree.standalone.qspec) on a tiny random Llama and,
-marked slow, on SmolLM2-135M."""
+"""Tests for the quantized self-draft (dyntree.common.drafters.qspec with the Hugging Face backend
+dyntree.standalone.selfdraft) on a tiny random Llama and, marked slow, on SmolLM2-135M."""
 
 from __future__ import annotations
 
@@ -10,13 +10,16 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dyntree.common.builder import TreeBuilder
+from dyntree.common.builder import PartialTree, TreeBuilder
 from dyntree.common.config import SamplingParams, SpecConfig
+from dyntree.common.drafter import DraftRequest, NoDrafter
+from dyntree.common.drafters import make_drafter
+from dyntree.common.drafters.qspec import QSpecDrafter
 from dyntree.common.options import TreeOptions
-from dyntree.common.drafter import DraftRequest, NoDrafter, make_drafter
 from dyntree.common.quant import QSpecError, QuantLinear, parse_qspec
+from dyntree.common.speculator import SpecRequest, Speculator
 from dyntree.standalone.engine import SpecEngine
-from dyntree.standalone.qspec import QSpecDrafter
+from dyntree.standalone.selfdraft import HFSelfDraft
 
 
 class _Tok:
@@ -41,7 +44,23 @@ PROMPTS = [[1, 5, 7, 9, 11, 3, 40, 41], [2, 4, 6], [8]]
 
 
 def _requests(prompts, max_nodes=10, max_depth=4):
-    return [DraftRequest(i, p, max_nodes=max_nodes, max_depth=max_depth, row=i, kv_len=len(p) - 1) for i, p in enumerate(prompts)]
+    return [DraftRequest(i, p, max_nodes=max_nodes, max_depth=max_depth) for i, p in enumerate(prompts)]
+
+
+def _prefilled(model, drafter=None, spec: SpecConfig | None = None) -> SpecEngine:
+    """An engine with PROMPTS prefilled (request ids 0, 1, 2; cache rows in that order): what a
+    self-draft backend reads (``.model``, ``.cache``, ``cache_rows``, ``kv_len``) mid-generate."""
+    engine = SpecEngine(model, _Tok(), drafter or NoDrafter(), spec)
+    engine._prefill(PROMPTS, [0, 1, 2])
+    return engine
+
+
+def _attached(model, spec_text: str) -> tuple[QSpecDrafter, SpecEngine]:
+    """A qspec drafter with an HF backend over a prefilled plain engine (no speculator involved)."""
+    engine = _prefilled(model)
+    drafter = QSpecDrafter(parse_qspec(spec_text))
+    drafter.attach(HFSelfDraft(engine, drafter.spec))
+    return drafter, engine
 
 
 def _reference(model: LlamaForCausalLM, spec_text: str) -> LlamaForCausalLM:
@@ -75,12 +94,15 @@ def _reference_probs(target, ref, prompt: list[int], path: list[int]) -> torch.T
 def test_draft_probs_equal_a_full_forward_of_the_draft_model(tiny, spec_text: str) -> None:
     # every node's draft prob must be what an independent reference computes: the *target's*
     # (full-precision) KV of the committed prefix, then the node's path through the reference
-    # draft model one sequence at a time: checks prefix-KV reading, scratch KV, mask, positions
-    drafter = QSpecDrafter(tiny, parse_qspec(spec_text), topk=3, width=3)
-    engine = SpecEngine(tiny, _Tok(), NoDrafter())
-    _, cache = engine._prefill(PROMPTS, [0, 1, 2])
+    # draft model one sequence at a time: checks prefix-KV reading, scratch KV, mask, positions.
+    # The drafter's own trees (SpecConfig.tree unset: the builder's beam over its top-3, width 3)
+    # through the engine's speculator, the engine's HFSelfDraft attached by SpecEngine.
+    engine = _prefilled(tiny, QSpecDrafter(parse_qspec(spec_text), topk=3, width=3),
+                        SpecConfig(drafter="qspec", max_nodes=10, max_depth=4))
+    assert isinstance(engine.drafter.backend, HFSelfDraft)
+    cache = engine.cache
     before = [(layer.keys.clone(), layer.values.clone(), layer.keys.data_ptr()) for layer in cache.layers]
-    trees = drafter.propose(_requests(PROMPTS), cache)
+    trees = engine.speculator.propose([SpecRequest(i, p) for i, p in enumerate(PROMPTS)]).trees
     ref = _reference(tiny, spec_text)
     errs, firsts = [], []
     with torch.no_grad():
@@ -99,16 +121,21 @@ def test_draft_probs_equal_a_full_forward_of_the_draft_model(tiny, spec_text: st
     assert sum(firsts) >= 9 - n_off  # each tree's first children are their parents' argmax
     for (k, v, ptr), layer in zip(before, cache.layers):  # the target's KV is read, never written
         assert torch.equal(k, layer.keys) and torch.equal(v, layer.values) and layer.keys.data_ptr() == ptr
-    assert drafter.last_scratch_bytes > 0
+    assert engine.drafter.backend.last_scratch_bytes > 0
+
+
+def _backend(tiny, spec_text: str) -> HFSelfDraft:
+    """The backend SpecEngine attaches to a qspec drafter."""
+    return SpecEngine(tiny, _Tok(), QSpecDrafter(parse_qspec(spec_text))).drafter.backend
 
 
 def test_memory_overhead_is_the_quantized_weights_only(tiny) -> None:
     linears = [m for m in tiny.model.layers.modules() if isinstance(m, nn.Linear)]
-    assert QSpecDrafter(tiny, parse_qspec("none")).overhead_bytes == 0
-    w4 = QSpecDrafter(tiny, parse_qspec("w4a16,g32"))
+    assert _backend(tiny, "none").overhead_bytes == 0
+    w4 = _backend(tiny, "w4a16,g32")
     expected = sum(m.out_features * (m.in_features // 2) + m.out_features * (m.in_features // 32) * 2 for m in linears)
     assert w4.overhead_bytes == expected
-    assert QSpecDrafter(tiny, parse_qspec("w4a16,g32,skip=1")).overhead_bytes == expected * 2 // 3
+    assert _backend(tiny, "w4a16,g32,skip=1").overhead_bytes == expected * 2 // 3
     assert w4.overhead_bytes < w4.target_bytes / 7  # fp32 target: ~1/8 + scales
     # the draft shares everything but the linear layers with the target
     assert w4.decoder.embed_tokens is tiny.model.embed_tokens and w4.decoder.norm is tiny.model.norm
@@ -130,7 +157,7 @@ def plain(tiny) -> dict[int, list]:
 
 def test_unquantized_self_draft_is_always_fully_accepted(tiny, plain) -> None:
     plain = plain[20]
-    outs = _generate(tiny, QSpecDrafter(tiny, parse_qspec("none"), topk=1, width=1))
+    outs = _generate(tiny, QSpecDrafter(parse_qspec("none"), topk=1, width=1))
     for p, o in zip(plain, outs):
         assert o.token_ids == p.token_ids
         # 4 drafts + bonus per step: 20 tokens in 4 steps; every step accepted all 4 drafts
@@ -140,65 +167,80 @@ def test_unquantized_self_draft_is_always_fully_accepted(tiny, plain) -> None:
 @pytest.mark.parametrize("spec_text", ["w4a4,g32,asym", "w8a16,skip=2"])
 def test_quantized_self_draft_is_lossless(tiny, plain, spec_text: str) -> None:
     plain = plain[16]
-    outs = _generate(tiny, QSpecDrafter(tiny, parse_qspec(spec_text)), max_nodes=8, n=16)
+    outs = _generate(tiny, QSpecDrafter(parse_qspec(spec_text)), max_nodes=8, n=16)
     assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
     assert sum(o.steps for o in outs) < sum(p.steps for p in plain)  # the draft gets something right
 
 
 def test_factory_and_errors(tiny) -> None:
-    import dyntree.standalone.qspec  # noqa: F401  (registers "qspec")
-
-    d = make_drafter("qspec:w4a8,g32,skip=1", model=tiny)
-    assert isinstance(d, QSpecDrafter) and str(d.spec) == "w4a8,g32,sym,skip=1" and len(d.decoder.layers) == 2
-    assert str(make_drafter("qspec", model=tiny).spec) == "w4a16,g128,sym"
+    d = make_drafter("qspec:w4a8,g32,skip=1")  # no model: the engine attaches its forward later
+    assert isinstance(d, QSpecDrafter) and str(d.spec) == "w4a8,g32,sym,skip=1" and d.backend is None
+    assert d.needs_self_draft and d.drafts_with_builder and not d.has_own_trees
+    assert str(make_drafter("qspec").spec) == "w4a16,g128,sym"
     with pytest.raises(QSpecError, match="weight bits must be 4 or 8"):
-        make_drafter("qspec:w3a16", model=tiny)
-    with pytest.raises(ValueError, match="needs the loaded target model"):
-        make_drafter("qspec:w4a16")
+        make_drafter("qspec:w3a16")
+    # without the engine's backend it cannot draft, nor be handed to a speculator
+    roots = [PartialTree([r.root], [-1], [0]) for r in _requests(PROMPTS)]
+    with pytest.raises(ValueError, match="the engine must attach a SelfDraftBackend"):
+        d.expand(_requests(PROMPTS), [[0]] * 3, roots, 4, None)
+    with pytest.raises(ValueError, match="attach the engine's SelfDraftBackend"):
+        Speculator(d, SpecConfig(drafter="qspec"), vocab_size=96)
+    with pytest.raises(NotImplementedError, match="does not propose whole trees"):
+        d.propose(_requests(PROMPTS))  # its own trees are the builder's beam shape
+    engine = SpecEngine(tiny, _Tok(), d)
+    assert isinstance(d.backend, HFSelfDraft) and len(d.backend.decoder.layers) == 2
     with pytest.raises(QSpecError, match="skip=3 must leave at least one of the target's 3 layers"):
-        make_drafter("qspec:none,skip=3", model=tiny)
-    with pytest.raises(ValueError, match="must pass target_kv"):
-        d.propose(_requests(PROMPTS))
-    assert [t.size for t in d.propose(_requests(PROMPTS, max_nodes=0), object())] == [1, 1, 1]
+        SpecEngine(tiny, _Tok(), make_drafter("qspec:none,skip=3"))
+    # a zero node budget: root-only trees, the draft is never run (no prefill needed)
+    batch = engine.speculator.propose([SpecRequest(i, p, max_nodes=0) for i, p in enumerate(PROMPTS)])
+    assert [t.size for t in batch.trees] == [1, 1, 1] and engine.speculator.stats.expand_s == 0.0
 
 
-def _built_trees(tiny, drafter, mode, sampling, max_nodes=10, max_depth=4):
-    """Trees grown by the engine's TreeBuilder over ``drafter.expand_batch`` for PROMPTS."""
-    engine = SpecEngine(tiny, _Tok(), NoDrafter())
-    _, cache = engine._prefill(PROMPTS, [0, 1, 2])
+def _built_trees(tiny, drafter_spec, mode, sampling, max_nodes=10, max_depth=4):
+    """Trees grown by a TreeBuilder over the qspec drafter's ``expand`` for PROMPTS (greedy
+    candidates, i.e. the plain softmax, also when the builder samples from them)."""
+    drafter, engine = _attached(tiny, drafter_spec)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in engine.cache.layers]
     reqs = _requests(PROMPTS, max_nodes, max_depth)
     calls = []
 
-    def expand(frontiers, partials):
+    def expand(frontiers, partials, k):
         calls.append([len(f) for f in frontiers])
-        return [x.exp() for x in drafter.expand_batch(reqs, frontiers, partials, 96, cache)]
+        cands = drafter.expand(reqs, frontiers, partials, k, None)
+        assert cands.ids.shape == (sum(calls[-1]), k)  # flat over the batch, top-k
+        return cands.split([len(f) for f in frontiers])
 
-    builder = TreeBuilder(TreeOptions(mode=mode, max_nodes=max_nodes, max_depth=max_depth, entropy_low=0.0, entropy_high=1.0))
-    trees = builder.build_batch([r.root for r in reqs], expand, sampling=sampling,
-                                generator=torch.Generator().manual_seed(3))
-    return trees, cache, calls
+    options = TreeOptions(mode=mode, max_nodes=max_nodes, max_depth=max_depth, entropy_low=0.0, entropy_high=1.0)
+    trees = TreeBuilder(options).build_batch([r.root for r in reqs], expand, sampling=sampling, vocab_size=96,
+                                             generator=torch.Generator().manual_seed(3))
+    return trees, (engine.cache, before), calls, options
 
 
 @pytest.mark.parametrize("mode,sampling", [("dyntree", False), ("static", True)])
-def test_expand_batch_probs_equal_a_full_forward_of_the_draft_model(tiny, mode: str, sampling: bool) -> None:
-    # like the propose test, for trees the builder shapes: every expanded node's draft
-    # distribution must be the reference draft model's next-token distribution on its path
-    drafter = QSpecDrafter(tiny, parse_qspec("w4a16,g32"))
-    trees, cache, calls = _built_trees(tiny, drafter, mode, sampling)
-    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+def test_expand_probs_equal_a_full_forward_of_the_draft_model(tiny, mode: str, sampling: bool) -> None:
+    # like the own-tree test, for trees the builder shapes: every expanded node's draft
+    # probability must be the reference draft model's on its path. Greedy trees keep the
+    # candidates' probabilities as they are; sampled trees draw from (and carry, as draft_dists)
+    # the top-``sampling_support`` candidates renormalised, so they are compared with the
+    # reference renormalised over its own top ``sampling_support`` tokens
+    trees, (cache, before), calls, options = _built_trees(tiny, "w4a16,g32", mode, sampling)
     ref = _reference(tiny, "w4a16,g32")
+    support = options.sampling_support
     assert len(calls) <= 4 and max(calls[1]) > 1  # one call per depth, several nodes per tree
     n_checked = 0
     with torch.no_grad():
         for prompt, tree in zip(PROMPTS, trees):
             assert tree.root == prompt[-1] and 1 < tree.size <= 11 and tree.max_depth <= 4
             assert any(len(tree.children(i)) > 1 for i in range(tree.size))  # a real tree, not a chain
+            assert (tree.draft_dists is not None) == sampling
             for i in range(1, tree.size):
                 parent = int(tree.parents[i])
                 probs = _reference_probs(tiny, ref, prompt, [int(tree.tokens[j]) for j in tree.path(parent)])
-                assert float(tree.draft_probs[i]) == pytest.approx(float(probs[int(tree.tokens[i])]), abs=1e-4)
                 if sampling:
+                    top = torch.topk(probs, support)
+                    probs = torch.zeros_like(probs).index_add_(0, top.indices, top.values / top.values.sum())
                     assert torch.allclose(tree.draft_dists[parent], probs, atol=1e-4)
+                assert float(tree.draft_probs[i]) == pytest.approx(float(probs[int(tree.tokens[i])]), abs=1e-4)
                 n_checked += 1
     assert n_checked >= 15
     for (k, v), layer in zip(before, cache.layers):  # the target's KV is read, never written
@@ -206,31 +248,38 @@ def test_expand_batch_probs_equal_a_full_forward_of_the_draft_model(tiny, mode: 
 
 
 class _Recording(SpecEngine):
-    """Engine that keeps every (tree, verify result) it saw."""
+    """Engine that keeps every (tree, accepted local nodes) its speculator verified."""
 
     seen: list = []
 
-    def _verify(self, tree, logits, params, gen):
-        res = super()._verify(tree, logits, params, gen)
-        type(self).seen.append((tree, res))
-        return res
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        accept = self.speculator.accept
+
+        def recording_accept(batch, *a, **kw):
+            res = accept(batch, *a, **kw)
+            type(self).seen.extend((tree, res.accepted(b)) for b, tree in enumerate(batch.trees))
+            return res
+
+        self.speculator.accept = recording_accept
 
 
 def test_unquantized_self_draft_in_tree_modes_is_always_fully_accepted(tiny, plain) -> None:
     plain = plain[20]
-    chain = _generate(tiny, QSpecDrafter(tiny, parse_qspec("none")), tree="chain")
+    chain = _generate(tiny, QSpecDrafter(parse_qspec("none")), tree="chain")
     for p, o in zip(plain, chain):
         assert o.token_ids == p.token_ids and o.steps == 4 and o.accepted_per_depth == [4, 4, 4, 4]
     _Recording.seen = []
-    outs = _generate(tiny, QSpecDrafter(tiny, parse_qspec("none")), max_nodes=8, tree="dyntree", engine_cls=_Recording)
+    outs = _generate(tiny, QSpecDrafter(parse_qspec("none")), max_nodes=8, tree="dyntree", engine_cls=_Recording)
     assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
     branched = 0
-    for tree, res in _Recording.seen:
+    assert _Recording.seen
+    for tree, accepted in _Recording.seen:
         # draft == target: the accepted path is the draft's argmax path, down to a leaf
         path = [0]
         while kids := tree.children(path[-1]):
             path.append(max(kids, key=lambda i: float(tree.draft_probs[i])))
-        assert res.accepted_nodes == path
+        assert accepted == path
         branched += any(len(tree.children(i)) > 1 for i in range(tree.size))
     assert branched > 0 and sum(o.steps for o in outs) < sum(p.steps for p in plain)
 
@@ -238,7 +287,7 @@ def test_unquantized_self_draft_in_tree_modes_is_always_fully_accepted(tiny, pla
 def test_unquantized_self_draft_sampling_accepts_every_draw(tiny) -> None:
     # sampling: the chain is drawn from the draft's distribution and carries it; with draft ==
     # target the acceptance ratio p/q is 1, so every draft is accepted
-    outs = _generate(tiny, QSpecDrafter(tiny, parse_qspec("none")), tree="chain", temperature=1.0, top_k=20, seed=5)
+    outs = _generate(tiny, QSpecDrafter(parse_qspec("none")), tree="chain", temperature=1.0, top_k=20, seed=5)
     for o in outs:
         assert len(o.token_ids) == 20 and o.steps == 4 and o.accepted_per_depth == [4, 4, 4, 4]
 
@@ -246,41 +295,47 @@ def test_unquantized_self_draft_sampling_accepts_every_draw(tiny) -> None:
 @pytest.mark.parametrize("mode", ["chain", "static", "dyntree"])
 def test_quantized_self_draft_tree_modes_are_lossless(tiny, plain, mode: str) -> None:
     plain = plain[16]
-    outs = _generate(tiny, QSpecDrafter(tiny, parse_qspec("w4a8,g32,asym")), max_nodes=8, n=16, tree=mode)
+    outs = _generate(tiny, QSpecDrafter(parse_qspec("w4a8,g32,asym")), max_nodes=8, n=16, tree=mode)
     assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
     assert sum(o.steps for o in outs) < sum(p.steps for p in plain)
 
 
-def test_expand_batch_errors(tiny) -> None:
-    from dyntree.common.builder import PartialTree
-
-    d = QSpecDrafter(tiny, parse_qspec("none"))
-    engine = SpecEngine(tiny, _Tok(), NoDrafter())
-    _, cache = engine._prefill(PROMPTS, [0, 1, 2])
+def test_expand_errors(tiny) -> None:
+    d, _ = _attached(tiny, "none")
     reqs = _requests(PROMPTS)
     roots = [PartialTree([r.root], [-1], [0]) for r in reqs]
-    with pytest.raises(ValueError, match="vocab_size=100; the target's LM head has 96"):
-        d.expand_batch(reqs, [[0]] * 3, roots, 100, cache)
-    with pytest.raises(ValueError, match="3 requests, 2 frontiers"):
-        d.expand_batch(reqs, [[0]] * 2, roots, 96, cache)
-    with pytest.raises(ValueError, match="must pass target_kv"):
-        d.expand_batch(reqs, [[0]] * 3, roots, 96)
+    with pytest.raises(ValueError, match="the engine must attach a SelfDraftBackend"):
+        QSpecDrafter(parse_qspec("none")).expand(reqs, [[0]] * 3, roots, 4, None)
     grown = [PartialTree([r.root, 5, 6], [-1, 0, 1], [0, 1, 2]) for r in reqs]
     with pytest.raises(ValueError, match="no step was started"):
-        d.expand_batch(reqs, [[1]] * 3, grown, 96, cache)
-    out = d.expand_batch(reqs, [[0], [], [0]], roots, 96, cache)
-    assert [tuple(x.shape) for x in out] == [(1, 96), (0, 96), (1, 96)]
+        d.expand(reqs, [[1]] * 3, grown, 4, None)
+    out = d.expand(reqs, [[0], [], [0]], roots, 5, None)
+    assert tuple(out.ids.shape) == (2, 5) and tuple(out.entropy.shape) == (2,)  # flat: one row per frontier node
+    assert [tuple(c.ids.shape) for c in out.split([1, 0, 1])] == [(1, 5), (0, 5), (1, 5)]
+    assert bool((out.probs[:, :-1] >= out.probs[:, 1:]).all())  # most likely first
     with pytest.raises(ValueError, match="ancestor 1 was never a frontier node"):
-        d.expand_batch(reqs, [[2], [], []], grown, 96, cache)
-    d.expand_batch(reqs, [[0]] * 3, roots, 96, cache)
-    assert d.last_scratch_bytes > 0
-    d.observe(0, PROMPTS[0], 0)  # the step was verified: its scratch KV is gone
+        d.expand(reqs, [[2], [], []], grown, 4, None)
+    with pytest.raises(ValueError, match="frontier node 0 is not a new node"):
+        d.expand(reqs, [[0], [], []], grown, 4, None)  # node 0 was forwarded already this step
+    d.expand(reqs, [[0]] * 3, roots, 4, None)
+    assert d.backend.last_scratch_bytes > 0
+    d.expand(reqs, [[1]] * 3, grown, 4, None)  # the step goes on: node 1's ancestor 0 has draft KV
+    d.observe(0, PROMPTS[0], 0)  # the step was verified: its draft state is gone
     with pytest.raises(ValueError, match="no step was started"):
-        d.expand_batch(reqs, [[1]] * 3, grown, 96, cache)
-    shallow = _requests(PROMPTS, max_depth=1)
-    d.expand_batch(shallow, [[0]] * 3, roots, 96, cache)  # depth 1 is the last: scratch dropped at once
+        d.expand(reqs, [[1]] * 3, grown, 4, None)
+    # other requests than the step's: no step for them either
+    d.expand(reqs, [[0]] * 3, roots, 4, None)
     with pytest.raises(ValueError, match="no step was started"):
-        d.expand_batch(shallow, [[1]] * 3, grown, 96, cache)
+        d.expand(reqs[:2], [[1]] * 2, grown[:2], 4, None)
+    # the backend checks the request against the engine's cache row
+    stale = [DraftRequest(0, PROMPTS[0][:-1], max_nodes=10, max_depth=4)]
+    with pytest.raises(ValueError, match="has kv_len=6, the engine's cache row holds 7"):
+        d.expand(stale, [[0]], [PartialTree([stale[0].root], [-1], [0])], 4, None)
+    # the target's vocabulary bounds candidate ids: the builder refuses ids past it
+    small = int(d.expand(reqs[:1], [[0]], roots[:1], 1, None).ids[0, 0])  # the root's best candidate
+    sp = Speculator(d, SpecConfig(drafter="qspec", max_nodes=4, max_depth=2), vocab_size=small)
+    with pytest.raises(ValueError, match=rf"must lie in \[0, {small}\)"):
+        sp.propose([SpecRequest(0, PROMPTS[0])])
 
 
 @pytest.mark.slow
@@ -293,8 +348,8 @@ def test_greedy_lossless_on_smollm2(tree) -> None:
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     plain = SpecEngine(model, tok, NoDrafter()).generate(prompts, params)
     # materialized: the same draft numbers as on-the-fly dequantization, several times faster on CPU
-    drafter = QSpecDrafter(model, parse_qspec("w4a16,g128,sym"), materialize=True)
+    drafter = QSpecDrafter(parse_qspec("w4a16,g128,sym"))
     cfg = SpecConfig(drafter="qspec", max_nodes=8, max_depth=4, tree=tree)
-    outs = SpecEngine(model, tok, drafter, cfg).generate(prompts, params)
+    outs = SpecEngine(model, tok, drafter, cfg, materialize_draft=True).generate(prompts, params)
     assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
     assert sum(len(o.token_ids) for o in outs) / sum(o.steps for o in outs) > 1.5  # tau

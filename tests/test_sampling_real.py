@@ -25,7 +25,8 @@ import torch
 
 from dyntree.common.builder import TreeBuilder
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.drafter import DraftRequest, make_drafter
+from dyntree.common.drafter import DraftRequest
+from dyntree.common.drafters import make_drafter
 from dyntree.common.sampling import process_logits, sample_verify
 from dyntree.standalone.engine import SpecEngine
 
@@ -100,13 +101,15 @@ def test_many_tree_steps_from_one_prefix(setup) -> None:
     counts = torch.zeros(p.numel(), dtype=torch.int64)
     first_child = torch.zeros(p.numel(), dtype=torch.int64)
 
-    def expand(frontiers, partials):
-        raw = drafter.expand_batch(req, frontiers, partials, p.numel())
-        return [SpecEngine._draft_probs(x, SamplingParams(temperature=TEMP, top_k=TOP_K)) for x in raw]
+    shaping = SamplingParams(temperature=TEMP, top_k=TOP_K)  # the draft shaped like the target
+
+    def expand(frontiers, partials, k):
+        # the drafter's top-k candidates, flat over the batch, split per tree as the builder wants
+        return drafter.expand(req, frontiers, partials, k, shaping).split([len(f) for f in frontiers])
 
     for _ in range(n_draws // chunk):
         trees = builder.build_batch([prompt[-1]] * chunk, expand, budgets=[(SPEC.max_nodes, 1)] * chunk,
-                                    mode="dyntree", sampling=True, generator=gen)
+                                    mode="dyntree", sampling=True, vocab_size=p.numel(), generator=gen)
         for tree in trees:
             assert tree.size >= 3 and tree.draft_dists is not None
             # depth-1 tree: rows below the root only matter after the first token is decided

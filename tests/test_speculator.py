@@ -113,6 +113,7 @@ def test_accept_result_is_what_the_kv_kernels_take() -> None:
     n = int(res.accept_len[0])
     assert res.accept_index.shape == (1, batch.trees[0].size) and res.accept_index[0, 0] == 0
     assert (res.accept_index[0, n:] == -1).all() and n == len(res.tokens[0])  # drafts + bonus
+    assert res.bonus == [res.tokens[0][-1]] and res.result(0).accepted_nodes == res.accepted(0)
     path = res.accepted(0)
     assert batch.trees[0].tokens[path[1:]].tolist() == res.tokens[0][:-1]
     assert res.tokens[0] == plain(tokens["a"], n)

@@ -165,6 +165,9 @@ class SelfDraftBackend(Protocol):
     def reset(self, requests: Sequence[DraftRequest]) -> None:
         """Start a step for ``requests`` (in this order): drop the scratch KV."""
 
+    def release(self) -> None:
+        """The step is over (verified, or no node can grow deeper): free the scratch KV."""
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, scratch_mask: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[B, W, V]`` of ``tokens`` ``[B, W]`` at ``positions`` ``[B, W]``.
 

@@ -76,6 +76,11 @@ class AcceptResult:
     accept_len: torch.Tensor
     tokens: list[list[int]]
 
+    @property
+    def bonus(self) -> list[int]:
+        """Per request, the target's own token after the accepted path (the last to commit)."""
+        return [t[-1] for t in self.tokens]
+
     def accepted(self, b: int) -> list[int]:
         """Request ``b``'s accepted local node indices, root first."""
         return self.accept_index[b, : int(self.accept_len[b])].tolist()

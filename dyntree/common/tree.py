@@ -89,12 +89,13 @@ class DraftTree:
             d = self.draft_dists
             if d.dim() != 2 or d.shape[0] != n:
                 raise TreeError(f"DraftTree.draft_dists must have shape [{n}, V], got {tuple(d.shape)}")
-        depths = torch.zeros(n, dtype=torch.int64)
-        ancestors = torch.eye(n, dtype=torch.bool)
-        for i, p in enumerate(parents.tolist()[1:], start=1):  # parents precede children: one pass
-            depths[i] = depths[p] + 1
-            ancestors[i] |= ancestors[p]
-        object.__setattr__(self, "depths", depths)
+        paths: list[list[int]] = [[0]]  # node indices root..i (parents precede children: one pass)
+        for i, p in enumerate(parents.tolist()[1:], start=1):
+            paths.append(paths[p] + [i])
+        rows = [i for i, path in enumerate(paths) for _ in path]
+        ancestors = torch.zeros(n, n, dtype=torch.bool)
+        ancestors[rows, [j for path in paths for j in path]] = True
+        object.__setattr__(self, "depths", torch.tensor([len(path) - 1 for path in paths], dtype=torch.int64))
         object.__setattr__(self, "_ancestors", ancestors)
 
     # -- construction -------------------------------------------------------------------------

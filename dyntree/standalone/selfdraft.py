@@ -113,6 +113,9 @@ class HFSelfDraft:
         self._kv_lens = torch.tensor([r.kv_len for r in requests])
         self._kv = _ScratchKV(len(self.decoder.layers))
 
+    def release(self) -> None:
+        self._kv = _ScratchKV(len(self.decoder.layers))
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, scratch_mask: torch.Tensor) -> torch.Tensor:
         prefix_len = int(self._kv_lens.max()) if self._kv_lens.numel() else 0
         b, w = tokens.shape

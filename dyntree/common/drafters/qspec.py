@@ -120,6 +120,8 @@ class QSpecDrafter(Drafter):
         self._step: _Step | None = None
 
     def attach(self, backend: SelfDraftBackend) -> None:
+        if self.backend is not None and self.backend is not backend:
+            raise ValueError("this qspec drafter already drafts with another engine's forward: build one drafter per engine")
         self.backend = backend
         self._step = None
 
@@ -145,15 +147,22 @@ class QSpecDrafter(Drafter):
         tokens, positions, allowed = step.inputs(frontiers, partials)
         logits = self.backend.forward(tokens, positions, allowed)
         step.commit(frontiers)
+        if all(not f or p.depths[f[0]] + 1 >= r.max_depth for r, f, p in zip(requests, frontiers, partials)):
+            self._end_step()  # no node can be deeper: nothing will attend to this scratch again
         rows = torch.cat([logits[b, : len(f)] for b, f in enumerate(frontiers)])
         return top_candidates(rows, k, shaping)
 
     def observe(self, request_id: Hashable, token_ids: Sequence[int], accepted_drafts: int) -> None:
         """The step was verified: its scratch KV is dead."""
-        self._step = None
+        self._end_step()
 
     def release(self, request_id: Hashable) -> None:
+        self._end_step()
+
+    def _end_step(self) -> None:
         self._step = None
+        if self.backend is not None:
+            self.backend.release()
 
 
 def make_qspec_drafter(options: str | None = None, **_: object) -> QSpecDrafter:
