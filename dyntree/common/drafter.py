@@ -233,10 +233,11 @@ class Drafter:
         """Take the engine's self-draft forward (drafters with ``needs_self_draft``)."""
         raise TypeError(f"drafter {self.name!r} drafts without the engine's forward")
 
-    def observe_hidden(self, request_id: Hashable, states: torch.Tensor) -> None:
+    def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         """``states`` ``[n, d]``: the target's last-layer hidden states (the LM-head input) of the
         request's next ``n`` committed positions, in order (first the prompt's, then each step's
-        accepted nodes, root first). Only called when ``needs_hidden``."""
+        accepted nodes, root first); ``start`` is the first row's position when the engine says
+        it. Only called when ``needs_hidden``."""
 
     def observe(self, request_id: Hashable, token_ids: Sequence[int], accepted_drafts: int) -> None:
         """After each verify step: the request's committed tokens and how many drafts were accepted."""

@@ -294,13 +294,14 @@ class Speculator:
         self.stats.accept_s += time.perf_counter() - t0
         return result
 
-    def observe_hidden(self, request_id: Hashable, states: torch.Tensor) -> None:
+    def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         """The target's last-layer hidden states ``[n, d]`` (the LM-head input) of the request's
         next ``n`` committed positions, in order: after the prefill every prompt token but the
-        last, then after each step the accepted nodes' (root first; not the bonus). Ignored unless
-        :attr:`needs_hidden`."""
+        last, then after each step the accepted nodes' (root first; not the bonus). ``start``:
+        the position of the first row, when the engine skipped some (a prefix-cache hit); drafters
+        that need every position refuse a gap. Ignored unless :attr:`needs_hidden`."""
         if self.drafter.needs_hidden:
-            self.drafter.observe_hidden(request_id, states)
+            self.drafter.observe_hidden(request_id, states, start)
 
     def release(self, request_id: Hashable) -> RequestStats:
         """The request ended: drop its state everywhere; returns its statistics."""

@@ -17,6 +17,7 @@ engines that run a dense ``[B, T]`` forward.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Hashable, Sequence
@@ -142,6 +143,17 @@ class DraftTree:
     def positions(self, prefix_len: int) -> torch.Tensor:
         """``[N]`` int64 positions: ``prefix_len + depth`` (the root sits at ``prefix_len``)."""
         return self.depths + prefix_len
+
+    def prefix(self, n: int) -> "DraftTree":
+        """The first ``n`` nodes (parents precede children, so still a tree): what an engine that
+        schedules only part of a tree verifies. Per-node fields of subclasses are cut alike."""
+        if not 1 <= n <= self.size:
+            raise TreeError(f"prefix({n}) of a tree of {self.size} nodes")
+        if n == self.size:
+            return self
+        cut = {f.name: getattr(self, f.name)[:n] for f in dataclasses.fields(self)
+               if f.init and isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **cut)
 
     def path(self, i: int) -> list[int]:
         """Node indices from the root to node ``i`` (inclusive)."""

@@ -94,13 +94,21 @@ class HydraDrafter(Drafter):
         self.dtype = heads.out_weight.dtype
         self._state: dict[Hashable, _State] = {}
 
-    def observe_hidden(self, request_id: Hashable, states: torch.Tensor) -> None:
+    def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         d = self.heads.config.hidden_size
         if states.dim() != 2 or states.shape[1] != d:
             raise ValueError(f"request {request_id!r}: hidden states of shape {tuple(states.shape)}; expected [n, {d}]")
         if states.shape[0] == 0:
             return
         s = self._state.setdefault(request_id, _State())
+        if start is not None and start != s.pushed:
+            if self.heads.prefix is not None:
+                raise ValueError(
+                    f"request {request_id!r}: hidden states start at position {start}, but positions "
+                    f"{s.pushed}..{start - 1} were never pushed; prefix-attention heads need every committed "
+                    "position (turn prefix caching off)"
+                )
+            s.pushed = start  # plain heads read only the newest state
         s.pushed += states.shape[0]
         if self.heads.prefix is None:  # copies: never hold a view of the engine's forward output
             s.last = states[-1].to(self.device, self.dtype, copy=True)

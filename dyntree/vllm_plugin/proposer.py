@@ -1,0 +1,121 @@
+"""The worker side of the vLLM adapter: :class:`DynTreeProposer`, vLLM's ``custom_class`` drafter.
+
+vLLM builds it in each worker (``Class(vllm_config)``), hands it the target model
+(``load_model``) and calls ``propose`` after every step with the tokens sampled per request. It
+owns the worker's :class:`~dyntree.common.speculator.Speculator` and translates: request ids and
+committed tokens in, each tree's draft nodes (BFS order, root excluded) out, to be scheduled as
+vLLM's draft tokens. The runner patches in :mod:`dyntree.vllm_plugin.runner` read its trees back
+to verify them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Hashable
+
+import numpy as np
+import torch
+
+from dyntree.common.config import SamplingParams, SpecConfig
+from dyntree.common.drafter import Drafter, TargetInfo
+from dyntree.common.drafters import make_drafter
+from dyntree.common.hydra import HydraMismatchError, tokenizer_sha256
+from dyntree.common.speculator import SpecRequest, Speculator
+from dyntree.common.tree import DraftTree
+from dyntree.vllm_plugin.options import ENV
+
+__all__ = ["DynTreeProposer", "active_proposer"]
+
+_ACTIVE: "DynTreeProposer | None" = None
+
+
+def active_proposer() -> "DynTreeProposer | None":
+    """This worker's proposer (``None`` until vLLM builds one)."""
+    return _ACTIVE
+
+
+class DynTreeProposer:
+    """Drafts trees for vLLM's V1 runner through the speculator (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        global _ACTIVE
+        raw = os.environ.get(ENV)
+        if raw is None:
+            raise RuntimeError(f"dyntree proposer built without {ENV}: use speculative_config={{'method': 'dyntree'}}")
+        self.spec = spec = SpecConfig.model_validate_json(raw)
+        self.vllm_config = vllm_config
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.speculator: Speculator | None = None
+        self.drafter_spec = spec.drafter
+        self.generator = torch.Generator().manual_seed(0)
+        self.trees: dict[Hashable, DraftTree] = {}  # this step's proposals, by request id
+        self.req_ids: list[str] = []  # batch order of the next propose call (set by the runner patch)
+        self.params: dict[Hashable, SamplingParams | None] = {}  # None: the request must not speculate
+        _ACTIVE = self
+
+    # -- vLLM's custom_class contract -------------------------------------------------------------
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        """Build the drafter over the loaded target (Hydra borrows its embeddings and LM head)."""
+        model_config = self.vllm_config.model_config
+        vocab = int(model_config.get_vocab_size())
+        drafter = self._make_drafter(target_model, vocab)
+        self.speculator = Speculator(drafter, self.spec.model_copy(update={"drafter": self.drafter_spec}), vocab_size=vocab)
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings: Any = None, **_: Any) -> list[list[int]]:
+        """One draft list per request in batch order: its tree's nodes after the root (``[]``: none)."""
+        assert self.speculator is not None
+        self.trees = {}
+        rows, reqs = [], []
+        for i, sampled in enumerate(sampled_token_ids):
+            rid = self.req_ids[i] if i < len(self.req_ids) else None
+            params = self.params.get(rid) if rid is not None else None
+            if not sampled or params is None:
+                continue
+            n = int(num_tokens_no_spec[i])
+            room = self.max_model_len - n - 1
+            if room < 1:
+                continue
+            rows.append(i)
+            reqs.append(SpecRequest(rid, token_ids_cpu[i, :n].tolist(), params, max_nodes=room))
+        out: list[list[int]] = [[] for _ in sampled_token_ids]
+        if reqs:
+            batch = self.speculator.propose(reqs, self.generator)
+            for i, r, tree in zip(rows, reqs, batch.trees):
+                self.trees[r.request_id] = tree
+                out[i] = tree.tokens[1:].tolist()
+        return out
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _make_drafter(self, target_model: torch.nn.Module, vocab: int) -> Drafter:
+        name = self.drafter_spec.partition(":")[0].strip().lower()
+        if name not in ("hydra", "auto"):
+            return make_drafter(self.drafter_spec)
+        target = _target_info(target_model, self.vllm_config, vocab)
+        if name == "hydra":
+            return make_drafter(self.drafter_spec, target=target)
+        try:  # auto: the shipped heads when they fit this model, else n-gram
+            drafter = make_drafter("hydra", target=target)
+            self.drafter_spec = "hydra"
+        except HydraMismatchError:
+            drafter = make_drafter("ngram")
+            self.drafter_spec = "ngram"
+        return drafter
+
+
+def _target_info(model: torch.nn.Module, vllm_config: Any, vocab: int) -> TargetInfo:
+    """Embedding and LM-head weights of a vLLM causal LM (shared, sliced to the real vocabulary)."""
+    from transformers import AutoTokenizer
+
+    model_config = vllm_config.model_config
+    embed = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else model.model.embed_tokens.weight
+    head = getattr(model, "lm_head", None)
+    lm_head = head.weight if head is not None and hasattr(head, "weight") else embed
+    tok = AutoTokenizer.from_pretrained(model_config.tokenizer, trust_remote_code=model_config.trust_remote_code)
+    return TargetInfo(
+        name=str(model_config.model),
+        hidden_size=int(model_config.get_hidden_size()),
+        embed=embed.detach()[:vocab],
+        lm_head=lm_head.detach()[:vocab],
+        tokenizer_sha256=tokenizer_sha256(tok),
+    )
