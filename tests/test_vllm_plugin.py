@@ -54,6 +54,20 @@ def test_unsupported_vllm_versions_are_refused() -> None:
         check_version("0.33.0")
 
 
+@needs_vllm
+def test_cli_forms_reach_the_options() -> None:
+    """``vllm serve`` flags: the JSON form and the dotted form give the same validated options."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    dotted = parser.parse_args(["--model", "m", "--speculative-config.method", "dyntree",
+                                "--speculative-config.drafter", "ngram", "--speculative-config.max_nodes", "8"])
+    js = parser.parse_args(["--model", "m", "--speculative-config", '{"method": "dyntree", "drafter": "ngram", "max_nodes": 8}'])
+    assert parse_options(dotted.speculative_config) == parse_options(js.speculative_config)
+    assert parse_options(dotted.speculative_config).max_nodes == 8
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     if not HAS_VLLM:

@@ -208,7 +208,7 @@ def _params(sp: Any) -> SamplingParams | None:
         return None
     greedy = sp.temperature < 1e-5
     return SamplingParams(temperature=0.0 if greedy else sp.temperature, top_k=max(sp.top_k, 0),
-                          top_p=sp.top_p, ignore_eos=True)
+                          top_p=sp.top_p)
 
 
 _PATCHES = {"_prepare_inputs": _prepare_inputs, "_sample": _sample, "propose_draft_token_ids": _propose_draft_token_ids}

@@ -1,0 +1,102 @@
+"""vLLM with and without speculation, side by side in one run: no speculation, vLLM's own ``ngram``,
+and ``dyntree`` with each drafter (SmolLM2, Spec-Bench prompts across categories, chat template).
+
+    python benchmarks/vllm_bench.py --out benchmarks/results/vllm_bench_cpu.json [--dtype bfloat16]
+
+Per config and batch size: tokens/s (generated tokens over the wall time of ``LLM.generate`` for
+each batch, prompts in order), tau (1 + accepted draft tokens per drafting step, from vLLM's
+spec-decode counters), and whether the outputs equal the run without speculation. Each config
+runs in this process one after another; vLLM's start-up is not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+CONFIGS = {
+    "none": None,
+    "vllm_ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
+    "dyntree_ngram": {"method": "dyntree", "drafter": "ngram", "num_speculative_tokens": 16, "max_depth": 6},
+    "dyntree_hydra": {"method": "dyntree", "drafter": "hydra", "num_speculative_tokens": 16, "max_depth": 4},
+}
+
+
+def _counters(llm) -> dict[str, float]:
+    return {m.name: float(m.value) for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num") and isinstance(getattr(m, "value", None), (int, float))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    import torch
+    import vllm
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from dyntree.models import model_path
+
+    path = str(model_path("smollm2"))
+    tok = AutoTokenizer.from_pretrained(path)
+    rows = [json.loads(line) for line in SPEC_BENCH.open()]
+    picked = rows[:: max(1, len(rows) // args.prompts)][: args.prompts]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
+                                       add_generation_prompt=True) for r in picked]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "device": f"cpu ({platform.machine()}, {os.cpu_count()} cores)", "dtype": args.dtype,
+           "versions": {"vllm": vllm.__version__, "torch": torch.__version__}, "model": "SmolLM2-135M-Instruct",
+           "prompts": [r.get("question_id", i) for i, r in enumerate(picked)], "max_tokens": args.max_tokens,
+           "configs": {}}
+    for name in args.configs.split(","):
+        llm = LLM(model=path, dtype=args.dtype, max_model_len=2048, seed=0, enforce_eager=True,
+                  disable_log_stats=False, speculative_config=CONFIGS[name])
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+        runs = {}
+        for b in sizes:
+            before = _counters(llm)
+            tokens, outs, wall = 0, [], 0.0
+            for i in range(0, len(prompts), b):
+                t = time.perf_counter()
+                res = llm.generate(prompts[i : i + b], params, use_tqdm=False)
+                wall += time.perf_counter() - t
+                outs += [list(o.outputs[0].token_ids) for o in res]
+                tokens += sum(len(o.outputs[0].token_ids) for o in res)
+            after = _counters(llm)
+            drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
+            acc = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get("vllm:spec_decode_num_accepted_tokens", 0)
+            runs[str(b)] = {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 3),
+                            "tau": round(1 + acc / drafts, 4) if drafts else 1.0, "drafting_steps": drafts, "outputs": outs}
+            print(f"{name:14} batch {b}: {tokens / wall:7.2f} tok/s  tau {runs[str(b)]['tau']:.2f}", flush=True)
+        doc["configs"][name] = runs
+        del llm
+        gc.collect()
+    base = doc["configs"].get("none")
+    for name, runs in doc["configs"].items():
+        for b, run in runs.items():
+            if base is not None:
+                run["speedup"] = round(run["tokens_per_s"] / base[b]["tokens_per_s"], 4)
+                run["identical_to_none"] = sum(x == y for x, y in zip(run["outputs"], base[b]["outputs"])) / len(run["outputs"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
