@@ -250,6 +250,15 @@ def test_drafter_refuses_missing_rows(prefix: bool) -> None:
     sp.release(0)
     sp.observe_hidden(0, h)
     assert sp.propose([six]).trees[0].size > 1
+    # an engine that skipped positions (a prefix-cache hit) says where its rows start: plain heads
+    # need only the newest state; prefix attention needs them all and names the gap
+    sp.release(0)
+    if prefix:
+        with pytest.raises(ValueError, match=r"start at position 3, but positions 0..2 were never pushed"):
+            sp.observe_hidden(0, h[3:], start=3)
+    else:
+        sp.observe_hidden(0, h[3:], start=3)
+        assert sp.propose([six]).trees[0].size > 1
 
 
 # -- the rows the engine pushes ---------------------------------------------------------------
@@ -266,7 +275,7 @@ class _Recorder(OracleDrafter):
         self.pushed: dict[Hashable, list[torch.Tensor]] = {}
         self.calls: dict[Hashable, list[tuple[int, int]]] = {}  # (kv_len, rows pushed so far)
 
-    def observe_hidden(self, request_id: Hashable, states: torch.Tensor) -> None:
+    def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         self.pushed.setdefault(request_id, []).append(states.clone())
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:

@@ -127,14 +127,16 @@ class Recorder(Drafter):
     def __init__(self, needs_hidden: bool, max_depth: int | None = None) -> None:
         self.needs_hidden, self.max_depth = needs_hidden, max_depth
         self.states: list[torch.Tensor] = []
+        self.starts: list[int | None] = []
         self.budgets: list[tuple[int, int]] = []
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         self.budgets += [(r.max_nodes, r.max_depth) for r in requests]
         return [DraftTree.root_only(r.root) for r in requests]
 
-    def observe_hidden(self, request_id: Hashable, states: torch.Tensor) -> None:
+    def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         self.states.append(states)
+        self.starts.append(start)
 
 
 def test_hidden_states_reach_only_drafters_that_ask() -> None:
@@ -143,7 +145,9 @@ def test_hidden_states_reach_only_drafters_that_ask() -> None:
         sp = Speculator(d, vocab_size=V)
         assert sp.needs_hidden is wants
         sp.observe_hidden("a", torch.ones(3, 4))
-        assert len(d.states) == (1 if wants else 0)
+        sp.observe_hidden("a", torch.ones(2, 4), start=7)  # an engine that skipped positions says where rows start
+        assert [s.shape[0] for s in d.states] == ([3, 2] if wants else [])
+        assert d.starts == ([None, 7] if wants else [])
 
 
 def test_budgets_are_capped_by_request_and_drafter_depth() -> None:

@@ -29,6 +29,9 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         step = current_step()
         if step is None or attn_metadata is None or kv_cache.numel() == 0:
             return out
+        if self.logits_soft_cap or self.sinks is not None or self.alibi_slopes is not None or self.sliding_window != -1:
+            raise RuntimeError("dyntree tree attention does not support logit soft-capping, attention sinks, ALiBi "
+                               "or sliding windows (this model uses one); drop method 'dyntree'")
         paged = PagedKV.of(kv_cache, layer.isa)
         group = self.num_heads // self.num_kv_heads
         for b, (row, start, mask) in enumerate(zip(step.rows, step.starts, step.masks)):
