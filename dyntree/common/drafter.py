@@ -86,14 +86,6 @@ class Candidates:
         """``rows`` rows without candidates."""
         return cls(torch.zeros(rows, k, dtype=torch.int64), torch.zeros(rows, k), torch.zeros(rows))
 
-    @classmethod
-    def cat(cls, parts: Sequence["Candidates"]) -> "Candidates":
-        """Rows of ``parts`` back to back (``k`` padded to the widest with empty slots)."""
-        k = max(p.ids.shape[1] for p in parts)
-        pad = lambda x: torch.nn.functional.pad(x, (0, k - x.shape[1]))  # noqa: E731
-        return cls(torch.cat([pad(p.ids.cpu()) for p in parts]), torch.cat([pad(p.probs.float().cpu()) for p in parts]),
-                   torch.cat([p.entropy.float().cpu() for p in parts]))
-
     def split(self, counts: Sequence[int]) -> list["Candidates"]:
         """Per-tree views: the first ``counts[0]`` rows, the next ``counts[1]``, ..."""
         out, start = [], 0
