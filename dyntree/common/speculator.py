@@ -176,7 +176,6 @@ class Speculator:
         if spec.adaptive and cost_model is None:
             raise ValueError("SpecConfig.adaptive needs a cost model (or a function that measures one)")
         self.stats = SpecStats()
-        self._trees: dict[Hashable, DraftTree] = {}
         self._tokens: dict[Hashable, Sequence[int]] = {}
         self._params: dict[Hashable, SamplingParams] = {}
 
@@ -239,8 +238,8 @@ class Speculator:
                     f"{tree.size - 1} nodes (max {d.max_nodes}), depth {tree.max_depth} (max {d.max_depth})"
                 )
         batch = DraftBatch.from_trees(ids, trees)
-        for r, tree in zip(requests, trees):
-            self._trees[r.request_id], self._tokens[r.request_id], self._params[r.request_id] = tree, r.token_ids, r.params
+        for r in requests:
+            self._tokens[r.request_id], self._params[r.request_id] = r.token_ids, r.params
         draft_ms = (time.perf_counter() - t0) * 1e3
         if self.controller is not None:
             self.controller.observe_draft(int(batch.depths.max()), batch.num_drafts, draft_ms)
@@ -308,7 +307,7 @@ class Speculator:
         self.drafter.release(request_id)
         if self.controller is not None:
             self.controller.release(request_id)
-        for d in (self._trees, self._tokens, self._params):
+        for d in (self._tokens, self._params):
             d.pop(request_id, None)
         return self.stats.requests.pop(request_id, RequestStats())
 
