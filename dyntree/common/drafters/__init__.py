@@ -21,8 +21,14 @@ __all__ = ["register_drafter", "make_drafter", "check_drafter_spec", "drafter_na
 Factory = Callable[..., Drafter]
 Check = Callable[[str | None], object]
 
+
+def _no_options(options: str | None) -> None:
+    if options:
+        raise ValueError(f"drafter 'none' takes no options, got {options!r}")
+
+
 _REGISTRY: dict[str, tuple[Factory, Check | None]] = {
-    "none": (lambda options=None, **_: NoDrafter(), None),
+    "none": (lambda options=None, **_: NoDrafter(), _no_options),
     "ngram": (lambda options=None, **_: NgramDrafter(parse_ngram_options(options)), parse_ngram_options),
     "hydra": (make_hydra_drafter, parse_hydra_options),
     "qspec": (make_qspec_drafter, parse_qspec),
