@@ -110,7 +110,7 @@ def _configs(args: argparse.Namespace):
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{flag}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            raise ValueError(f"{flag}: not valid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})") from None
         if not isinstance(value, dict):
             raise ValueError(f"{flag}: must be a JSON object, e.g. '{{\"threshold\": 0.05}}'")
         return value

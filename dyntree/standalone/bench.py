@@ -60,7 +60,9 @@ def load_prompts(
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{lineno}: a prompt line must be a JSON object, got {type(rec).__name__}")
             if "turns" in rec and rec["turns"]:
                 text = rec["turns"][0]
             elif "prompt" in rec:
