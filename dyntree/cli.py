@@ -124,41 +124,36 @@ def _configs(args: argparse.Namespace):
     return spec, params
 
 
+def _as_flag(flag: str, call, *args):
+    """``call(*args)``, with a ``ValueError`` / ``ModelError`` it raises re-worded to name ``flag``."""
+    from dyntree.models import ModelError
+
+    try:
+        return call(*args)
+    except (ValueError, FileNotFoundError, ModelError) as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
 def _check_before_load(args: argparse.Namespace):
     """Everything about the input that needs no model: settings, drafter spec, model name,
     device and dtype. Returns ``(spec, params, device, dtype, why)``."""
     from dyntree.common.drafters import check_drafter_spec
-    from dyntree.models import ModelError, check_model_name, pick_dtype, resolve_device
+    from dyntree.models import check_model_name, pick_dtype, resolve_device
 
     spec, params = _configs(args)
-    try:
-        check_drafter_spec(spec.drafter)
-    except ValueError as exc:
-        raise ValueError(f"--drafter: {exc}") from None
-    try:
-        check_model_name(args.model)
-    except ModelError as exc:
-        raise ValueError(f"--model: {exc}") from None
-    try:
-        device = resolve_device(args.device)
-    except ValueError as exc:
-        raise ValueError(f"--device: {exc}") from None
-    try:
-        dtype, why = pick_dtype(args.dtype, device)
-    except ValueError as exc:
-        raise ValueError(f"--dtype: {exc}") from None
+    _as_flag("--drafter", check_drafter_spec, spec.drafter)
+    _as_flag("--model", check_model_name, args.model)
+    device = _as_flag("--device", resolve_device, args.device)
+    dtype, why = _as_flag("--dtype", pick_dtype, args.dtype, device)
     return spec, params, device, dtype, why
 
 
 def _load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
-    from dyntree.models import ModelError, load_model
+    from dyntree.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        return load_model(args.model, dtype, device)
-    except ModelError as exc:
-        raise ValueError(f"--model: {exc}") from None
+    return _as_flag("--model", load_model, args.model, dtype, device)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -229,10 +224,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--modes: unknown mode(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(MODES)}")
     spec, params, device, dtype, why = _check_before_load(args)
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
-    try:
-        prompts = load_prompts(args.prompts, args.limit, cats, args.per_category)
-    except (ValueError, FileNotFoundError) as exc:
-        raise ValueError(f"--prompts: {exc}") from None
+    prompts = _as_flag("--prompts", load_prompts, args.prompts, args.limit, cats, args.per_category)
     model, tok = _load(args, device, dtype)
     print(f"[dyntree] {_dtype_name(dtype)} ({why}), {device.type}", file=sys.stderr)
     result = run_bench(model, tok, prompts, modes, spec.drafter, spec, params, args.batch_size, args.chat,
@@ -253,12 +245,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_model_path(args: argparse.Namespace) -> int:
-    from dyntree.models import ModelError, model_path
+    from dyntree.models import model_path
 
-    try:
-        print(model_path(args.model))
-    except ModelError as exc:
-        raise ValueError(f"MODEL: {exc}") from None
+    print(_as_flag("MODEL", model_path, args.model))
     return 0
 
 
