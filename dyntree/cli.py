@@ -47,8 +47,10 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
                    help="none (plain decoding), ngram[:max_n=4,...], hydra[:DIR] or qspec[:w4a16,...] (default ngram)")
     p.add_argument("--max-nodes", type=int, default=16, help="draft nodes per tree, root not counted (default 16)")
     p.add_argument("--max-depth", type=int, default=8, help="deepest draft node (default 8)")
-    p.add_argument("--adaptive", action="store_true",
-                   help="adaptive controller: per-request budgets from recent acceptance and a timed cost model")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="adaptive controller (default on): per-request trees sized from recent acceptance and a "
+                   "timed cost model, down to plain decoding when speculation would not pay; --no-adaptive "
+                   "pins every tree to --max-nodes / --max-depth")
     p.add_argument("--tree-options", default=None, metavar="JSON",
                    help='tree builder options, e.g. \'{"threshold": 0.05, "max_children": 4}\'')
     p.add_argument("--controller-options", default=None, metavar="JSON",
@@ -86,7 +88,8 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--categories", default=None, help="comma-separated `category` values to keep")
     b.add_argument("--per-category", type=_int_arg(1), default=None, help="keep the first N prompts of each category")
     b.add_argument("--modes", default="none,dyntree",
-                   help="comma-separated: none (plain), own (the drafter's trees), chain, static, dyntree, beam")
+                   help="comma-separated: none (plain), own (the drafter's trees), chain, static, dyntree, beam, "
+                   "hf (transformers generate), hf-lookup (its prompt lookup)")
     b.add_argument("--batch-size", type=_int_arg(1), default=1)
     b.add_argument("--out", required=True, help="where to write RESULT.json")
     _spec_args(b)
@@ -238,7 +241,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         depth = " ".join(f"{x:.2f}" for x in r["accepted_per_depth"]) or "-"
         build = f"{r['build_ms_per_step']:.1f}" if r["build_ms_per_step"] is not None else "-"
-        print(f"{r['mode']:<10}{r['drafter']:<12}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}{sp:>9}"
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+        print(f"{r['mode']:<10}{r['drafter']:<12}{tau:>7}{r['tokens_per_s']:>9.1f}{sp:>9}"
               f"{r['identical_to_none']!s:>11}{build:>10}  {depth}")
     print(f"wrote {out}")
     return 0

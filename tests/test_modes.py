@@ -115,7 +115,7 @@ def test_bench_runs_every_mode_with_overhead_fields() -> None:
 
     from spec_support import tiny_llama
     from dyntree.models import model_path
-    from dyntree.standalone.bench import MODES, compare, mode_spec, run_mode
+    from dyntree.standalone.bench import HF_MODES, MODES, compare, mode_spec, run_hf_mode, run_mode
     from test_engine_tiny import _prompts
 
     tok = AutoTokenizer.from_pretrained(model_path("smollm2"))
@@ -129,7 +129,7 @@ def test_bench_runs_every_mode_with_overhead_fields() -> None:
     flat = CostModel({1: 1000.0, 64: 1010.0}, lr=0.0)
     base = run_mode(model, tok, prompts, ids, "none", spec, params, 2, flat)
     assert base["tau"] == 1.0 and base["adaptive"] is False and base["max_nodes"] == 0
-    for mode in MODES[1:]:
+    for mode in [m for m in MODES[1:] if m not in HF_MODES]:
         run = run_mode(model, tok, prompts, ids, mode, spec, params, 2, flat)
         compare(base, run)
         assert run["mode"] == mode and run["tree"] == (None if mode == "own" else mode) and run["adaptive"]
@@ -141,8 +141,17 @@ def test_bench_runs_every_mode_with_overhead_fields() -> None:
         else:
             assert 0 <= run["build_ms_per_step"] <= run["draft_ms_per_step"]
             assert 0 <= run["build_pct_of_step"] <= 100
-    with pytest.raises(ValueError, match="unknown mode 'tree'"):
+    with pytest.raises(ValueError, match="unknown engine mode 'tree'"):
         mode_spec("tree", spec)
+    # transformers' own generate and its prompt lookup, on the same model: the same greedy tokens
+    greedy = SamplingParams(max_new_tokens=24)
+    base = run_mode(model, tok, prompts, ids, "none", spec, greedy, 1, flat)
+    for mode in HF_MODES:
+        run = run_hf_mode(model, tok, prompts, ids, mode, greedy)
+        compare(base, run)
+        assert run["identical_to_none"] == 1.0 and run["tau"] is None and run["tokens"] == base["tokens"]
+    with pytest.raises(ValueError, match="greedy"):
+        run_hf_mode(model, tok, prompts, ids, "hf", SamplingParams(temperature=0.7))
 
 
 def test_modes_eval_runs_dyntree_once_per_threshold() -> None:

@@ -3,8 +3,11 @@
 Every mode runs through the same :class:`SpecEngine` (mode ``none`` = the ``none`` drafter), on
 the same prompts, batch size and dtype, so tokens/s, tau and outputs are directly comparable.
 Modes: ``none`` (plain decoding), ``own`` (the drafter's own trees), ``chain`` / ``static`` /
-``dyntree`` (the tree builder over the drafter's scores). With ``SpecConfig.adaptive`` every
-speculative mode runs under the controller (its cost model is timed once per bench and shared).
+``dyntree`` / ``beam`` (the tree builder over the drafter's candidates). With
+``SpecConfig.adaptive`` every speculative mode runs under the controller (its cost model is timed
+once per bench and shared). Two modes run Hugging Face transformers' own ``model.generate`` on the
+same model object instead, as the reference a user already has: ``hf`` (greedy) and ``hf-lookup``
+(its prompt lookup decoding, ``prompt_lookup_num_tokens=10``); one prompt at a time, greedy only.
 The result is one JSON document (schema in README.md).
 """
 
@@ -27,9 +30,12 @@ from dyntree.common.drafters import make_drafter
 from dyntree.standalone.engine import RequestOutput, SpecEngine
 from dyntree.standalone.target import make_hf_drafter
 
-__all__ = ["Prompt", "load_prompts", "encode_prompt", "run_bench", "run_mode", "compare", "mode_spec", "MODES"]
+__all__ = ["Prompt", "load_prompts", "encode_prompt", "run_bench", "run_mode", "run_hf_mode", "compare", "mode_spec",
+           "MODES", "HF_MODES"]
 
-MODES = ("none", "own", "chain", "static", "dyntree", "beam")
+#: transformers ``generate`` keyword arguments of the ``hf*`` modes.
+HF_MODES = {"hf": {}, "hf-lookup": {"prompt_lookup_num_tokens": 10}}
+MODES = ("none", "own", "chain", "static", "dyntree", "beam", *HF_MODES)
 WARMUP_TOKENS = 8  # tokens generated once per mode before the timed runs
 
 
@@ -131,10 +137,37 @@ def _summarise(mode: str, drafter: str, outs: list[RequestOutput], wall: float) 
     }
 
 
+def run_hf_mode(model, tokenizer, encoded: Sequence[Sequence[int]], ids: Sequence[Any], mode: str,
+                params: SamplingParams) -> dict[str, Any]:
+    """One bench run of transformers' ``model.generate`` (``hf`` / ``hf-lookup``), prompt by prompt,
+    greedy, with the engine's end-of-sequence tokens. tau and steps are not observable (``None``)."""
+    if not params.greedy or params.stop:
+        raise ValueError(f"mode {mode!r} runs greedy decoding without stop strings only")
+    eos = sorted(SpecEngine(model, tokenizer, make_drafter("none"), SpecConfig(drafter="none")).eos_ids(params))
+    kwargs = dict(do_sample=False, eos_token_id=eos or None, pad_token_id=eos[0] if eos else None, **HF_MODES[mode])
+    device = next(model.parameters()).device
+
+    def generate(prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        x = torch.tensor([list(prompt)], device=device)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, **kwargs)
+        return out[0, x.shape[1] :].tolist()
+
+    with torch.inference_mode():
+        generate(encoded[0], WARMUP_TOKENS)
+        outs, start = [], time.perf_counter()
+        for pid, prompt in zip(ids, tqdm(encoded, desc=f"bench {mode}", unit="prompt", leave=False)):
+            outs.append({"id": pid, "token_ids": generate(prompt, params.max_new_tokens)})
+        wall = time.perf_counter() - start
+    tokens = sum(len(o["token_ids"]) for o in outs)
+    return {"mode": mode, "drafter": "transformers", "tokens": tokens, "steps": None, "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 3) if wall > 0 else 0.0, "tau": None, "accepted_per_depth": [],
+            "draft_nodes_per_step": None, "outputs": outs, "build_ms_per_step": None}
+
+
 def mode_spec(mode: str, spec: SpecConfig) -> tuple[str | None, SpecConfig]:
     """The drafter spec (``None``: plain decoding) and engine config of one bench mode."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if mode not in MODES or mode in HF_MODES:
+        raise ValueError(f"unknown engine mode {mode!r}; choose from {', '.join(m for m in MODES if m not in HF_MODES)}")
     if mode == "none":
         return None, spec.model_copy(update={"drafter": "none", "tree": None, "adaptive": False})
     return spec.drafter, spec.model_copy(update={"tree": None if mode == "own" else mode})
@@ -231,6 +264,8 @@ def run_bench(
         raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    if batch_size > 1 and any(m in HF_MODES for m in modes):
+        raise ValueError(f"modes {', '.join(HF_MODES)} run one prompt at a time; use --batch-size 1")
     spec = spec.model_copy(update={"drafter": drafter})
     tree_modes = [m for m in modes if m in ("chain", "static", "dyntree")]
     if tree_modes and not make_hf_drafter(drafter, model, tokenizer).drafts_with_builder:
@@ -241,7 +276,8 @@ def run_bench(
     cost = None
     if spec.adaptive and any(m != "none" for m in modes):
         cost = SpecEngine(model, tokenizer, make_drafter("none"), SpecConfig(drafter="none")).measure_cost()
-    runs = [run_mode(model, tokenizer, encoded, ids, m, spec, params, batch_size, cost, category) for m in modes]
+    runs = [run_hf_mode(model, tokenizer, encoded, ids, m, params) if m in HF_MODES
+            else run_mode(model, tokenizer, encoded, ids, m, spec, params, batch_size, cost, category) for m in modes]
     base = next((r for r in runs if r["mode"] == "none"), None)
     for run in runs:
         compare(base, run)

@@ -135,7 +135,7 @@ class SpecEngine:
             raise ValueError("request_ids must be unique, one per prompt")
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
         self.prepare()
-        eos = self._eos_ids(params)
+        eos = self.eos_ids(params)
         self._prefill(prompts, ids)
         done: dict[Hashable, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="requests", disable=not progress, leave=False)
@@ -308,7 +308,8 @@ class SpecEngine:
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         return mask[:, None]
 
-    def _eos_ids(self, params: SamplingParams) -> set[int]:
+    def eos_ids(self, params: SamplingParams) -> set[int]:
+        """The token ids that end a request (none with ``ignore_eos``)."""
         if params.ignore_eos:
             return set()
         ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
