@@ -223,11 +223,13 @@ class SpecEngine:
         for b, req in enumerate(self._live):
             n = int(result.accept_len[b])
             nodes = result.accepted(b) if "compaction" not in self.ablate else list(range(n))
-            rows += [b] * n
-            src += [prefix + i for i in nodes]
-            dst += range(req.kv_len, req.kv_len + n)
-        as_t = lambda x: torch.tensor(x, device=self.device)  # noqa: E731
-        kv.compact(self.cache, as_t(rows), as_t(src), as_t(dst))
+            moves = [(prefix + i, req.kv_len + k) for k, i in enumerate(nodes) if prefix + i != req.kv_len + k]
+            rows += [b] * len(moves)  # a node already in its slot (plain decoding at batch 1) stays
+            src += [m[0] for m in moves]
+            dst += [m[1] for m in moves]
+        if rows:
+            as_t = lambda x: torch.tensor(x, device=self.device)  # noqa: E731
+            kv.compact(self.cache, as_t(rows), as_t(src), as_t(dst))
 
     # -- cost model ------------------------------------------------------------------------------
     def measure_cost(self, sizes: Sequence[int] = COST_SIZES, kv_len: int = COST_KV_LEN, repeats: int = 2) -> CostModel:
