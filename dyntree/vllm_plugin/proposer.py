@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.drafter import Drafter, TargetInfo
-from dyntree.common.drafters import make_drafter
-from dyntree.common.hydra import HydraMismatchError, tokenizer_sha256
+from dyntree.common.drafter import TargetInfo
+from dyntree.common.drafters import make_engine_drafter
+from dyntree.common.hydra import tokenizer_sha256
 from dyntree.common.speculator import SpecRequest, Speculator
 from dyntree.common.tree import DraftTree
 from dyntree.vllm_plugin.options import ENV
@@ -58,7 +58,8 @@ class DynTreeProposer:
         """Build the drafter over the loaded target (Hydra borrows its embeddings and LM head)."""
         model_config = self.vllm_config.model_config
         vocab = int(model_config.get_vocab_size())
-        drafter = self._make_drafter(target_model, vocab)
+        drafter, self.drafter_spec = make_engine_drafter(
+            self.drafter_spec, lambda: _target_info(target_model, self.vllm_config, vocab))
         self.speculator = Speculator(drafter, self.spec.model_copy(update={"drafter": self.drafter_spec}), vocab_size=vocab)
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
@@ -85,23 +86,6 @@ class DynTreeProposer:
                 self.trees[r.request_id] = tree
                 out[i] = tree.tokens[1:].tolist()
         return out
-
-    # -- helpers -------------------------------------------------------------------------------
-    def _make_drafter(self, target_model: torch.nn.Module, vocab: int) -> Drafter:
-        name = self.drafter_spec.partition(":")[0].strip().lower()
-        if name not in ("hydra", "auto"):
-            return make_drafter(self.drafter_spec)
-        target = _target_info(target_model, self.vllm_config, vocab)
-        if name == "hydra":
-            return make_drafter(self.drafter_spec, target=target)
-        try:  # auto: the shipped heads when they fit this model, else n-gram
-            drafter = make_drafter("hydra", target=target)
-            self.drafter_spec = "hydra"
-        except HydraMismatchError:
-            drafter = make_drafter("ngram")
-            self.drafter_spec = "ngram"
-        return drafter
-
 
 def _target_info(model: torch.nn.Module, vllm_config: Any, vocab: int) -> TargetInfo:
     """Embedding and LM-head weights of a vLLM causal LM (shared, sliced to the real vocabulary)."""

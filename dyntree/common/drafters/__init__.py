@@ -4,19 +4,22 @@ Built in: ``none`` (plain decoding), ``ngram`` (prompt lookup), ``hydra`` (train
 ``target=TargetInfo``), ``qspec`` (quantized self-draft; the engine attaches its forward).
 :func:`register_drafter` adds more. ``check`` functions validate options without building
 anything, so a CLI or an engine plugin can refuse a bad spec before it loads a model.
+:func:`make_engine_drafter` is what engine adapters call once the target is loaded (it resolves
+``auto``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from dyntree.common.drafter import Drafter, NoDrafter
+from dyntree.common.drafter import Drafter, NoDrafter, TargetInfo
 from dyntree.common.drafters.hydra import make_hydra_drafter, parse_hydra_options
+from dyntree.common.hydra import HydraMismatchError
 from dyntree.common.drafters.ngram import NgramDrafter, parse_ngram_options
 from dyntree.common.drafters.qspec import make_qspec_drafter
 from dyntree.common.quant import parse_qspec
 
-__all__ = ["register_drafter", "make_drafter", "check_drafter_spec", "drafter_names"]
+__all__ = ["register_drafter", "make_drafter", "make_engine_drafter", "check_drafter_spec", "drafter_names"]
 
 Factory = Callable[..., Drafter]
 Check = Callable[[str | None], object]
@@ -73,3 +76,21 @@ def make_drafter(spec: str, **context: Any) -> Drafter:
     """Build a drafter from a spec ``name[:options]``; unknown names raise ``ValueError``."""
     name, options = _split(spec)
     return _REGISTRY[name][0](options, **context)
+
+
+def make_engine_drafter(spec: str, target: Callable[[], TargetInfo]) -> tuple[Drafter, str]:
+    """The drafter an engine adapter runs, and its resolved spec.
+
+    ``spec`` may be ``auto``: the shipped Hydra heads when they fit the target, else ``ngram``.
+    ``target()`` describes the loaded target (embeddings, LM head, tokenizer hash); it is called
+    only for drafters that read it."""
+    name, _ = _split(spec) if spec != "auto" else ("auto", None)
+    if name not in ("hydra", "auto"):
+        return make_drafter(spec), spec
+    info = target()
+    if name == "hydra":
+        return make_drafter(spec, target=info), spec
+    try:
+        return make_drafter("hydra", target=info), "hydra"
+    except HydraMismatchError:
+        return make_drafter("ngram"), "ngram"

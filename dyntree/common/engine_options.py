@@ -1,0 +1,49 @@
+"""Engine adapters' speculation options: a mapping of :class:`~dyntree.common.config.SpecConfig`
+fields, validated before any engine starts (no engine import).
+
+Both adapters (vLLM's ``speculative_config``, SGLang's options file) end here, so a wrong option
+fails the same way everywhere: pydantic's message naming the field, prefixed by where it came
+from. ``drafter`` defaults to ``auto`` (the shipped Hydra heads when they fit the model, else
+n-gram; resolved by :func:`~dyntree.common.drafters.make_engine_drafter` once the model is loaded).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from pydantic import ValidationError
+
+from dyntree.common.config import SpecConfig
+from dyntree.common.drafters import check_drafter_spec
+
+__all__ = ["OptionsError", "parse_spec_options"]
+
+
+class OptionsError(ValueError):
+    """Engine options that cannot work (the message names the field, flag or feature)."""
+
+
+def parse_spec_options(options: Mapping[str, Any], where: str, engine: str) -> SpecConfig:
+    """Validate ``options`` (SpecConfig fields; ``-`` and ``_`` alike) for an engine adapter.
+
+    ``where`` prefixes every message (``speculative_config``, the options file, ...); ``engine``
+    names the adapter in refusals of what it does not run yet."""
+    opts = {k.replace("-", "_"): v for k, v in options.items()}
+    auto = opts.get("drafter", "auto") == "auto"
+    if auto:
+        opts["drafter"] = "ngram"  # validated as a placeholder; the engine picks hydra when the heads fit
+    try:
+        spec = SpecConfig(**opts)
+    except ValidationError as exc:
+        raise OptionsError(f"{where} is invalid: {exc}") from None
+    try:
+        check_drafter_spec(spec.drafter)
+    except ValueError as exc:
+        raise OptionsError(f"{where}.drafter: {exc}") from None
+    if spec.adaptive:
+        raise OptionsError(f"{where}.adaptive: the adaptive controller is not wired into the {engine} adapter yet; "
+                           "leave adaptive false")
+    if spec.drafter.partition(":")[0].strip().lower() == "qspec":
+        raise OptionsError(f"{where}.drafter 'qspec': the quantized self-draft does not run inside {engine} yet "
+                           "(use ngram or hydra)")
+    return spec.model_copy(update={"drafter": "auto"}) if auto else spec
