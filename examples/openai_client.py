@@ -1,4 +1,4 @@
-"""Stream a chat completion from a vLLM server running dyntree (start one with vllm_serve.sh).
+"""Stream a chat completion from a vLLM or SGLang server running dyntree (vllm_serve.sh, sglang_serve.sh).
 
     python examples/openai_client.py "Write a python function that returns the n-th fibonacci number."
 

@@ -6,8 +6,9 @@ tokens as JSON. A separate process: SGLang's worker modules import only with the
     PYTHONPATH=tests/sglang_stub:tests python tests/sglang_runs.py CASES.json OUT.json
 
 CASES.json: ``{"prompts": [[ids...], ...], "max_new": 32, "runs": [{"name", "options", "flags",
-"ablate", "mask_mode"}]}``; ``options`` is the DYNTREE options file's object, ``flags`` SGLang's
-``--speculative-*`` values (by field name).
+"ablate", "mask_mode", "chunked", "limit", "max_new"}]}``; ``options`` is the DYNTREE options
+file's object, ``flags`` SGLang's ``--speculative-*`` values (by field name); ``limit`` and
+``max_new`` run a run on the first prompts only, for fewer tokens.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def main(cases_path: str, out_path: str) -> None:
         if run.get("mask_mode"):
             worker.mask_mode = run["mask_mode"]
         t = time.time()
-        out = run_scheduler(worker, target, prompts, max_new)
+        some = prompts[: run.get("limit", len(prompts))]
+        out = run_scheduler(worker, target, some, run.get("max_new", max_new), chunked=run.get("chunked", False))
         out.update(seconds=time.time() - t, drafter=worker.speculator.drafter.name, width=worker.width)
         results[run["name"]] = out
         os.unlink(f.name)

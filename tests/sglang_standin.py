@@ -135,9 +135,11 @@ def greedy_params() -> SimpleNamespace:
                            regex=None, ebnf=None, structural_tag=None)
 
 
-def run_scheduler(worker: Any, target: TokenPoolTarget, prompts: Sequence[Sequence[int]], max_new: int) -> dict:
-    """Drive ``worker`` like SGLang's synchronous spec-v2 scheduler: one prefill batch, then decode
-    batches until every request has ``max_new`` tokens (finished requests leave the batch)."""
+def run_scheduler(worker: Any, target: TokenPoolTarget, prompts: Sequence[Sequence[int]], max_new: int,
+                  chunked: bool = False) -> dict:
+    """Drive ``worker`` like SGLang's synchronous spec-v2 scheduler: prefill (in two chunks when
+    ``chunked``), then decode batches until every request has ``max_new`` tokens (finished
+    requests leave the batch)."""
     n = worker.width
     reqs = [Req(rid=f"r{i}", origin_input_ids_unpadded=list(p), output_ids=[], sampling_params=greedy_params(),
                 return_logprob=False, to_finish=None) for i, p in enumerate(prompts)]
@@ -151,13 +153,18 @@ def run_scheduler(worker: Any, target: TokenPoolTarget, prompts: Sequence[Sequen
     lens = [len(p) for p in prompts]
     for b, length in enumerate(lens):
         reserve(b, length)
-    batch = SimpleNamespace(
-        forward_mode=ForwardMode.EXTEND, reqs=reqs, input_ids=torch.tensor([t for p in prompts for t in p]),
-        out_cache_loc=torch.cat([target.req_to_token[b, :length] for b, length in enumerate(lens)]).long(),
-        seq_lens=torch.tensor(lens), seq_lens_cpu=torch.tensor(lens), prefix_lens=[0] * len(reqs), extend_lens=lens,
-        req_pool_indices=torch.arange(len(reqs)), req_to_token_pool=target.req_to_token_pool,
-    )  # fmt: skip
-    res = worker.forward_batch_generation(batch)
+    cuts = [[0, length // 2, length] if chunked else [0, length] for length in lens]
+    for c in range(len(cuts[0]) - 1):  # chunked prefill: SGLang drops the token sampled after a partial chunk
+        pre, ext = [cut[c] for cut in cuts], [cut[c + 1] - cut[c] for cut in cuts]
+        batch = SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND, reqs=reqs,
+            input_ids=torch.tensor([t for p, a, e in zip(prompts, pre, ext) for t in p[a: a + e]]),
+            out_cache_loc=torch.cat([target.req_to_token[b, a: a + e] for b, (a, e) in enumerate(zip(pre, ext))]).long(),
+            seq_lens=torch.tensor(pre) + torch.tensor(ext), seq_lens_cpu=torch.tensor(pre) + torch.tensor(ext),
+            prefix_lens=pre, extend_lens=ext, req_pool_indices=torch.arange(len(reqs)),
+            req_to_token_pool=target.req_to_token_pool,
+        )  # fmt: skip
+        res = worker.forward_batch_generation(batch)
     for req, tok in zip(reqs, res.next_token_ids.tolist()):
         req.output_ids.append(tok)
     seq = {b: lens[b] for b in range(len(reqs))}

@@ -17,7 +17,9 @@ Everything else (drafter, tree mode, tree options) is a JSON object of
 validated by the same parser as the vLLM adapter's options. :func:`resolve_server_args` fills the
 flags SGLang leaves unset for a plugin algorithm, then refuses (naming the flag) every setting
 tree verification would get wrong. Nothing here imports SGLang: the functions take any object
-with ``ServerArgs``' attribute names.
+with ``ServerArgs``' attribute names. Per request, :func:`request_sampling` maps SGLang's sampling
+parameters onto the core's and :func:`unsupported_request` names what tree verification cannot
+apply.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dyntree.common.config import SpecConfig
+from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.engine_options import OptionsError, parse_spec_options
 
-__all__ = ["ENV", "NAME", "OptionsError", "load_options", "resolve_server_args", "spec_from_server_args"]
+__all__ = ["ENV", "NAME", "OptionsError", "load_options", "resolve_server_args", "spec_from_server_args", "request_sampling",
+           "unsupported_request"]
 
 #: The algorithm name users pass to ``--speculative-algorithm``.
 NAME = "DYNTREE"
@@ -145,3 +148,25 @@ def resolve_server_args(sa: Any) -> SpecConfig:
     if problems:
         raise OptionsError("--speculative-algorithm DYNTREE cannot run with " + "; ".join(problems))
     return spec
+
+
+def request_sampling(p: Any) -> SamplingParams:
+    """SGLang's per-request ``SamplingParams`` -> the core's (greedy is SGLang's ``top_k == 1``)."""
+    if p.top_k == 1 or p.temperature == 0:
+        return SamplingParams()
+    top_k = 0 if p.top_k is None or p.top_k < 0 or p.top_k >= 1 << 30 else int(p.top_k)
+    return SamplingParams(temperature=float(p.temperature), top_k=top_k, top_p=float(p.top_p))
+
+
+def unsupported_request(req: Any) -> str | None:
+    """Why tree verification cannot serve this request exactly (``None``: it can)."""
+    p = req.sampling_params
+    checks = [
+        (p.frequency_penalty != 0.0, "frequency_penalty"), (p.presence_penalty != 0.0, "presence_penalty"),
+        (p.repetition_penalty != 1.0, "repetition_penalty"), (p.min_p > 0.0, "min_p"),
+        (bool(getattr(p, "logit_bias", None)), "logit_bias"),
+        (any(getattr(p, g, None) for g in ("json_schema", "regex", "ebnf", "structural_tag")), "structured output"),
+        (bool(getattr(req, "return_logprob", False)), "logprobs"),
+    ]  # fmt: skip
+    bad = [name for cond, name in checks if cond]
+    return f"{', '.join(bad)} not supported with tree speculation yet" if bad else None

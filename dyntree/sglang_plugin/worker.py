@@ -27,13 +27,12 @@ from typing import Any, Hashable
 
 import torch
 
-from dyntree.common.config import SamplingParams
 from dyntree.common.drafter import TargetInfo
 from dyntree.common.drafters import make_engine_drafter
 from dyntree.common.speculator import SpecRequest, Speculator
 from dyntree.kernels.dispatch import kv_compact_sglang
 from dyntree.sglang_plugin.layout import commit_arrays, verify_layout
-from dyntree.sglang_plugin.options import spec_from_server_args
+from dyntree.sglang_plugin.options import request_sampling, spec_from_server_args, unsupported_request
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
@@ -109,7 +108,7 @@ class DynTreeWorker(BaseSpecWorker):
 
     def _prefill(self, batch: Any, pp_proxy_tensors: Any) -> GenerationBatchResult:
         for req in batch.reqs:
-            problem = _unsupported(req)
+            problem = unsupported_request(req)
             if problem is not None:
                 req.to_finish = FINISH_ABORT(f"--speculative-algorithm DYNTREE: {problem}", HTTPStatus.BAD_REQUEST,
                                              "BadRequestError")
@@ -147,7 +146,7 @@ class DynTreeWorker(BaseSpecWorker):
             if len(tokens) != seq_len + 1:
                 raise RuntimeError(f"DYNTREE: request {req.rid} has {len(tokens)} tokens but {seq_len} in the KV cache "
                                    "(expected one more: the root)")
-            spec_reqs.append(SpecRequest(req.rid, tokens, _sampling(req), max_nodes=n - 1))
+            spec_reqs.append(SpecRequest(req.rid, tokens, request_sampling(req.sampling_params), max_nodes=n - 1))
         drafts = self.speculator.propose(spec_reqs, self.generator)
         layout = verify_layout(drafts, seq_lens, n, self.ablate)
         draft_token = layout.draft_token.to(dev)
@@ -189,29 +188,6 @@ class DynTreeWorker(BaseSpecWorker):
                                               accept_lens=accept_lens),
             speculative_num_draft_tokens=n,
         )  # fmt: skip
-
-
-def _sampling(req: Any) -> SamplingParams:
-    """SGLang's per-request sampling -> the core's (greedy is SGLang's ``top_k == 1``)."""
-    p = req.sampling_params
-    if p.top_k == 1 or p.temperature == 0:
-        return SamplingParams()
-    top_k = 0 if p.top_k is None or p.top_k < 0 or p.top_k >= 1 << 30 else int(p.top_k)
-    return SamplingParams(temperature=float(p.temperature), top_k=top_k, top_p=float(p.top_p))
-
-
-def _unsupported(req: Any) -> str | None:
-    """Why tree verification cannot serve this request exactly (``None``: it can)."""
-    p = req.sampling_params
-    checks = [
-        (p.frequency_penalty != 0.0, "frequency_penalty"), (p.presence_penalty != 0.0, "presence_penalty"),
-        (p.repetition_penalty != 1.0, "repetition_penalty"), (p.min_p > 0.0, "min_p"),
-        (bool(getattr(p, "logit_bias", None)), "logit_bias"),
-        (any(getattr(p, g, None) for g in ("json_schema", "regex", "ebnf", "structural_tag")), "structured output"),
-        (bool(getattr(req, "return_logprob", False)), "logprobs"),
-    ]  # fmt: skip
-    bad = [name for cond, name in checks if cond]
-    return f"{', '.join(bad)} not supported with tree speculation yet" if bad else None
 
 
 def _target_info(model: torch.nn.Module, server_args: Any, vocab: int) -> TargetInfo:
