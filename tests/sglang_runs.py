@@ -6,9 +6,12 @@ tokens as JSON. A separate process: SGLang's worker modules import only with the
     PYTHONPATH=tests/sglang_stub:tests python tests/sglang_runs.py CASES.json OUT.json
 
 CASES.json: ``{"prompts": [[ids...], ...], "max_new": 32, "runs": [{"name", "options", "flags",
-"ablate", "mask_mode", "chunked", "limit", "max_new"}]}``; ``options`` is the DYNTREE options
-file's object, ``flags`` SGLang's ``--speculative-*`` values (by field name); ``limit`` and
-``max_new`` run a run on the first prompts only, for fewer tokens.
+"ablate", "mask_mode", "chunked", "limit", "max_new", "copies", "sampling", "prompts", "pool_size"}]}``;
+``options`` is the DYNTREE options file's object, ``flags`` SGLang's ``--speculative-*`` values (by
+field name); ``limit`` and ``max_new`` run a run on the first prompts only, for fewer tokens;
+``copies`` repeats them (many samples of one prompt) and ``sampling`` sets the requests'
+temperature / top_p / top_k; ``prompts`` replaces the case's prompts. A sampled run's output has
+``next_token_logits``: the target's logits after its first prompt and that prompt's greedy token.
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ def plain_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new: int)
     return outs
 
 
+def next_token_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    """The target's logits after ``prompt`` + its greedy next token (a sampled first decode step's
+    distribution, before temperature and top-p)."""
+    with torch.inference_mode():
+        first = int(model(input_ids=torch.tensor([prompt])).logits[0, -1].argmax())
+        return model(input_ids=torch.tensor([prompt + [first]])).logits[0, -1].float()
+
+
 def main(cases_path: str, out_path: str) -> None:
     from sglang_standin import TokenPoolTarget, run_scheduler
 
@@ -62,16 +73,19 @@ def main(cases_path: str, out_path: str) -> None:
                  "speculative_draft_model_path": None, "speculative_draft_model_quantization": None}
         flags.update(run.get("flags", {}))
         server_args = SimpleNamespace(model_path=path, tokenizer_path=path, random_seed=0, **flags)
-        target = TokenPoolTarget(model, pool_size=6144, max_reqs=len(prompts))
+        some = run.get("prompts", prompts)[: run.get("limit", len(prompts))] * run.get("copies", 1)
+        target = TokenPoolTarget(model, pool_size=run.get("pool_size", 6144), max_reqs=len(some))
         worker = DynTreeWorker(server_args=server_args, gpu_id=0, nccl_port=0, target_worker=target)
         worker.alloc_memory_pool()
         worker.ablate = frozenset(run.get("ablate", []))
         if run.get("mask_mode"):
             worker.mask_mode = run["mask_mode"]
         t = time.time()
-        some = prompts[: run.get("limit", len(prompts))]
-        out = run_scheduler(worker, target, some, run.get("max_new", max_new), chunked=run.get("chunked", False))
+        out = run_scheduler(worker, target, some, run.get("max_new", max_new), chunked=run.get("chunked", False),
+                            sampling=run.get("sampling"))
         out.update(seconds=time.time() - t, drafter=worker.speculator.drafter.name, width=worker.width)
+        if run.get("sampling"):
+            out["next_token_logits"] = next_token_logits(model, some[0]).tolist()
         results[run["name"]] = out
         os.unlink(f.name)
     json.dump(results, open(out_path, "w"))

@@ -129,19 +129,21 @@ class Req(SimpleNamespace):
     """The fields of SGLang's ``Req`` the worker reads."""
 
 
-def greedy_params() -> SimpleNamespace:
-    return SimpleNamespace(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0, frequency_penalty=0.0,
-                           presence_penalty=0.0, repetition_penalty=1.0, logit_bias=None, json_schema=None,
-                           regex=None, ebnf=None, structural_tag=None)
+def greedy_params(**overrides: Any) -> SimpleNamespace:
+    """SGLang's per-request sampling fields as its ``SamplingParams`` normalises greedy (top_k 1)."""
+    return SimpleNamespace(**{**dict(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0, frequency_penalty=0.0,
+                                     presence_penalty=0.0, repetition_penalty=1.0, logit_bias=None, json_schema=None,
+                                     regex=None, ebnf=None, structural_tag=None), **overrides})
 
 
 def run_scheduler(worker: Any, target: TokenPoolTarget, prompts: Sequence[Sequence[int]], max_new: int,
-                  chunked: bool = False) -> dict:
+                  chunked: bool = False, sampling: dict | None = None) -> dict:
     """Drive ``worker`` like SGLang's synchronous spec-v2 scheduler: prefill (in two chunks when
     ``chunked``), then decode batches until every request has ``max_new`` tokens (finished
-    requests leave the batch)."""
+    requests leave the batch). ``sampling`` overrides the requests' greedy sampling fields (the
+    prefill's token stays the argmax)."""
     n = worker.width
-    reqs = [Req(rid=f"r{i}", origin_input_ids_unpadded=list(p), output_ids=[], sampling_params=greedy_params(),
+    reqs = [Req(rid=f"r{i}", origin_input_ids_unpadded=list(p), output_ids=[], sampling_params=greedy_params(**(sampling or {})),
                 return_logprob=False, to_finish=None) for i, p in enumerate(prompts)]
     assigned = [0] * len(reqs)
 

@@ -1,5 +1,6 @@
 """Test support shared by the test modules: tiny random Llamas with sharpened attention,
-Spec-Bench prompts, and scripted drafters that make tree shapes deterministic.
+Spec-Bench prompts, scripted drafters that make tree shapes deterministic, and the chi-square
+goodness-of-fit check of the sampling tests.
 
 (Kept out of conftest.py: ``tests/kernels`` has a conftest of its own, so ``from conftest import``
 would be ambiguous.)"""
@@ -7,6 +8,7 @@ would be ambiguous.)"""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -103,3 +105,22 @@ def synthetic_head_cache(path: Path, vocab: int, hidden_size: int, lens: Sequenc
     np.save(path / "offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
     (path / "meta.json").write_text(json.dumps({"hidden_size": hidden_size, "sequences": len(lens), "tokens": sum(lens)}))
     return HiddenCache(path)
+
+
+def chi2_pvalue_ok(counts: torch.Tensor, probs: torch.Tensor, alpha: float = 1e-3) -> tuple[bool, float, float]:
+    """Chi-square goodness of fit (bins with expected count < 5 pooled) against ``probs``.
+
+    Returns ``(passes, statistic, critical value)``; the critical value of chi2(df) at ``1 - alpha``
+    uses the Wilson-Hilferty approximation (z = 3.09 for alpha = 1e-3)."""
+    n = float(counts.sum())
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = torch.cat([counts.double()[big], counts.double()[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = obs.numel() - 1
+    z = {1e-3: 3.090}[alpha]
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < crit, stat, crit

@@ -18,8 +18,6 @@ Control: the draft's own first child fails the same test (the test has power).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -29,31 +27,13 @@ from dyntree.common.drafter import DraftRequest
 from dyntree.common.drafters import make_drafter
 from dyntree.common.sampling import process_logits, sample_verify
 from dyntree.standalone.engine import SpecEngine
+from spec_support import chi2_pvalue_ok
 
 pytestmark = pytest.mark.slow
 
 TEXT = "the cat sat on the mat. the dog ran to the park. the cat ran to the mat. the"
 TEMP, TOP_K = 0.8, 20
 SPEC = SpecConfig(drafter="ngram", max_nodes=4, max_depth=2, tree="dyntree")
-
-
-def chi2_pvalue_ok(counts: torch.Tensor, probs: torch.Tensor, alpha: float = 1e-3) -> tuple[bool, float, float]:
-    """Chi-square goodness of fit (bins with expected count < 5 pooled) against ``probs``.
-
-    Returns ``(passes, statistic, critical value)``; the critical value of chi2(df) at ``1 - alpha``
-    uses the Wilson-Hilferty approximation (z = 3.09 for alpha = 1e-3)."""
-    n = float(counts.sum())
-    expected = probs.double() * n
-    big = expected >= 5
-    obs = torch.cat([counts.double()[big], counts.double()[~big].sum().reshape(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    df = obs.numel() - 1
-    z = {1e-3: 3.090}[alpha]
-    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    return stat < crit, stat, crit
 
 
 @pytest.fixture(scope="module")

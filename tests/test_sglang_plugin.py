@@ -9,7 +9,8 @@
   synchronous scheduler against a stand-in target with SmolLM2's real weights over a token pool
   (``tests/sglang_standin.py``): greedy outputs identical to plain decoding on 8 Spec-Bench
   prompts x 32 tokens for n-gram and Hydra, FULL and QLEN mask layouts, chunked prefill; each
-  ablation (no tree mask, no depth positions, no KV move) diverges.
+  ablation (no tree mask, no depth positions, no KV move) diverges; sampled (temperature, top-p)
+  Hydra trees keep the target's distribution of a verified token (chi-square over 256 requests).
 
 SGLang's worker modules import only with a torchvision stub (``tests/sglang_stub``), so those
 runs happen in child processes. Without SGLang installed these tests skip, except under CI.
@@ -31,7 +32,7 @@ import pytest
 from dyntree.common.drafters.hydra import SHIPPED_HEADS
 from dyntree.sglang_plugin.options import (ENV, OptionsError, request_sampling, resolve_server_args, spec_from_server_args,
                                            unsupported_request)
-from spec_support import spec_bench
+from spec_support import chi2_pvalue_ok, spec_bench
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 needs_sglang = pytest.mark.skipif(not HAS_SGLANG and not os.environ.get("CI"), reason="SGLang is not installed")
@@ -243,6 +244,7 @@ exec {sys.executable} "$@"
 
 # -- the worker, against the stand-in target --------------------------------------------------------
 SLOTS = {"speculative_num_draft_tokens": 13, "speculative_num_steps": 6}
+TEMP, TOP_P = 0.8, 0.95
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +266,9 @@ def worker_runs(tmp_path_factory) -> dict:
         {"name": "hydra", "options": {"drafter": "hydra", "tree": "dyntree"}, "flags": SLOTS},
         {"name": "hydra_full_chunked", "options": {"drafter": "hydra"}, "mask_mode": "full", "chunked": True,
          "flags": {"speculative_num_draft_tokens": 9, "speculative_eagle_topk": 2}},
+        {"name": "sampled", "options": {"drafter": "hydra", "tree": "dyntree"}, "flags": SLOTS,
+         "prompts": [tok("The best programming language is")["input_ids"]], "copies": 256, "max_new": 2,
+         "sampling": {"temperature": TEMP, "top_k": 1 << 30, "top_p": TOP_P}, "pool_size": 12288},
         *[{"name": f"ablate_{a}", "options": {"drafter": "hydra"}, "ablate": [a], "flags": SLOTS, "limit": 4, "max_new": 16}
           for a in ("mask", "positions", "compaction")],
     ]  # fmt: skip
@@ -297,3 +302,24 @@ def test_each_worker_ablation_diverges(worker_runs, ablation) -> None:
     plain = [t[:16] for t in worker_runs["plain"]["tokens"][:4]]
     assert len(worker_runs[f"ablate_{ablation}"]["tokens"]) == 4
     assert worker_runs[f"ablate_{ablation}"]["tokens"] != plain
+
+
+@pytest.mark.slow
+def test_worker_sampling_keeps_the_target_distribution(worker_runs) -> None:
+    """256 copies of one prompt: token 0 is the prefill's argmax, token 1 comes out of the first
+    verified tree (drafts accepted or rejected by the speculator's lossless tree sampling), so
+    its distribution must be the target's after temperature and top-p, known exactly."""
+    import torch
+
+    from dyntree.common.sampling import process_logits
+
+    run = worker_runs["sampled"]
+    assert run["accepted"] > 0  # some verified drafts were accepted, some rejected
+    counts = torch.bincount(torch.tensor([t[1] for t in run["tokens"]]), minlength=49152).double()
+    logits = torch.tensor(run["next_token_logits"])[None]
+    p = process_logits(logits, TEMP, 0, TOP_P)[0]
+    assert float(p[counts > 0].min()) > 0, "sampled a token the target gives probability zero"
+    ok, stat, crit = chi2_pvalue_ok(counts, p)
+    assert ok, f"SGLang worker's sampled tokens differ from the target distribution: chi2 {stat:.1f} > {crit:.1f}"
+    wrong = process_logits(logits, 2 * TEMP, 0, TOP_P)[0]  # control: the test tells a wrong distribution
+    assert not chi2_pvalue_ok(counts, wrong)[0]
