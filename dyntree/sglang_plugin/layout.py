@@ -46,16 +46,18 @@ class VerifyLayout:
     retrieve_next_sibling: torch.Tensor  # [bs, N] int64: next sibling, -1 for none
     valid_rows: torch.Tensor  # [num_nodes] int64: flat slot of each DraftBatch node, in its order
 
-    def custom_mask(self, seq_lens: list[int], mode: MaskMode) -> torch.Tensor:
-        """The flat bool mask SGLang's attention backends read.
+    def custom_mask(self, seq_lens: list[int], mode: MaskMode, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The flat bool mask SGLang's attention backends read, on ``device`` (only the small tree
+        blocks are copied there; the prefix columns are made in place).
 
         ``full``: per request ``N`` rows of ``seq_len + N`` (prefix all True, then the tree block);
         ``qlen``: per request the ``N x N`` tree block only."""
+        tree = self.tree_mask.to(device)
         if mode == "qlen":
-            return self.tree_mask.flatten()
+            return tree.flatten()
         n = self.width
         return torch.cat([
-            torch.cat([torch.ones(n, s, dtype=torch.bool), self.tree_mask[b]], dim=1).flatten()
+            torch.cat([torch.ones(n, s, dtype=torch.bool, device=device), tree[b]], dim=1).flatten()
             for b, s in enumerate(seq_lens)
         ])  # fmt: skip
 

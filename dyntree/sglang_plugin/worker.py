@@ -79,8 +79,8 @@ class DynTreeWorker(BaseSpecWorker):
         return None  # no draft model: SGLang skips draft runners, weight-update fan-out, draft KV
 
     def alloc_memory_pool(self, **_: Any) -> None:
-        self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
-        pool = self.token_to_kv_pool_allocator.get_kvcache()
+        _, allocator = self._target_worker.get_memory_pool()
+        pool = allocator.get_kvcache()
         if not (hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer")):
             raise RuntimeError(f"--speculative-algorithm DYNTREE needs an MHA token pool (k_buffer/v_buffer); this model "
                                f"uses {type(pool).__name__} (MLA, hybrid and SWA models are not supported yet)")
@@ -157,7 +157,7 @@ class DynTreeWorker(BaseSpecWorker):
         req_to_token = batch.req_to_token_pool.req_to_token
         batch.out_cache_loc = req_to_token[batch.req_pool_indices[:, None], window].flatten().to(torch.int64)
         batch.spec_info = DynTreeVerifyInput(
-            draft_token=draft_token, custom_mask=layout.custom_mask(seq_lens, self.mask_mode).to(dev),
+            draft_token=draft_token, custom_mask=layout.custom_mask(seq_lens, self.mask_mode, dev),
             positions=layout.positions.to(dev), retrieve_index=layout.retrieve_index.to(dev),
             retrieve_next_token=layout.retrieve_next_token.to(dev),
             retrieve_next_sibling=layout.retrieve_next_sibling.to(dev), draft_token_num=n,
