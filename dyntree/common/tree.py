@@ -185,10 +185,14 @@ class TreeBatch:
     sizes: list[int]
 
     @classmethod
-    def from_trees(cls, trees: Sequence[DraftTree]) -> "TreeBatch":
+    def from_trees(cls, trees: Sequence[DraftTree], width: int | None = None) -> "TreeBatch":
+        """Pad ``trees`` to ``width`` nodes each (default: the widest tree)."""
         if not trees:
             raise TreeError("TreeBatch needs at least one tree")
-        width = max(t.size for t in trees)
+        widest = max(t.size for t in trees)
+        width = widest if width is None else width
+        if width < widest:
+            raise TreeError(f"a tree of {widest} nodes does not fit a width of {width}")
         b = len(trees)
         tokens = torch.zeros(b, width, dtype=torch.int64)
         parents = torch.full((b, width), -1, dtype=torch.int64)

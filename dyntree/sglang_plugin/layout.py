@@ -26,7 +26,7 @@ from typing import Iterable, Literal
 import torch
 
 from dyntree.common.speculator import AcceptResult
-from dyntree.common.tree import DraftBatch
+from dyntree.common.tree import DraftBatch, TreeBatch
 
 __all__ = ["VerifyLayout", "verify_layout", "commit_arrays", "MaskMode"]
 
@@ -66,22 +66,15 @@ def verify_layout(batch: DraftBatch, seq_lens: list[int], width: int, ablate: It
     """Pad ``batch``'s trees to ``width`` slots each (see the module docstring)."""
     ablate = frozenset(ablate)
     bs, n = batch.batch_size, width
-    sizes = batch.qo_indptr.diff()
-    if int(sizes.max()) > n:
-        raise ValueError(f"a tree of {int(sizes.max())} nodes does not fit {n} verify slots")
-    tokens = torch.zeros(bs, n, dtype=torch.int64)
-    depth = torch.zeros(bs, n, dtype=torch.int64)
-    mask = torch.eye(n, dtype=torch.bool).repeat(bs, 1, 1)
+    padded = TreeBatch.from_trees(batch.trees, width=n)
+    tokens, depth, mask = padded.tokens, padded.depths, padded.mask
     first_child = torch.full((bs, n), -1, dtype=torch.int64)
     next_sibling = torch.full((bs, n), -1, dtype=torch.int64)
-    for b, tree in enumerate(batch.trees):
-        k = tree.size
-        tokens[b, :k] = tree.tokens
-        tokens[b, k:] = tree.root
-        depth[b, :k] = tree.depths
-        mask[b, :k, :k] = tree.ancestor_mask()
+    for b, parents in enumerate(padded.parents.tolist()):  # children ascending per parent
         last_child: dict[int, int] = {}
-        for i, p in enumerate(tree.parents.tolist()[1:], start=1):  # children ascending per parent
+        for i, p in enumerate(parents[1:], start=1):
+            if p < 0:  # padding
+                continue
             if p in last_child:
                 next_sibling[b, last_child[p]] = i
             else:
@@ -93,12 +86,11 @@ def verify_layout(batch: DraftBatch, seq_lens: list[int], width: int, ablate: It
         depth = torch.arange(n).repeat(bs, 1)
     starts = torch.tensor(seq_lens, dtype=torch.int64)[:, None]
     slot = torch.arange(n)[None, :]
-    valid = slot < sizes[:, None]
     flat = torch.arange(bs)[:, None] * n + slot
     return VerifyLayout(
         width=n, draft_token=tokens.flatten(), positions=(starts + depth).flatten(), tree_mask=mask,
         retrieve_index=flat, retrieve_next_token=first_child, retrieve_next_sibling=next_sibling,
-        valid_rows=flat[valid],
+        valid_rows=flat[padded.valid],
     )  # fmt: skip
 
 
