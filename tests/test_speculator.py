@@ -206,3 +206,27 @@ def test_sampled_requests_verify_losslessly_on_the_first_token() -> None:
     p = torch.softmax(target, -1)[:5]
     chi2 = float(((counts[:5] - n * p) ** 2 / (n * p)).sum())
     assert chi2 < 18.5  # 4 degrees of freedom, p ~ 0.001
+
+
+def test_engine_timings_reach_the_controller() -> None:
+    """An engine that times whole forwards reports them with ``observe_forward``; time its trees
+    add outside the target forward (``accept(overhead_ms=...)``) is priced with the drafting."""
+    from dyntree.common.controller import CostModel
+
+    sp = Speculator(make_drafter("ngram"), SpecConfig(adaptive=True, max_nodes=4, max_depth=4), vocab_size=V,
+                    cost_model=CostModel({1: 10.0, 16: 20.0}, lr=1.0))
+    sp.observe_forward(4, 50.0)  # controller not built yet: ignored
+    sp.prepare()
+    assert sp.controller is not None
+    sp.observe_forward(16, 40.0)
+    assert sp.controller.cost(16) == pytest.approx(40.0)
+    tokens = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+    for _ in range(20):
+        batch = sp.propose([SpecRequest("a", tokens)])
+        if batch.num_drafts:
+            break
+    assert batch.num_drafts > 0
+    before = sp.controller.draft_cost(int(batch.depths.max()), batch.num_drafts)
+    res = sp.accept(batch, toy_logits(batch, {"a": tokens}), overhead_ms=500.0)
+    assert res.tokens[0]
+    assert sp.controller.draft_cost(int(batch.depths.max()), batch.num_drafts) > before + 100

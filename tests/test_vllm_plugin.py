@@ -32,7 +32,8 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM and not os.environ.get("CI"), reason="vLLM is not installed")
 GREEDY = {"temperature": 0.0, "max_tokens": 48}
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-SPEC = {"method": "dyntree", "num_speculative_tokens": 12, "max_depth": 6}
+# fixed trees: every step verifies one, so identity and the ablations are tested on every step
+SPEC = {"method": "dyntree", "num_speculative_tokens": 12, "max_depth": 6, "adaptive": False}
 # sampled run: copies of one prompt whose first token is nearly always " Paris", so the token after it
 # (out of the first verified tree) has one known distribution
 SAMPLED_PROMPT, SAMPLED_COPIES, TEMP, TOP_P = "The capital of France is", 128, 0.8, 0.95
@@ -41,11 +42,13 @@ SAMPLED_PROMPT, SAMPLED_COPIES, TEMP, TOP_P = "The capital of France is", 128, 0
 def test_options_name_the_field() -> None:
     spec = parse_options({"method": "dyntree", "drafter": "ngram", "num_speculative_tokens": 8, "tree": "dyntree"})
     assert spec.max_nodes == 8 and spec.tree == "dyntree" and spec.drafter == "ngram"
-    assert parse_options({"method": "dyntree"}).drafter == "auto"
+    default = parse_options({"method": "dyntree"})
+    assert default.drafter == "auto" and default.adaptive  # the controller is on unless turned off
+    assert not parse_options({"method": "dyntree", "adaptive": False}).adaptive
     for bad, field in [({"max_depth": "deep"}, "max_depth"), ({"tree": "bushy"}, "tree"), ({"bogus": 1}, "bogus"),
                        ({"drafter": "medusa"}, "drafter"), ({"num_speculative_tokens": 300}, "max_nodes"),
                        ({"max_nodes": 4, "num_speculative_tokens": 8}, "num_speculative_tokens"),
-                       ({"drafter": "qspec"}, "qspec"), ({"adaptive": True}, "adaptive"),
+                       ({"drafter": "qspec"}, "qspec"), ({"adaptive": "sometimes"}, "adaptive"),
                        ({"tree_options": {"threshold": 3}}, "threshold")]:
         with pytest.raises(OptionsError, match=field):
             parse_options({"method": "dyntree", **bad})
@@ -96,13 +99,13 @@ def runs(tmp_path_factory) -> dict:
            "speculative_config": {**SPEC, "drafter": "ngram"}} for a in ("mask", "positions", "compaction")],
         {"name": "plain_shared", "prompts": shared, "sampling": GREEDY, "llm": {"enable_prefix_caching": True}},
         {"name": "auto_shared", "prompts": shared + shared, "sampling": GREEDY, "llm": {"enable_prefix_caching": True},
-         "speculative_config": SPEC},
+         "speculative_config": {"method": "dyntree", "num_speculative_tokens": 12}},  # defaults: adaptive
         {"name": "ngram_preempt", "prompts": prompts, "sampling": GREEDY, "speculative_config": {**SPEC, "drafter": "ngram"},
          "llm": {"block_size": 32, "num_gpu_blocks_override": 34, "enable_prefix_caching": False}},
         {"name": "sampled", "prompts": mixed + [{"prompt_token_ids": tok(SAMPLED_PROMPT)["input_ids"]}] * SAMPLED_COPIES,
          "sampling": {"temperature": TEMP, "top_p": TOP_P, "max_tokens": 8, "seed": 1},
          "speculative_config": {"method": "dyntree", "num_speculative_tokens": 4, "max_depth": 2, "drafter": "hydra",
-                                "tree": "dyntree"}},
+                                "tree": "dyntree", "adaptive": False}},
     ]
     work = tmp_path_factory.mktemp("vllm")
     (work / "prompts.json").write_text(json.dumps(prompts))
@@ -137,7 +140,8 @@ def test_ablations_diverge(runs, ablation: str) -> None:
 @needs_vllm
 @pytest.mark.slow
 def test_prefix_caching_and_the_default_drafter(runs) -> None:
-    """Repeated prompts hit the prefix cache (no hidden states for cached tokens): still exact."""
+    """Repeated prompts hit the prefix cache (no hidden states for cached tokens): still exact, with
+    every default (drafter auto, adaptive controller timing vLLM's own forwards)."""
     want = runs["plain_shared"]["tokens"]
     assert runs["auto_shared"]["tokens"] == want + want
 

@@ -23,11 +23,14 @@ class OptionsError(ValueError):
     """Engine options that cannot work (the message names the field, flag or feature)."""
 
 
-def parse_spec_options(options: Mapping[str, Any], where: str, engine: str) -> SpecConfig:
+def parse_spec_options(options: Mapping[str, Any], where: str, engine: str, *, adaptive: bool = False) -> SpecConfig:
     """Validate ``options`` (SpecConfig fields; ``-`` and ``_`` alike) for an engine adapter.
 
     ``where`` prefixes every message (``speculative_config``, the options file, ...); ``engine``
-    names the adapter in refusals of what it does not run yet."""
+    names the adapter in refusals of what it does not run yet. ``adaptive``: the engine runs the
+    adaptive controller, and it is on unless the options turn it off; otherwise it is refused."""
+    if adaptive:
+        options = {"adaptive": True, **options}
     opts = {k.replace("-", "_"): v for k, v in options.items()}
     auto = opts.get("drafter", "auto") == "auto"
     if auto:
@@ -40,7 +43,7 @@ def parse_spec_options(options: Mapping[str, Any], where: str, engine: str) -> S
         check_drafter_spec(spec.drafter)
     except ValueError as exc:
         raise OptionsError(f"{where}.drafter: {exc}") from None
-    if spec.adaptive:
+    if spec.adaptive and not adaptive:
         raise OptionsError(f"{where}.adaptive: the adaptive controller is not wired into the {engine} adapter yet; "
                            "leave adaptive false")
     if spec.drafter.partition(":")[0].strip().lower() == "qspec":

@@ -178,6 +178,7 @@ class Speculator:
         self.stats = SpecStats()
         self._tokens: dict[Hashable, Sequence[int]] = {}
         self._params: dict[Hashable, SamplingParams] = {}
+        self._draft_ms: tuple[int, int, float] | None = None  # the last propose: (depth, nodes, ms)
 
     @property
     def needs_hidden(self) -> bool:
@@ -241,8 +242,7 @@ class Speculator:
         for r in requests:
             self._tokens[r.request_id], self._params[r.request_id] = r.token_ids, r.params
         draft_ms = (time.perf_counter() - t0) * 1e3
-        if self.controller is not None:
-            self.controller.observe_draft(int(batch.depths.max()), batch.num_drafts, draft_ms)
+        self._draft_ms = (int(batch.depths.max()), batch.num_drafts, draft_ms)  # priced at accept
         self.stats.draft_s += draft_ms / 1e3
         self.stats.expand_s += expand_s
         return batch
@@ -253,6 +253,7 @@ class Speculator:
         target: torch.Tensor,
         generator: torch.Generator | None = None,
         forward_ms: float | None = None,
+        overhead_ms: float = 0.0,
     ) -> AcceptResult:
         """Verify ``batch`` against the target and learn from the outcome.
 
@@ -262,6 +263,9 @@ class Speculator:
                 after it), or ``[N]`` target argmax (greedy requests only).
             generator: random source of sampled requests (CPU).
             forward_ms: the engine's measured verify forward (refines the controller's cost model).
+            overhead_ms: time the trees cost the engine outside the target's own forward (e.g. a
+                tree-attention pass beside the engine's kernel); the controller prices it with
+                the drafting time, as a cost of speculating at all.
         """
         t0 = time.perf_counter()
         n = batch.num_nodes
@@ -289,9 +293,17 @@ class Speculator:
             length[b] = len(res.accepted_nodes)
             tokens.append(res.tokens)
         result = AcceptResult(list(batch.request_ids), index, length, tokens)
-        self._learn(batch, result, forward_ms)
+        self._learn(batch, result, forward_ms, overhead_ms)
         self.stats.accept_s += time.perf_counter() - t0
         return result
+
+    def observe_forward(self, n_query_tokens: int, ms: float) -> None:
+        """A measured target forward the engine did not report to :meth:`accept`: a plain decoding
+        step, or a verify whose batch also held rows outside the trees (``n_query_tokens`` counts
+        every query token of the forward). Refines the adaptive controller's cost model; an
+        engine reports each forward either here or through ``accept(forward_ms=...)``, not both."""
+        if self.controller is not None and n_query_tokens > 0 and ms > 0:
+            self.controller.observe_step(n_query_tokens, ms)
 
     def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         """The target's last-layer hidden states ``[n, d]`` (the LM-head input) of the request's
@@ -345,9 +357,13 @@ class Speculator:
         )  # fmt: skip
         return list(built), spent
 
-    def _learn(self, batch: DraftBatch, result: AcceptResult, forward_ms: float | None) -> None:
+    def _learn(self, batch: DraftBatch, result: AcceptResult, forward_ms: float | None, overhead_ms: float) -> None:
         """Feed the outcome to the drafter, the builder's calibration, the controller and the stats."""
         st = self.stats
+        if self.controller is not None and self._draft_ms is not None:
+            depth, nodes, draft_ms = self._draft_ms
+            self.controller.observe_draft(depth, nodes, draft_ms + overhead_ms)
+        self._draft_ms = None
         st.steps += 1
         for b, (rid, tree) in enumerate(zip(batch.request_ids, batch.trees)):
             nodes = result.accepted(b)

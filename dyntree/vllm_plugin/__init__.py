@@ -101,6 +101,7 @@ def _refuse(args: Any, model_config: Any, parallel_config: Any, drafter: str) ->
 
 
 def _install_worker_side() -> None:
+    from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -108,3 +109,9 @@ def _install_worker_side() -> None:
 
     install(GPUModelRunner)
     register_backend(AttentionBackendEnum.CPU_ATTN, "dyntree.vllm_plugin.attention.TreeCPUAttentionBackend")
+    # an engine built earlier in this process cached the plain backend class: forget it
+    cached = getattr(selector, "_cached_get_attn_backend", None)
+    if not hasattr(cached, "cache_clear"):
+        raise RuntimeError("dyntree: vLLM's attention selector cache (_cached_get_attn_backend) is gone; "
+                           "this vLLM is not supported")
+    cached.cache_clear()

@@ -1,23 +1,67 @@
 """Tree attention for vLLM's CPU backend, registered over ``CPU_ATTN`` through vLLM's backend registry.
 
 vLLM's native CPU kernel runs first (every request, causal); then the rows of this step's tree
-requests are recomputed in torch: each node attends to its request's whole committed prefix and
-to its own ancestors (the :class:`~dyntree.vllm_plugin.runner.TreeStep` masks), reading the paged
-cache through :class:`~dyntree.vllm_plugin.kv_layout.PagedKV` (the tree tokens' own K/V were
-written to their linear slots before the kernel ran). fp32 and bf16 caches, any CPU ISA layout.
+requests are recomputed: each node attends to its request's whole committed prefix and to its own
+ancestors (the :class:`~dyntree.vllm_plugin.runner.TreeStep` masks), reading the paged cache
+through :class:`~dyntree.vllm_plugin.kv_layout.KVLayout` (the tree tokens' own K/V were written to
+their linear slots before the kernel ran). The gather indices, query rows and padded masks are
+planned once per step on the host (:func:`plan_tree_attention`); each layer then runs one gather
+and one batched ``scaled_dot_product_attention`` over all tree requests. The time this adds to the
+forward is summed in the step (``derived["tree_ms"]``) for the adaptive controller. fp32 and bf16
+caches, any CPU ISA layout.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from dyntree.vllm_plugin.kv_layout import PagedKV
-from dyntree.vllm_plugin.runner import current_step
+from dyntree.vllm_plugin.kv_layout import KVLayout
+from dyntree.vllm_plugin.runner import TreeStep, current_step
 
-__all__ = ["TreeCPUAttentionBackend", "TreeCPUAttentionImpl"]
+__all__ = ["TreeAttentionPlan", "plan_tree_attention", "TreeCPUAttentionBackend", "TreeCPUAttentionImpl"]
+
+
+@dataclass(frozen=True)
+class TreeAttentionPlan:
+    """One step's tree attention, padded over its ``B`` tree requests (same for every layer)."""
+
+    key_index: torch.Tensor  # [B * L * Hkv * D] linear cache indices (padding: 0, masked out)
+    value_index: torch.Tensor
+    rows: torch.Tensor  # [R] query rows of the tree nodes
+    slots: torch.Tensor  # [R] their places in the padded [B * T] query
+    bias: torch.Tensor  # [B, 1, T, L] additive mask: 0 where a (padded) node may attend, -inf elsewhere
+    shape: tuple[int, int, int]  # (B, T, L)
+
+
+def plan_tree_attention(step: TreeStep, layout: KVLayout, block_table: torch.Tensor,
+                        dtype: torch.dtype) -> TreeAttentionPlan:
+    """Gather indices, query rows and masks (``dtype``) of ``step``'s trees over ``layout`` (host only)."""
+    b = len(step.rows)
+    t = max(m.shape[0] for m in step.masks)
+    length = max(m.shape[1] for m in step.masks)
+    width = layout.key_offsets.shape[1]
+    keys = torch.zeros(b, length, width, dtype=torch.int64)
+    values = torch.zeros(b, length, width, dtype=torch.int64)
+    mask = torch.zeros(b, 1, t, length, dtype=torch.bool)
+    mask[:, :, :, 0] = True  # padded query rows see one slot (no NaN); their output is dropped
+    rows, slots = [], []
+    for i, (row, start, m) in enumerate(zip(step.rows, step.starts, step.masks)):
+        n, ln = m.shape
+        k, v = layout.index(block_table[row].cpu(), torch.arange(ln))
+        keys[i, :ln], values[i, :ln] = k, v
+        mask[i, 0, :n] = False
+        mask[i, 0, :n, :ln] = m
+        rows.append(torch.arange(start, start + n))
+        slots.append(torch.arange(i * t, i * t + n))
+    bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    return TreeAttentionPlan(keys.reshape(-1), values.reshape(-1), torch.cat(rows), torch.cat(slots), bias,
+                             (b, t, length))
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -32,18 +76,25 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if self.logits_soft_cap or self.sinks is not None or self.alibi_slopes is not None or self.sliding_window != -1:
             raise RuntimeError("dyntree tree attention does not support logit soft-capping, attention sinks, ALiBi "
                                "or sliding windows (this model uses one); drop method 'dyntree'")
-        paged = PagedKV.of(kv_cache, layer.isa)
-        group = self.num_heads // self.num_kv_heads
-        for b, (row, start, mask) in enumerate(zip(step.rows, step.starts, step.masks)):
-            t, length = mask.shape
-            keys, values = paged.gather(attn_metadata.block_table[row], torch.arange(length))
-            q = query[start : start + t].float().transpose(0, 1)  # [Hq, T, D]
-            k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
-            v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
-            scores = (q @ k.transpose(1, 2)) * self.scale
-            scores.masked_fill_(~mask, float("-inf"))
-            rows = torch.softmax(scores, dim=-1) @ v  # [Hq, T, D]
-            out[start : start + t] = rows.transpose(0, 1).reshape(out[start : start + t].shape).to(out.dtype)
+        started = time.perf_counter()
+        layout = KVLayout.of(kv_cache, layer.isa)
+        plan = step.derived.get(("attention", id(layout)))
+        if plan is None:
+            plan = plan_tree_attention(step, layout, attn_metadata.block_table, query.dtype)
+            step.derived[("attention", id(layout))] = plan
+        b, t, length = plan.shape
+        flat = kv_cache.view(-1)
+        hkv, d = layout.num_kv_heads, layout.head_size
+        k = flat.index_select(0, plan.key_index).view(b, length, hkv, d).transpose(1, 2)
+        v = flat.index_select(0, plan.value_index).view(b, length, hkv, d).transpose(1, 2)
+        q = query.new_zeros(b * t, *query.shape[1:])
+        q[plan.slots] = query[plan.rows]
+        q = q.view(b, t, self.num_heads, d).transpose(1, 2).to(k.dtype)
+        res = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.bias, scale=self.scale,
+                                             enable_gqa=self.num_heads != hkv)  # [B, Hq, T, D]
+        res = res.transpose(1, 2).reshape(b * t, -1)[plan.slots]
+        out[plan.rows] = res.reshape(out[plan.rows].shape).to(out.dtype)
+        step.derived["tree_ms"] = step.derived.get("tree_ms", 0.0) + (time.perf_counter() - started) * 1e3
         return out
 
 

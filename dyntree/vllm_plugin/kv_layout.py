@@ -4,9 +4,9 @@ vLLM's CPU attention stores each block's keys and values in an ISA-specific orde
 transposed per block; ``amx``: packed for the tile unit). Rather than hard-code those orders, the
 plugin *probes* them once: it writes known values with vLLM's own
 ``cpu_attn_reshape_and_cache`` into a one-block scratch cache and records where every
-``(offset, kv_head, dim)`` element landed. The result is a permutation; :class:`PagedKV` uses it
-to gather a request's keys/values for tree attention and to move the accepted path's entries
-(KV compaction). A layout that is not a permutation (a quantized cache) is refused.
+``(offset, kv_head, dim)`` element landed. The result is a permutation; :class:`KVLayout` turns
+it into linear indices that gather a request's keys/values for tree attention and move the
+accepted path's entries (KV compaction). A layout that is not a permutation (a quantized cache) is refused.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["LayoutError", "block_permutation", "PagedKV"]
+__all__ = ["LayoutError", "block_permutation", "KVLayout"]
 
 
 class LayoutError(RuntimeError):
@@ -57,48 +57,43 @@ def block_permutation(isa: str, dtype: torch.dtype, block_size: int, num_kv_head
     return maps[0], maps[1]
 
 
-@dataclass
-class PagedKV:
-    """One layer's CPU KV cache ``[num_blocks, Hkv, block_size, 2 * D]`` and its block maps."""
+@dataclass(frozen=True)
+class KVLayout:
+    """Where each logical position's keys and values sit in one layer's flattened CPU cache
+    ``[num_blocks, Hkv, block_size, 2 * D]`` (every layer of a model shares it). Indices are
+    computed once per step on the host and reused by every layer (FlashInfer style)."""
 
-    cache: torch.Tensor
-    key_map: torch.Tensor
-    value_map: torch.Tensor
+    key_offsets: torch.Tensor  # [block_size, Hkv * D]: linear offsets inside one block
+    value_offsets: torch.Tensor
+    block_stride: int  # elements per block
+    num_kv_heads: int
+    head_size: int
 
     @classmethod
-    def of(cls, kv_cache: torch.Tensor, isa: str) -> "PagedKV":
+    def of(cls, kv_cache: torch.Tensor, isa: str) -> "KVLayout":
         if kv_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise LayoutError(f"dyntree tree verification needs an unquantized KV cache, got {kv_cache.dtype}")
-        _, hkv, block, two_d = kv_cache.shape
-        key_map, value_map = block_permutation(isa, kv_cache.dtype, block, hkv, two_d // 2)
-        return cls(kv_cache, key_map, value_map)
+        if not kv_cache.is_contiguous():
+            raise LayoutError("dyntree tree verification needs each layer's CPU KV cache contiguous")
+        return _layout(isa, kv_cache.dtype, tuple(kv_cache.shape))
 
-    @property
-    def block_size(self) -> int:
-        return self.cache.shape[2]
-
-    def _index(self, block_row: torch.Tensor, positions: torch.Tensor, values: bool) -> tuple[torch.Tensor, ...]:
-        """Advanced indices into the ``[num_blocks, Hkv, 2, block * D]`` view of the cache."""
-        nb, hkv, block, two_d = self.cache.shape
+    def index(self, block_row: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Linear indices ``[len(positions), Hkv * D]`` of the keys and of the values of a
+        request's logical positions, into ``cache.view(-1)``."""
+        block = self.key_offsets.shape[0]
         pos = positions.long()
-        offs = pos % block
-        flat = (self.value_map if values else self.key_map)[offs]  # [n, Hkv * D] within [Hkv, block * D]
-        return block_row[pos // block].long()[:, None], flat // (block * two_d // 2), int(values), flat % (block * two_d // 2)
+        base = (block_row[pos // block].long() * self.block_stride)[:, None]
+        return base + self.key_offsets[pos % block], base + self.value_offsets[pos % block]
 
-    def _view(self) -> torch.Tensor:
-        nb, hkv, block, two_d = self.cache.shape
-        return self.cache.view(nb, hkv, 2, block * two_d // 2)
 
-    def gather(self, block_row: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[len(positions), Hkv, D]`` of a request's logical positions."""
-        kv, hkv, d = self._view(), self.cache.shape[1], self.cache.shape[3] // 2
-        keys = kv[self._index(block_row, positions, False)].reshape(-1, hkv, d)
-        values = kv[self._index(block_row, positions, True)].reshape(-1, hkv, d)
-        return keys, values
+@lru_cache(maxsize=None)
+def _layout(isa: str, dtype: torch.dtype, shape: tuple[int, ...]) -> KVLayout:
+    _, hkv, block, two_d = shape
+    d = two_d // 2
+    key_map, value_map = block_permutation(isa, dtype, block, hkv, d)
+    area = block * d  # the [Hkv, 2, block * D] view of a block: head-major, keys then values
 
-    def move(self, block_row: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy positions ``src`` to ``dst`` (all sources read before any write)."""
-        keys, values = self.gather(block_row, src)
-        kv = self._view()
-        kv[self._index(block_row, dst, False)] = keys.reshape(len(dst), -1)
-        kv[self._index(block_row, dst, True)] = values.reshape(len(dst), -1)
+    def linear(where: torch.Tensor, values: int) -> torch.Tensor:
+        return (where // area) * (2 * area) + values * area + where % area
+
+    return KVLayout(linear(key_map, 0), linear(value_map, 1), hkv * block * two_d, hkv, d)

@@ -3,7 +3,8 @@
 The options are the project's own :class:`~dyntree.common.config.SpecConfig` fields (``drafter``,
 ``tree``, ``max_nodes``, ``max_depth``, ``tree_options``, ...), validated by the shared
 :func:`~dyntree.common.engine_options.parse_spec_options`, plus vLLM's ``method`` and
-``num_speculative_tokens`` (an alias of ``max_nodes``). A wrong option fails with pydantic's
+``num_speculative_tokens`` (an alias of ``max_nodes``). The adaptive controller is on unless
+``"adaptive": false``. A wrong option fails with pydantic's
 message naming the field, before any model loads.
 """
 
@@ -31,7 +32,7 @@ def parse_options(config: Mapping[str, Any]) -> SpecConfig:
                 "(num_speculative_tokens is the node budget; give one of them)"
             )
         opts["max_nodes"] = n
-    spec = parse_spec_options(opts, "speculative_config", "vLLM")
+    spec = parse_spec_options(opts, "speculative_config", "vLLM", adaptive=True)
     if spec.max_nodes < 1 or spec.max_nodes > 128:
         raise OptionsError(f"speculative_config.max_nodes={spec.max_nodes}: vLLM verifies 1..128 draft tokens per step")
     return spec

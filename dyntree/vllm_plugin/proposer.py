@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
+from dyntree.common.controller import CostModel
 from dyntree.common.drafter import TargetInfo
 from dyntree.common.drafters import make_engine_drafter
 from dyntree.common.hydra import tokenizer_sha256
@@ -24,21 +25,12 @@ from dyntree.common.speculator import SpecRequest, Speculator
 from dyntree.common.tree import DraftTree
 from dyntree.vllm_plugin.options import ENV
 
-__all__ = ["DynTreeProposer", "active_proposer"]
-
-_ACTIVE: "DynTreeProposer | None" = None
-
-
-def active_proposer() -> "DynTreeProposer | None":
-    """This worker's proposer (``None`` until vLLM builds one)."""
-    return _ACTIVE
-
+__all__ = ["DynTreeProposer"]
 
 class DynTreeProposer:
     """Drafts trees for vLLM's V1 runner through the speculator (see the module docstring)."""
 
     def __init__(self, vllm_config: Any) -> None:
-        global _ACTIVE
         raw = os.environ.get(ENV)
         if raw is None:
             raise RuntimeError(f"dyntree proposer built without {ENV}: use speculative_config={{'method': 'dyntree'}}")
@@ -51,7 +43,7 @@ class DynTreeProposer:
         self.trees: dict[Hashable, DraftTree] = {}  # this step's proposals, by request id
         self.req_ids: list[str] = []  # batch order of the next propose call (set by the runner patch)
         self.params: dict[Hashable, SamplingParams | None] = {}  # None: the request must not speculate
-        _ACTIVE = self
+        self.runner: Any = None  # the model runner, set by the runner patch before the first step
 
     # -- vLLM's custom_class contract -------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -60,7 +52,20 @@ class DynTreeProposer:
         vocab = int(model_config.get_vocab_size())
         drafter, self.drafter_spec = make_engine_drafter(
             self.drafter_spec, lambda: _target_info(target_model, self.vllm_config, vocab))
-        self.speculator = Speculator(drafter, self.spec.model_copy(update={"drafter": self.drafter_spec}), vocab_size=vocab)
+        self.speculator = Speculator(drafter, self.spec.model_copy(update={"drafter": self.drafter_spec}), vocab_size=vocab,
+                                     cost_model=self._measure_cost if self.spec.adaptive else None)
+
+    def _measure_cost(self) -> CostModel:
+        """The adaptive controller's starting cost model: vLLM's own dummy forwards (attention
+        included) of 1, 2, 4, ... query tokens, timed once the KV cache exists (first step)."""
+        runner = self.runner
+        if runner is None:
+            raise RuntimeError("dyntree: the adaptive controller needs the model runner; the runner patch did not run")
+        limit = min(int(runner.max_num_tokens), self.spec.controller.max_batch_tokens,
+                    int(self.vllm_config.scheduler_config.max_num_seqs) * (1 + self.spec.max_nodes))
+        sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= limit]
+        return CostModel.measure(lambda n: runner._dummy_run(n, force_attention=True), sizes, repeats=2,
+                                 lr=self.spec.controller.cost_lr)
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None, **_: Any) -> list[list[int]]:

@@ -25,7 +25,8 @@ piece off: a test control whose outputs must then differ from plain decoding.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 import torch
@@ -33,8 +34,8 @@ import torch
 from dyntree.common.config import SamplingParams
 from dyntree.common.speculator import AcceptResult
 from dyntree.common.tree import DraftBatch
-from dyntree.vllm_plugin.kv_layout import PagedKV
-from dyntree.vllm_plugin.proposer import DynTreeProposer, active_proposer
+from dyntree.vllm_plugin.kv_layout import KVLayout
+from dyntree.vllm_plugin.proposer import DynTreeProposer
 
 __all__ = ["TreeStep", "current_step", "ablations", "install"]
 
@@ -60,6 +61,13 @@ class TreeStep:
     prefix: list[int]  # committed tokens before each root (its KV is cached)
     masks: list[torch.Tensor]  # [T, prefix + T] bool: what each node may attend to
     accept: AcceptResult | None = None
+    derived: dict[Any, Any] = field(default_factory=dict)  # per-step host plans (attention indices), by key
+
+
+def _proposer(runner: Any) -> DynTreeProposer | None:
+    """The runner's dyntree drafter (``None`` for a runner without one: another engine in this process)."""
+    drafter = getattr(runner, "drafter", None)
+    return drafter if isinstance(drafter, DynTreeProposer) else None
 
 
 def plan_step(runner: Any, scheduler_output: Any, num_scheduled: Any, proposer: DynTreeProposer) -> TreeStep | None:
@@ -97,7 +105,10 @@ def _prepare_inputs(orig: Any) -> Any:
     def wrapper(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
         global _STEP
         _STEP = None
-        proposer = active_proposer()
+        proposer = _proposer(self)
+        if proposer is not None and proposer.speculator is not None and proposer.runner is None:
+            proposer.runner = self
+            proposer.speculator.prepare()  # adaptive: time the cost model's forwards (the KV cache exists now)
         out = orig(self, scheduler_output, num_scheduled_tokens)
         if proposer is None or proposer.speculator is None:
             return out
@@ -114,6 +125,11 @@ def _prepare_inputs(orig: Any) -> Any:
             rows = torch.cat([torch.arange(s, s + t.size) for s, t in zip(step.starts, step.batch.trees)])
             self.positions[rows.to(self.positions.device)] = step.batch.positions(step.prefix).to(self.positions)
         _STEP = step
+        # a forward of decoding rows only (no prefill chunk) refines the controller's cost model
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        decoding = all(int(num_scheduled_tokens[i]) == 1 + len(drafts.get(rid, ()))
+                       for i, rid in enumerate(self.input_batch.req_ids[:num_reqs]))
+        self._dyntree_forward = (time.perf_counter(), int(num_scheduled_tokens[:num_reqs].sum()) if decoding else 0)
         return out
 
     return wrapper
@@ -121,14 +137,20 @@ def _prepare_inputs(orig: Any) -> Any:
 
 def _sample(orig: Any) -> Any:
     def wrapper(self: Any, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
+        step, proposer = _STEP, _proposer(self)
+        started, tokens = getattr(self, "_dyntree_forward", (0.0, 0))
+        tree_ms = step.derived.get("tree_ms", 0.0) if step is not None else 0.0
+        if proposer is not None and proposer.speculator is not None and tokens:
+            # the target's own forward; the tree-attention pass is priced as a cost of speculating
+            proposer.speculator.observe_forward(tokens, (time.perf_counter() - started) * 1e3 - tree_ms)
         out = orig(self, logits, spec_decode_metadata)
-        step, proposer = _STEP, active_proposer()
         if step is None or spec_decode_metadata is None or logits is None or proposer is None:
             return out
         assert proposer.speculator is not None
         ends = spec_decode_metadata.cu_num_sampled_tokens.tolist()
         flat = torch.cat([torch.arange(ends[i] - t.size, ends[i]) for i, t in zip(step.rows, step.batch.trees)])
-        step.accept = res = proposer.speculator.accept(step.batch, logits[flat.to(logits.device)], proposer.generator)
+        step.accept = res = proposer.speculator.accept(step.batch, logits[flat.to(logits.device)], proposer.generator,
+                                                       overhead_ms=tree_ms)
         sampled = out.sampled_token_ids
         for b, i in enumerate(step.rows):
             sampled[i].fill_(-1)
@@ -141,8 +163,14 @@ def _sample(orig: Any) -> Any:
 
 
 def _compact(runner: Any, step: TreeStep, res: AcceptResult) -> None:
-    """Move each request's accepted nodes to the positions right after its prefix, every layer."""
+    """Move each request's accepted nodes to the positions right after its prefix, every layer
+    (indices computed once per cache layout, then one gather and one scatter per layer)."""
     block_tables = runner.input_batch.block_table[0].block_table.cpu
+    moves = [(i, step.prefix[b], torch.tensor(res.accepted(b))) for b, i in enumerate(step.rows)]
+    moves = [(i, base, nodes) for i, base, nodes in moves if not torch.equal(nodes, torch.arange(len(nodes)))]
+    if not moves:
+        return
+    plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for layer in runner.compilation_config.static_forward_context.values():
         isa = getattr(layer, "isa", None)
         kv = getattr(layer, "kv_cache", None)
@@ -150,19 +178,22 @@ def _compact(runner: Any, step: TreeStep, res: AcceptResult) -> None:
             kv = kv[0] if kv else None
         if isa is None or not isinstance(kv, torch.Tensor) or kv.numel() == 0:
             continue
-        paged = PagedKV.of(kv, isa)
-        for b, i in enumerate(step.rows):
-            n = int(res.accept_len[b])
-            nodes = torch.tensor(res.accepted(b))
-            if n > 1 and not torch.equal(nodes, torch.arange(n)):
-                base = step.prefix[b]
-                paged.move(block_tables[i], base + nodes, base + torch.arange(n))
+        layout = KVLayout.of(kv, isa)
+        if id(layout) not in plans:
+            src, dst = [], []
+            for i, base, nodes in moves:
+                src.extend(layout.index(block_tables[i], base + nodes))
+                dst.extend(layout.index(block_tables[i], base + torch.arange(len(nodes))))
+            plans[id(layout)] = (torch.cat(src).reshape(-1), torch.cat(dst).reshape(-1))
+        src_index, dst_index = plans[id(layout)]
+        flat = kv.view(-1)
+        flat[dst_index] = flat[src_index]  # every source is read before any write
 
 
 def _propose_draft_token_ids(orig: Any) -> Any:
     def wrapper(self: Any, scheduler_output: Any, sampled_token_ids: Any, sampling_metadata: Any,
                 hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        proposer = active_proposer()
+        proposer = _proposer(self)
         if proposer is not None and proposer.speculator is not None:
             num_reqs = self.input_batch.num_reqs
             proposer.req_ids = list(self.input_batch.req_ids[:num_reqs])
