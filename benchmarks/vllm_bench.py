@@ -1,12 +1,16 @@
 """vLLM with and without speculation, side by side in one run: no speculation, vLLM's own ``ngram``,
 and ``dyntree`` with each drafter (SmolLM2, Spec-Bench prompts across categories, chat template).
 
-    python benchmarks/vllm_bench.py --out benchmarks/results/vllm_bench_cpu.json [--dtype bfloat16]
+    python benchmarks/vllm_bench.py --out benchmarks/results/vllm_bench_cpu.json [--dtype auto]
 
 Per config and batch size: tokens/s (generated tokens over the wall time of ``LLM.generate`` for
 each batch, prompts in order), tau (1 + accepted draft tokens per drafting step, from vLLM's
-spec-decode counters), and whether the outputs equal the run without speculation. Each config
-runs in this process one after another; vLLM's start-up is not timed.
+spec-decode counters: over the steps that drafted), how many request-steps drafted, and whether
+the outputs equal the run without speculation. ``dyntree_*`` configs run the defaults (adaptive
+controller on); ``*_fixed`` pin every step to the full tree. Each config runs in this process one
+after another; vLLM's start-up and one warm-up pass (all prompts, 16 tokens, largest batch: the
+controller's cost model is timed there) are not timed. ``--dtype auto``: bf16 on a CPU with native
+bf16, else fp32 (as ``dyntree generate`` picks).
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ CONFIGS = {
     "vllm_ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
     "dyntree_ngram": {"method": "dyntree", "drafter": "ngram", "num_speculative_tokens": 16, "max_depth": 6},
     "dyntree_hydra": {"method": "dyntree", "drafter": "hydra", "num_speculative_tokens": 16, "max_depth": 4},
+    "dyntree_ngram_fixed": {"method": "dyntree", "drafter": "ngram", "num_speculative_tokens": 16, "max_depth": 6,
+                            "adaptive": False},
+    "dyntree_hydra_fixed": {"method": "dyntree", "drafter": "hydra", "num_speculative_tokens": 16, "max_depth": 4,
+                            "adaptive": False},
 }
 
 
@@ -39,7 +47,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     args = ap.parse_args()
@@ -49,8 +57,10 @@ def main() -> int:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from dyntree.models import model_path
+    from dyntree.models import model_path, pick_dtype
 
+    if args.dtype == "auto":
+        args.dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[pick_dtype("auto", torch.device("cpu"))[0]]
     path = str(model_path("smollm2"))
     tok = AutoTokenizer.from_pretrained(path)
     rows = [json.loads(line) for line in SPEC_BENCH.open()]
@@ -67,7 +77,7 @@ def main() -> int:
     for name in args.configs.split(","):
         llm = LLM(model=path, dtype=args.dtype, max_model_len=2048, seed=0, enforce_eager=True,
                   disable_log_stats=False, speculative_config=CONFIGS[name])
-        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+        llm.generate(prompts[: max(sizes)], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # warm-up
         runs = {}
         for b in sizes:
             before = _counters(llm)

@@ -17,7 +17,7 @@ The registry that turns a ``--drafter`` spec into an instance is :mod:`dyntree.c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Hashable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Hashable, Protocol, Sequence
 
 import torch
 
@@ -143,6 +143,21 @@ class TargetInfo:
     @property
     def vocab_size(self) -> int:
         return int(self.lm_head.shape[0])
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer: Any, name: str, vocab: int | None = None) -> "TargetInfo":
+        """From a loaded causal LM of any engine (HF-style ``get_input_embeddings`` or
+        ``model.embed_tokens``; ``lm_head``, else tied to the embedding), weights shared, rows cut
+        to ``vocab`` (an engine's padded vocabulary)."""
+        from dyntree.common.hydra import tokenizer_sha256
+
+        get_embed = getattr(model, "get_input_embeddings", None)
+        embed = get_embed().weight if callable(get_embed) else model.model.embed_tokens.weight
+        head = getattr(model, "lm_head", None)
+        lm_head = head.weight if isinstance(getattr(head, "weight", None), torch.Tensor) else embed
+        rows = slice(None) if vocab is None else slice(0, vocab)
+        return cls(name=str(name), hidden_size=int(embed.shape[1]), embed=embed.detach()[rows],
+                   lm_head=lm_head.detach()[rows], tokenizer_sha256=tokenizer_sha256(tokenizer))
 
 
 class SelfDraftBackend(Protocol):

@@ -191,17 +191,9 @@ class DynTreeWorker(BaseSpecWorker):
 
 
 def _target_info(model: torch.nn.Module, server_args: Any, vocab: int) -> TargetInfo:
-    """Embedding and LM-head weights of SGLang's loaded model (shared, not copied)."""
+    """What Hydra borrows from SGLang's loaded model (weights shared, not copied)."""
     from transformers import AutoTokenizer
 
-    from dyntree.common.hydra import tokenizer_sha256
-
-    embed = model.model.embed_tokens.weight
-    head = getattr(model, "lm_head", None)
-    lm_head = head.weight if head is not None and hasattr(head, "weight") else embed
     tok = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path,
                                         trust_remote_code=bool(getattr(server_args, "trust_remote_code", False)))
-    return TargetInfo(
-        name=str(server_args.model_path), hidden_size=int(embed.shape[1]),
-        embed=embed.detach()[:vocab], lm_head=lm_head.detach()[:vocab], tokenizer_sha256=tokenizer_sha256(tok),
-    )  # fmt: skip
+    return TargetInfo.from_model(model, tok, str(server_args.model_path), vocab)

@@ -8,21 +8,13 @@ from typing import Any
 
 from dyntree.common.drafter import Drafter, TargetInfo
 from dyntree.common.drafters import make_drafter
-from dyntree.common.hydra import tokenizer_sha256
 
 __all__ = ["hf_target", "make_hf_drafter"]
 
 
 def hf_target(model: Any, tokenizer: Any, name: str | None = None) -> TargetInfo:
     """The target's name, hidden size, frozen embedding and LM-head weights, and tokenizer hash."""
-    name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-    return TargetInfo(
-        name=str(name),
-        hidden_size=int(model.config.hidden_size),
-        embed=model.get_input_embeddings().weight.detach(),
-        lm_head=model.get_output_embeddings().weight.detach(),
-        tokenizer_sha256=tokenizer_sha256(tokenizer),
-    )
+    return TargetInfo.from_model(model, tokenizer, name or getattr(model.config, "_name_or_path", "") or type(model).__name__)
 
 
 def make_hf_drafter(spec: str, model: Any, tokenizer: Any) -> Drafter:

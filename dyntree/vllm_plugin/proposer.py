@@ -20,7 +20,6 @@ from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.controller import CostModel
 from dyntree.common.drafter import TargetInfo
 from dyntree.common.drafters import make_engine_drafter
-from dyntree.common.hydra import tokenizer_sha256
 from dyntree.common.speculator import SpecRequest, Speculator
 from dyntree.common.tree import DraftTree
 from dyntree.vllm_plugin.options import ENV
@@ -93,18 +92,9 @@ class DynTreeProposer:
         return out
 
 def _target_info(model: torch.nn.Module, vllm_config: Any, vocab: int) -> TargetInfo:
-    """Embedding and LM-head weights of a vLLM causal LM (shared, sliced to the real vocabulary)."""
+    """What Hydra borrows from vLLM's loaded model (weights shared, cut to the real vocabulary)."""
     from transformers import AutoTokenizer
 
-    model_config = vllm_config.model_config
-    embed = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else model.model.embed_tokens.weight
-    head = getattr(model, "lm_head", None)
-    lm_head = head.weight if head is not None and hasattr(head, "weight") else embed
-    tok = AutoTokenizer.from_pretrained(model_config.tokenizer, trust_remote_code=model_config.trust_remote_code)
-    return TargetInfo(
-        name=str(model_config.model),
-        hidden_size=int(model_config.get_hidden_size()),
-        embed=embed.detach()[:vocab],
-        lm_head=lm_head.detach()[:vocab],
-        tokenizer_sha256=tokenizer_sha256(tok),
-    )
+    mc = vllm_config.model_config
+    tok = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+    return TargetInfo.from_model(model, tok, str(mc.model), vocab)
