@@ -26,6 +26,7 @@ from dyntree.vllm_plugin.options import ENV
 
 __all__ = ["DynTreeProposer"]
 
+
 class DynTreeProposer:
     """Drafts trees for vLLM's V1 runner through the speculator (see the module docstring)."""
 
