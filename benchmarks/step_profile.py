@@ -2,6 +2,7 @@
 
     python benchmarks/step_profile.py --out benchmarks/results/step_profile.json [--dtype auto]
         [--drafters none,ngram,hydra] [--batch-sizes 1,8] [--new 32] [--no-adaptive]
+        [--max-nodes 16] [--max-depth 8]
 
 Each phase of ``SpecEngine._step`` is timed by wrapping the method that does it (the engine is not
 changed): ``propose`` (controller plan, drafting, tree building), ``mask`` (the 4-D tree mask and
@@ -105,6 +106,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--max-nodes", type=int, default=16)
+    ap.add_argument("--max-depth", type=int, default=8)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,10 +121,11 @@ def main() -> int:
     doc = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": _device(), "versions": _versions(),
            "dtype": str(dtype).removeprefix("torch."), "dtype_why": why, "adaptive": args.adaptive,
            "setting": f"{len(prompts)} prompts (first Spec-Bench prompt per category, <= 384 tokens, chat) x "
-                      f"{args.new} new tokens, greedy, node budget 16, depth 8", "runs": []}
+                      f"{args.new} new tokens, greedy, node budget {args.max_nodes}, depth {args.max_depth}", "runs": []}
     for drafter in args.drafters.split(","):
         for batch in batches:
-            spec = SpecConfig(drafter=drafter, adaptive=args.adaptive and drafter != "none")
+            spec = SpecConfig(drafter=drafter, adaptive=args.adaptive and drafter != "none",
+                              max_nodes=args.max_nodes, max_depth=args.max_depth)
             engine = SpecEngine(model, tok, make_hf_drafter(drafter, model, tok), spec)
             engine.prepare()
             run = {"drafter": drafter, "batch_size": batch, **profile(engine, prompts, batch, params)}

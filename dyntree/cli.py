@@ -64,6 +64,9 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
     p.add_argument("--threads", type=_int_arg(1), default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda[:N] or auto (CUDA when available)")
+    p.add_argument("--fast-linear", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a CPU, route the model's linears by row count to the faster of x @ W.T and (W @ x.T).T, "
+                   "timed once at start-up (default on; --no-fast-linear runs stock F.linear)")
     p.add_argument("--dtype", default="auto",
                    help="fp32, bf16, fp16 or auto (default): bf16 on a GPU or a CPU with native bf16 "
                    "(AMX or AVX512-BF16), else fp32")
@@ -176,8 +179,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     spec, params, device, dtype, why = _check_before_load(args)
     model, tok = _load(args, device, dtype)
     ids = encode_prompt(tok, args.prompt, args.chat)
-    engine = SpecEngine(model, tok, make_hf_drafter(spec.drafter, model, tok), spec)
-    plain = SpecEngine(model, tok, NoDrafter(), SpecConfig(drafter="none"))
+    engine = SpecEngine(model, tok, make_hf_drafter(spec.drafter, model, tok), spec, fast_linear=args.fast_linear)
+    plain = SpecEngine(model, tok, NoDrafter(), SpecConfig(drafter="none"), fast_linear=args.fast_linear)
     plain.generate([ids[-16:]], params.model_copy(update={"max_new_tokens": 2, "stop": ()}))  # warm-up
     engine.prepare()  # the adaptive controller's start-up timing stays out of the measurement
 
@@ -231,7 +234,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     model, tok = _load(args, device, dtype)
     print(f"[dyntree] {_dtype_name(dtype)} ({why}), {device.type}", file=sys.stderr)
     result = run_bench(model, tok, prompts, modes, spec.drafter, spec, params, args.batch_size, args.chat,
-                       args.model, _dtype_name(dtype))
+                       args.model, _dtype_name(dtype), args.fast_linear)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -207,5 +207,12 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torc
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     model.to(resolve_device(device) if isinstance(device, str) else device)
+    if next(model.parameters()).device.type == "cpu":
+        # Weights read from a memory-mapped checkpoint stay in file-backed pages; a copy into
+        # anonymous memory (transparent huge pages) makes every memory-bound decode step faster
+        # (~20% for SmolLM2's linears at 1-4 rows). parameters() yields tied weights once.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.clone()
     model.eval()
     return model, tok

@@ -41,6 +41,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dyntree.common.linear import install, linear
+
 if TYPE_CHECKING:
     from dyntree.common.drafter import TargetInfo
 
@@ -366,6 +368,7 @@ class HydraHeads(nn.Module):
             token_map if token_map is not None else torch.empty(0, dtype=torch.int64),
             persistent=True,
         )
+        install(self)  # the heads' linears follow the engine's CPU routing (dyntree.common.linear)
 
     @property
     def num_heads(self) -> int:
@@ -433,7 +436,7 @@ class HydraHeads(nn.Module):
         emb = self.embed[tokens].to(hidden.dtype)  # [N, k, d]
         x = torch.cat([hidden.unsqueeze(1), emb], dim=1).flatten(1)
         z = self.heads[k - 1](x.to(self.out_weight.dtype))
-        return z @ self.out_weight.T
+        return linear(z, self.out_weight)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """All heads, teacher-forced: ``tokens[:, j]`` is ``x_{t+1+j}`` (root first), ``[N, K]``.

@@ -143,7 +143,7 @@ def run_hf_mode(model, tokenizer, encoded: Sequence[Sequence[int]], ids: Sequenc
     greedy, with the engine's end-of-sequence tokens. tau and steps are not observable (``None``)."""
     if not params.greedy or params.stop:
         raise ValueError(f"mode {mode!r} runs greedy decoding without stop strings only")
-    eos = sorted(SpecEngine(model, tokenizer, make_drafter("none"), SpecConfig(drafter="none")).eos_ids(params))
+    eos = sorted(SpecEngine(model, tokenizer, make_drafter("none"), SpecConfig(drafter="none"), fast_linear=False).eos_ids(params))
     kwargs = dict(do_sample=False, eos_token_id=eos or None, pad_token_id=eos[0] if eos else None, **HF_MODES[mode])
     device = next(model.parameters()).device
 
@@ -184,16 +184,19 @@ def run_mode(
     batch_size: int,
     cost: CostModel | None = None,
     categories: dict[Any, str | None] | None = None,
+    fast_linear: bool = True,
 ) -> dict[str, Any]:
     """One bench run of ``mode`` over the encoded prompts, in batches of ``batch_size``.
 
-    ``cost`` seeds an adaptive engine's cost model (a copy; measured here when ``None``)."""
+    ``cost`` seeds an adaptive engine's cost model (a copy; measured here when ``None``);
+    ``fast_linear`` is the engine's CPU linear routing."""
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     name, cfg = mode_spec(mode, spec)
     name = name or "none"
     seed = CostModel(list(zip(cost.xs, cost.ys)), cost.lr) if cost is not None and cfg.adaptive else None
-    engine = SpecEngine(model, tokenizer, make_hf_drafter(name, model, tokenizer), cfg, cost_model=seed)
+    engine = SpecEngine(model, tokenizer, make_hf_drafter(name, model, tokenizer), cfg, cost_model=seed,
+                        fast_linear=fast_linear)
     startup = engine.prepare()
     # Warm-up (CUDA/cuBLAS initialisation, Triton compiles, first-call allocations) outside the timings.
     engine.generate([encoded[0]], params.model_copy(update={"max_new_tokens": WARMUP_TOKENS}), ["warm-up"])
@@ -257,6 +260,7 @@ def run_bench(
     chat: bool,
     model_name: str,
     dtype: str,
+    fast_linear: bool = True,
 ) -> dict[str, Any]:
     """Run every mode over ``prompts`` and return the result document."""
     bad = [m for m in modes if m not in MODES]
@@ -273,11 +277,11 @@ def run_bench(
     encoded = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
     ids = [p.id for p in prompts]
     category = {p.id: p.category for p in prompts}
-    cost = None
-    if spec.adaptive and any(m != "none" for m in modes):
-        cost = SpecEngine(model, tokenizer, make_drafter("none"), SpecConfig(drafter="none")).measure_cost()
+    plain = SpecEngine(model, tokenizer, make_drafter("none"), SpecConfig(drafter="none"), fast_linear=fast_linear)
+    cost = plain.measure_cost() if spec.adaptive and any(m != "none" for m in modes) else None
     runs = [run_hf_mode(model, tokenizer, encoded, ids, m, params) if m in HF_MODES
-            else run_mode(model, tokenizer, encoded, ids, m, spec, params, batch_size, cost, category) for m in modes]
+            else run_mode(model, tokenizer, encoded, ids, m, spec, params, batch_size, cost, category, fast_linear)
+            for m in modes]
     base = next((r for r in runs if r["mode"] == "none"), None)
     for run in runs:
         compare(base, run)
@@ -292,6 +296,7 @@ def run_bench(
         "num_prompts": len(prompts),
         "spec": spec.model_dump(),
         "sampling": params.model_dump(),
+        "linear": {"routing": plain.linear.summary(), "ms_by_rows": plain.linear.timings_ms} if plain.linear else None,
         "cost_model_ms": dict(zip(cost.xs, [round(y, 3) for y in cost.ys])) if cost is not None else None,
         "runs": runs,
     }

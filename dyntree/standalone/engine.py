@@ -18,8 +18,9 @@ engine the baseline that benchmarks compare against. A ``qspec`` drafter gets th
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Callable, ContextManager, Hashable, Iterable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -30,6 +31,8 @@ from dyntree.common.controller import CostModel
 from dyntree.common.drafter import Drafter
 from dyntree.common.speculator import AcceptResult, SpecRequest, Speculator
 from dyntree.common.tree import DraftBatch, TreeBatch
+from dyntree.models import cache_root
+from dyntree.common import linear
 from dyntree.standalone import kv
 from dyntree.standalone.selfdraft import HFSelfDraft
 
@@ -39,8 +42,16 @@ __all__ = ["RequestOutput", "SpecEngine", "ABLATIONS", "COST_SIZES", "COST_KV_LE
 ABLATIONS = frozenset({"mask", "positions", "compaction"})
 
 #: Start-up cost model: query-token counts timed, against a dummy KV cache of this many tokens.
-COST_SIZES = (1, 4, 16, 64, 256)
+COST_SIZES = (1, 2, 4, 8, 16, 64, 256)
 COST_KV_LEN = 256
+
+
+def _cpu_linears(model: torch.nn.Module) -> linear.LinearDispatch:
+    """The model's linear routing, calibrated once per model object (timings cached on disk)."""
+    have = getattr(model, "_dyntree_linear_dispatch", None)
+    if have is None:
+        have = model._dyntree_linear_dispatch = linear.calibrate(linear.install(model), cache_dir=cache_root() / "linear")
+    return have
 
 
 @dataclass
@@ -83,11 +94,14 @@ class SpecEngine:
         ablate: Iterable[str] = (),
         cost_model: CostModel | None = None,
         materialize_draft: bool = False,
+        fast_linear: bool = True,
     ) -> None:
         """``cost_model`` (ms of one target forward vs. query tokens) is used by the adaptive
         controller; without one it is measured on the first adaptive ``generate`` and kept.
         ``materialize_draft``: a ``qspec`` draft keeps dense copies of its quantized weights
-        (same numbers, faster on CPU)."""
+        (same numbers, faster on CPU). ``fast_linear``: on a CPU, the engine's forwards (and the
+        drafter's) route linears through a :mod:`~dyntree.common.linear` dispatch calibrated once
+        per model (``model.generate`` outside the engine is untouched)."""
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec or SpecConfig()
@@ -100,6 +114,7 @@ class SpecEngine:
         self.dtype = next(model.parameters()).dtype
         self.cache = DynamicCache()
         self._live: list[_Live] = []
+        self.linear = _cpu_linears(model) if fast_linear and self.device.type == "cpu" else None
         if drafter.needs_self_draft:
             spec_q = getattr(drafter, "spec")
             drafter.attach(HFSelfDraft(self, spec_q, materialize=materialize_draft))
@@ -134,6 +149,12 @@ class SpecEngine:
         if len(ids) != len(prompts) or len(set(ids)) != len(ids):
             raise ValueError("request_ids must be unique, one per prompt")
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
+        with self.linear_scope():
+            return self._generate(prompts, ids, params, gen, progress, on_commit)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], ids: list[Hashable], params: SamplingParams,
+                  gen: torch.Generator, progress: bool,
+                  on_commit: Callable[[Hashable, list[int]], None] | None) -> list[RequestOutput]:
         self.prepare()
         eos = self.eos_ids(params)
         self._prefill(prompts, ids)
@@ -169,6 +190,10 @@ class SpecEngine:
         """Set up the adaptive controller (timing the cost model unless one was given); returns
         the seconds it took. ``generate`` calls it; call it first to keep that out of timings."""
         return self.speculator.prepare()
+
+    def linear_scope(self) -> ContextManager[None]:
+        """The block in which the model's linears take the calibrated CPU routing."""
+        return self.linear.active() if self.linear is not None else nullcontext()
 
     # -- what the self-draft backend reads -----------------------------------------------------
     def cache_rows(self, request_ids: Sequence[Hashable]) -> list[int]:
@@ -237,7 +262,7 @@ class SpecEngine:
         cache of ``kv_len`` tokens; the cost model the adaptive controller starts from."""
         cache = DynamicCache()
         g = torch.Generator().manual_seed(0)
-        with torch.inference_mode():
+        with torch.inference_mode(), self.linear_scope():
             dummy = torch.randint(0, self.lm_head.out_features, (1, kv_len), generator=g)
             causal = torch.tril(torch.ones(kv_len, kv_len, dtype=torch.bool))[None]
             self._forward(dummy, torch.arange(kv_len)[None], self._additive(causal), cache)
