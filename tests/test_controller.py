@@ -183,3 +183,20 @@ def test_never_predicted_slower_than_plain(knee: int, base: float, slope: float,
     for p in plans:
         assert p.max_depth <= p.max_nodes and (p.mode == "none") == (p.max_nodes == 0)
         assert p.mode != "chain" or p.max_nodes == p.max_depth
+
+
+def test_new_requests_start_from_the_population_acceptance() -> None:
+    # an expensive drafter (8 ms per depth against a 10 ms forward): at the 0.5 prior a fresh
+    # request does not speculate; once requests have been accepting, a new one starts from their
+    # acceptance and speculates from its first step (and after failing ones, it starts low)
+    opts = ControllerOptions(draft_ms_per_depth=8.0)
+    good = SpeculationController(CostModel({1: 10.0, 256: 10.5}), opts)
+    assert good.plan([0])[0].mode == "none"
+    for rid in range(1, 4):
+        _feed(good, rid, accept_all=True)
+    assert good.population_alpha > 0.9 and good.alpha(99) > 0.9
+    assert good.plan([99])[0].mode != "none"
+    bad = SpeculationController(CostModel({1: 10.0, 256: 10.5}))
+    for rid in range(1, 4):
+        _feed(bad, rid, accept_all=False)
+    assert bad.alpha(99) < 0.1

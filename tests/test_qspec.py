@@ -47,19 +47,20 @@ def _requests(prompts, max_nodes=10, max_depth=4):
     return [DraftRequest(i, p, max_nodes=max_nodes, max_depth=max_depth) for i, p in enumerate(prompts)]
 
 
-def _prefilled(model, drafter=None, spec: SpecConfig | None = None) -> SpecEngine:
+def _prefilled(model, drafter=None, spec: SpecConfig | None = None, **engine_options) -> SpecEngine:
     """An engine with PROMPTS prefilled (request ids 0, 1, 2; cache rows in that order): what a
     self-draft backend reads (``.model``, ``.cache``, ``cache_rows``, ``kv_len``) mid-generate."""
-    engine = SpecEngine(model, _Tok(), drafter or NoDrafter(), spec)
+    engine = SpecEngine(model, _Tok(), drafter or NoDrafter(), spec, **engine_options)
     engine._prefill(PROMPTS, [0, 1, 2])
     return engine
 
 
 def _attached(model, spec_text: str) -> tuple[QSpecDrafter, SpecEngine]:
-    """A qspec drafter with an HF backend over a prefilled plain engine (no speculator involved)."""
+    """A qspec drafter with an HF backend over a prefilled plain engine (no speculator involved),
+    its weights materialized: the reference numbers, which the tests compare with."""
     engine = _prefilled(model)
     drafter = QSpecDrafter(parse_qspec(spec_text))
-    drafter.attach(HFSelfDraft(engine, drafter.spec))
+    drafter.attach(HFSelfDraft(engine, drafter.spec, materialize=True))
     return drafter, engine
 
 
@@ -96,9 +97,10 @@ def test_draft_probs_equal_a_full_forward_of_the_draft_model(tiny, spec_text: st
     # (full-precision) KV of the committed prefix, then the node's path through the reference
     # draft model one sequence at a time: checks prefix-KV reading, scratch KV, mask, positions.
     # The drafter's own trees (SpecConfig.tree unset: the builder's beam over its top-3, width 3)
-    # through the engine's speculator, the engine's HFSelfDraft attached by SpecEngine.
+    # through the engine's speculator, the engine's HFSelfDraft attached by SpecEngine, its
+    # weights materialized: the reference numbers (the CPU kernels round activations to bf16).
     engine = _prefilled(tiny, QSpecDrafter(parse_qspec(spec_text), topk=3, width=3),
-                        SpecConfig(drafter="qspec", max_nodes=10, max_depth=4))
+                        SpecConfig(drafter="qspec", max_nodes=10, max_depth=4), materialize_draft=True)
     assert isinstance(engine.drafter.backend, HFSelfDraft)
     cache = engine.cache
     before = [(layer.keys.clone(), layer.values.clone(), layer.keys.data_ptr()) for layer in cache.layers]
@@ -133,10 +135,13 @@ def test_memory_overhead_is_the_quantized_weights_only(tiny) -> None:
     linears = [m for m in tiny.model.layers.modules() if isinstance(m, nn.Linear)]
     assert _backend(tiny, "none").overhead_bytes == 0
     w4 = _backend(tiny, "w4a16,g32")
-    expected = sum(m.out_features * (m.in_features // 2) + m.out_features * (m.in_features // 32) * 2 for m in linears)
-    assert w4.overhead_bytes == expected
-    assert _backend(tiny, "w4a16,g32,skip=1").overhead_bytes == expected * 2 // 3
-    assert w4.overhead_bytes < w4.target_bytes / 7  # fp32 target: ~1/8 + scales
+    # codes (4 bit) + fp16 scales, and the CPU kernel's packed copy: codes + bf16 scale and min
+    quantized = sum(m.out_features * (m.in_features // 2) + m.out_features * (m.in_features // 32) * 2 for m in linears)
+    packed = sum(m.out_features * (m.in_features // 2) + m.out_features * (m.in_features // 32) * 4 for m in linears)
+    assert w4.kernel_layers == len(linears)
+    assert w4.overhead_bytes == quantized + packed
+    assert _backend(tiny, "w4a16,g32,skip=1").overhead_bytes == (quantized + packed) * 2 // 3
+    assert w4.overhead_bytes < w4.target_bytes / 3  # fp32 target: ~2 x (1/8 + scales)
     # the draft shares everything but the linear layers with the target
     assert w4.decoder.embed_tokens is tiny.model.embed_tokens and w4.decoder.norm is tiny.model.norm
     assert w4.decoder.layers[0].input_layernorm is tiny.model.layers[0].input_layernorm
@@ -339,17 +344,44 @@ def test_expand_errors(tiny) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tree", [None, "dyntree"])
-def test_greedy_lossless_on_smollm2(tree) -> None:
+@pytest.mark.parametrize("tree,spec_text", [(None, "w4a16,g128,sym"), ("dyntree", "w4a16,g128,sym"),
+                                            (None, "w8a16,perchannel"), ("chain", "w4a16,g64")])
+def test_greedy_lossless_on_smollm2(tree, spec_text) -> None:
     from dyntree.models import load_model
 
     model, tok = load_model("smollm2", torch.float32)
     prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     plain = SpecEngine(model, tok, NoDrafter()).generate(prompts, params)
-    # materialized: the same draft numbers as on-the-fly dequantization, several times faster on CPU
-    drafter = QSpecDrafter(parse_qspec("w4a16,g128,sym"))
+    # g128 does not divide SmolLM2's K=576: no CPU kernel, so materialized (the reference numbers,
+    # several times faster than dequantizing on every call); the others run the CPU kernels
+    # through the fused draft layers
+    drafter = QSpecDrafter(parse_qspec(spec_text))
     cfg = SpecConfig(drafter="qspec", max_nodes=8, max_depth=4, tree=tree)
-    outs = SpecEngine(model, tok, drafter, cfg, materialize_draft=True).generate(prompts, params)
+    engine = SpecEngine(model, tok, drafter, cfg, materialize_draft="g128" in spec_text)
+    assert (engine.drafter.backend.fused is not None) == ("g128" not in spec_text)
+    outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
     assert sum(len(o.token_ids) for o in outs) / sum(o.steps for o in outs) > 1.5  # tau
+
+
+def test_fused_draft_layers_compute_what_the_hf_layers_do(tiny) -> None:
+    # the fused layers (stacked QKV and gate/up, torch rms_norm, GQA SDPA) against HF's own layer
+    # code over the same quantized weights and kernel: same numbers up to float rounding; and
+    # the comparison can fail (positions shifted by 3 change the logits)
+    engine = _prefilled(tiny)
+    spec = parse_qspec("w4a16,g32")
+    fused, hf = HFSelfDraft(engine, spec), HFSelfDraft(engine, spec)
+    hf.fused = None
+    assert fused.fused is not None and len(fused.fused) == 3 and fused.kernel_layers == hf.kernel_layers == 21
+    reqs = _requests(PROMPTS)
+    tokens = torch.tensor([[p[-1], 5] for p in PROMPTS])  # each root and one child
+    positions = torch.tensor([[len(p) - 1, len(p)] for p in PROMPTS])
+    mask = torch.tensor([[True, False], [True, True]]).expand(3, 2, 2)
+    outs = []
+    for backend, shift in ((fused, 0), (hf, 0), (fused, 3)):
+        backend.reset(reqs)
+        outs.append(backend.forward(tokens, positions + shift, mask))
+        backend.release()
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(outs[2], outs[0], atol=1e-2)

@@ -55,9 +55,12 @@ class SpecConfig(BaseModel):
             update={"mode": self.tree or "dyntree", "max_nodes": self.max_nodes, "max_depth": self.max_depth}
         )
 
-    def controller_options(self) -> ControllerOptions:
-        """The controller's options with this config's budget (chains only in ``chain`` mode)."""
-        update = {"max_nodes": self.max_nodes, "max_depth": min(self.max_depth, self.max_nodes)}
+    def controller_options(self, acceptance_prior: float | None = None) -> ControllerOptions:
+        """The controller's options with this config's budget (chains only in ``chain`` mode) and
+        the drafter's ``acceptance_prior`` unless ``alpha_prior`` was set explicitly."""
+        update: dict[str, object] = {"max_nodes": self.max_nodes, "max_depth": min(self.max_depth, self.max_nodes)}
+        if acceptance_prior is not None and "alpha_prior" not in self.controller.model_fields_set:
+            update["alpha_prior"] = acceptance_prior
         if self.tree == "chain":
             update["allow_trees"] = False
         return self.controller.model_copy(update=update)

@@ -173,6 +173,11 @@ class SpeculationController:
         o = self.options
         self.draft_cost = DraftCost((o.draft_ms_fixed, o.draft_ms_per_depth, o.draft_ms_per_node))
         self._requests: dict[Hashable, _RequestState] = {}
+        # Population acceptance (decayed hits, trials over every request): where a new request
+        # starts, so a drafter that is good (or bad) for this workload is priced as such from a
+        # request's first step.
+        self._pop_hits = o.alpha_prior * o.prior_weight
+        self._pop_trials = o.prior_weight
         # Extra-sibling trials: (decayed) catches, trials, and the sum of the requests' alpha.
         catch = 1 - (1 - o.alpha_prior) ** o.sibling_gain_prior
         self._gain_hits = catch * o.prior_weight
@@ -183,8 +188,14 @@ class SpeculationController:
     def _state(self, rid: Hashable) -> _RequestState:
         o = self.options
         if rid not in self._requests:
-            self._requests[rid] = _RequestState(o.alpha_prior * o.prior_weight, o.prior_weight)
+            self._requests[rid] = _RequestState(self.population_alpha * o.prior_weight, o.prior_weight)
         return self._requests[rid]
+
+    @property
+    def population_alpha(self) -> float:
+        """Top-1 acceptance over all requests seen (``alpha_prior`` before any): a new request's
+        starting estimate."""
+        return self._pop_hits / self._pop_trials
 
     def alpha(self, request_id: Hashable) -> float:
         """Current top-1 acceptance estimate of a request."""
@@ -261,8 +272,10 @@ class SpeculationController:
         plans = []
         for r, (rid, n) in enumerate(zip(request_ids, alloc)):
             if n == 0:
-                s = self._state(rid)  # idle: drift back toward the prior
-                s.hits += o.relax * (o.alpha_prior * s.trials - s.hits)
+                # idle: no evidence, so drift optimistically toward full acceptance until a short
+                # probe pays again (one unlucky first step must not end speculation for good)
+                s = self._state(rid)
+                s.hits += o.relax * (s.trials - s.hits)
                 plans.append(Plan("none", 0, 0))
             else:
                 d = int(tables[r][1][n])
@@ -320,6 +333,9 @@ class SpeculationController:
             s = self._state(request_id)
             s.hits = (1 - o.ema) * s.hits + o.ema * hits
             s.trials = (1 - o.ema) * s.trials + o.ema * trials
+            keep = 1 - o.ema / 4  # like the sibling gain: batch-wide, slowly moving
+            self._pop_hits = keep * self._pop_hits + (1 - keep) * hits
+            self._pop_trials = keep * self._pop_trials + (1 - keep) * trials
 
     def observe_step(self, n_query_tokens: int, ms: float) -> None:
         """Refine the cost model with one measured verify forward."""

@@ -195,6 +195,9 @@ class Drafter:
         max_depth: the deepest this drafter can draft (``None``: no limit); budgets are clamped.
         beam_width / beam_topk: defaults of the ``beam`` tree (``None``: spread the node budget
             evenly over the depths; ``topk`` = width).
+        acceptance_prior: the top-1 acceptance the adaptive controller assumes before it has
+            observed any (``None``: its ``alpha_prior`` option); set by drafters whose kind says
+            much more than a generic prior (a self-draft is mostly the target itself).
     """
 
     name: ClassVar[str] = ""
@@ -203,6 +206,7 @@ class Drafter:
     max_depth: int | None = None
     beam_width: int | None = None
     beam_topk: int | None = None
+    acceptance_prior: float | None = None
 
     @property
     def drafts_with_builder(self) -> bool:

@@ -111,7 +111,8 @@ class ControllerOptions(BaseModel):
     allow_trees: bool = Field(True, description="False: only chains (or nothing)")
     ema: float = Field(0.3, gt=0, le=1, description="weight of the newest step in the acceptance EMA")
     alpha_prior: float = Field(
-        0.5, ge=0, le=1, description="top-1 draft acceptance assumed for a new request"
+        0.5, ge=0, le=1, description="top-1 draft acceptance assumed before any is observed (then new "
+        "requests start from the acceptance observed over all requests)"
     )
     prior_weight: float = Field(2.0, gt=0, description="pseudo-levels of the prior in the EMA start")
     relax: float = Field(
@@ -119,7 +120,7 @@ class ControllerOptions(BaseModel):
         ge=0,
         le=1,
         description="per step without speculation, a request's acceptance estimate moves this far "
-        "back toward alpha_prior (so a failing request is retried now and then)",
+        "toward full acceptance (so a request that stopped speculating probes again now and then)",
     )
     sibling_gain_prior: float = Field(
         0.3,

@@ -8,9 +8,10 @@ Three pieces, all plain torch (framework-free):
   quantization, symmetric or asymmetric, and :func:`fake_quantize_activations`: symmetric
   per-token activation quantization (8 or 4 bit), quantize-then-dequantize.
 * :class:`QuantLinear`: a drop-in for ``nn.Linear`` holding only the quantized weight. Its
-  forward dequantizes on the fly (torch reference path, any device) or, for int4 weights with
-  16-bit activations on a CUDA device with Triton, calls the W4A16 kernel in
-  :mod:`dyntree.kernels.w4a16`.
+  forward runs a :class:`WeightKernel` the engine hands in where that kernel serves the weight
+  (the W4A16 Triton kernel on CUDA, :mod:`dyntree.kernels.w4a16`; torch's weight-only int8/int4
+  ops on CPU, :mod:`dyntree.kernels.cpu_weight_only`), else dequantizes on the fly (the torch
+  reference path, any device).
 
 Storage format (shared with the kernel). A weight ``W [N, K]`` (``nn.Linear`` layout: out, in) is
 split along ``K`` into ``ceil(K / group_size)`` groups (the last may be shorter). Every value is
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,9 @@ __all__ = [
     "pack_int4",
     "unpack_int4",
     "fake_quantize_activations",
+    "PreparedWeight",
     "QuantLinear",
+    "WeightKernel",
 ]
 
 _WEIGHT_BITS = (4, 8)
@@ -316,16 +319,38 @@ def fake_quantize_activations(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 # -- the layer ---------------------------------------------------------------------------------
+class PreparedWeight(Protocol):
+    """A weight in a kernel's own layout (packed once, when the layer is built)."""
+
+    @property
+    def extra_nbytes(self) -> int:
+        """Bytes it holds beyond the :class:`QuantizedWeight` it came from (0 if it shares them)."""
+        ...
+
+
+class WeightKernel(Protocol):
+    """A device matmul for quantized weights, handed to :class:`QuantLinear` by the engine (this
+    module never imports kernels)."""
+
+    def prepare(self, qw: QuantizedWeight) -> PreparedWeight | None:
+        """``qw`` in the kernel's layout, or ``None`` when the kernel cannot serve this weight
+        (bits, group size, shape or device)."""
+        ...
+
+    def matmul(self, x: torch.Tensor, prepared: PreparedWeight) -> torch.Tensor | None:
+        """``x [M, K] @ deq(W)^T`` in ``x.dtype``, or ``None`` when this call is not one the
+        kernel takes (device, dtype); the layer then dequantizes."""
+        ...
+
+
 class QuantLinear(nn.Module):
     """``nn.Linear`` with a quantized weight (and optionally quantized input activations).
 
     The bias, if any, is kept as given (shared with the source layer, not copied). Forward:
     ``y = fq(x) @ deq(W)^T + b`` computed in ``x.dtype``, where ``fq`` is
-    :func:`fake_quantize_activations` when ``act_bits`` is set. Int4 weights with 16-bit
-    activations go through ``int4_matmul`` when one is given (a device kernel such as
-    :func:`dyntree.kernels.w4a16.int4_linear`, passed in by the engine: this module never imports
-    the kernels) and it accepts the input; everything else dequantizes on the fly (no dequantized
-    copy is kept).
+    :func:`fake_quantize_activations` when ``act_bits`` is set. With 16-bit activations the
+    weight goes through ``kernel`` when one is given and it prepares this weight and takes the
+    call; everything else dequantizes on the fly (no dequantized copy is kept).
     """
 
     def __init__(
@@ -333,7 +358,7 @@ class QuantLinear(nn.Module):
         qweight: QuantizedWeight,
         bias: torch.Tensor | None = None,
         act_bits: int | None = None,
-        int4_matmul: "Callable[..., torch.Tensor | None] | None" = None,
+        kernel: WeightKernel | None = None,
     ):
         super().__init__()
         if act_bits is not None and act_bits not in _ACT_BITS:
@@ -349,7 +374,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", qweight.scales)
         self.register_buffer("zeros", qweight.zeros)
         self.bias = bias
-        self.int4_matmul = int4_matmul if qweight.bits == 4 else None
+        self._prepared = kernel.prepare(qweight) if kernel is not None and act_bits is None else None
+        self.kernel = kernel if self._prepared is not None else None
         self._dense: torch.Tensor | None = None
 
     @classmethod
@@ -358,13 +384,31 @@ class QuantLinear(nn.Module):
         linear: nn.Linear,
         spec: QSpec,
         scale_dtype: torch.dtype = torch.float16,
-        int4_matmul: "Callable[..., torch.Tensor | None] | None" = None,
+        kernel: WeightKernel | None = None,
     ) -> "QuantLinear":
         """Quantize ``linear`` as ``spec`` says (``spec`` must quantize)."""
         if spec.weight_bits is None:
             raise ValueError("QuantLinear.from_linear: spec 'none' does not quantize")
         qw = quantize_weight(linear.weight, spec.weight_bits, spec.group_size, spec.symmetric, scale_dtype)
-        return cls(qw, linear.bias, spec.act_bits, int4_matmul)
+        return cls(qw, linear.bias, spec.act_bits, kernel)
+
+    @classmethod
+    def concat(cls, parts: "list[QuantLinear]", kernel: WeightKernel | None = None) -> "QuantLinear":
+        """One layer computing ``cat([p(x) for p in parts], -1)``: the parts' codes, scales,
+        zero points and biases stacked along the output dimension (exact: every row keeps its own
+        scales), so a kernel runs once instead of ``len(parts)`` times (fused QKV, gate/up)."""
+        first = parts[0]
+        same = {(p.bits, p.group_size, p.in_features, p.act_bits, p.zeros is None, p.scales.dtype) for p in parts}
+        if len(same) != 1:
+            raise ValueError(f"QuantLinear.concat: parts differ in bits/group/in_features/act_bits/symmetry: {same}")
+        zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
+        qw = QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), zeros,
+                             first.bits, first.group_size, first.in_features)
+        given = [p.bias for p in parts if p.bias is not None]
+        bias = None
+        if given:
+            bias = torch.cat([p.bias if p.bias is not None else given[0].new_zeros(p.out_features) for p in parts])
+        return cls(qw, bias, first.act_bits, kernel)
 
     @property
     def quantized_weight(self) -> QuantizedWeight:
@@ -373,15 +417,18 @@ class QuantLinear(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes this layer owns (codes, scales, zero points; the shared bias is not counted),
-        plus the dense copy if :meth:`materialize` made one."""
+        plus the kernel's packed copy and the dense copy if :meth:`materialize` made one."""
         dense = 0 if self._dense is None else self._dense.numel() * self._dense.element_size()
-        return self.quantized_weight.nbytes + dense
+        packed = 0 if self._prepared is None else self._prepared.extra_nbytes
+        return self.quantized_weight.nbytes + dense + packed
 
     def materialize(self, dtype: torch.dtype) -> None:
         """Keep a dequantized ``dtype`` copy of the weight and use it instead of dequantizing on
-        every call: the same numbers, faster on CPU, but it costs a full dense weight. For
-        measuring acceptance on CPU only; it defeats the memory saving."""
+        every call (and instead of the kernel): the reference numbers, faster than dequantizing,
+        but it costs a full dense weight. For measuring acceptance only; it defeats the memory
+        saving."""
         self._dense = dequantize_weight(self.quantized_weight, dtype)
+        self.kernel = self._prepared = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -391,8 +438,8 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         y = None
-        if self.int4_matmul is not None and self.act_bits is None:
-            y = self.int4_matmul(x2, self.qweight, self.scales, self.zeros, self.group_size)
+        if self.kernel is not None and self._prepared is not None:
+            y = self.kernel.matmul(x2, self._prepared)
         if y is None and self._dense is not None and self._dense.dtype == x.dtype:
             y = x2 @ self._dense.t()
         elif y is None:
@@ -404,5 +451,6 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         act = f"a{self.act_bits}" if self.act_bits else "a16"
         sym = "sym" if self.zeros is None else "asym"
-        return f"in={self.in_features}, out={self.out_features}, w{self.bits}{act}, g{self.group_size}, {sym}"
+        kernel = f", kernel={type(self.kernel).__name__}" if self.kernel is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, w{self.bits}{act}, g{self.group_size}, {sym}{kernel}"
 

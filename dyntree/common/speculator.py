@@ -194,7 +194,8 @@ class Speculator:
         if not isinstance(self._cost, CostModel):
             assert self._cost is not None
             self._cost = self._cost()
-        self.controller = SpeculationController(self._cost, self.spec.controller_options(), padded=self._padded)
+        self.controller = SpeculationController(self._cost, self.spec.controller_options(self.drafter.acceptance_prior),
+                                                padded=self._padded)
         return time.perf_counter() - t
 
     # -- the step ------------------------------------------------------------------------------

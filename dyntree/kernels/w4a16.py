@@ -28,7 +28,7 @@ import torch
 from dyntree.common.quant import QuantizedWeight, dequantize_weight
 from dyntree.kernels._triton import HAS_TRITON, interpreting, tl, triton
 
-__all__ = ["HAS_TRITON", "W4A16Config", "w4a16_matmul", "w4a16_matmul_reference", "int4_linear", "kernel_supports",
+__all__ = ["HAS_TRITON", "W4A16Config", "W4A16Kernel", "w4a16_matmul", "w4a16_matmul_reference", "kernel_supports",
            "default_config"]
 
 _BLOCK_KS = (128, 64, 32)
@@ -154,17 +154,28 @@ def w4a16_matmul(
     return y.to(x.dtype)
 
 
-def int4_linear(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
-) -> torch.Tensor | None:
-    """The W4A16 kernel where it serves (Triton, CUDA, 16-bit activations, a supported shape),
-    else ``None``: the ``int4_matmul`` hook an engine hands to
-    :class:`~dyntree.common.quant.QuantLinear` (which then dequantizes on the fly)."""
-    if not (HAS_TRITON and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)):
-        return None
-    if not kernel_supports(x.shape[1], group_size):
-        return None
-    return w4a16_matmul(x, packed, scales, zeros, group_size)
+@dataclass(frozen=True)
+class _Prepared:
+    """The weight as stored (the kernel reads the common format directly: nothing extra)."""
+
+    qw: QuantizedWeight
+    extra_nbytes: int = 0
+
+
+class W4A16Kernel:
+    """The :class:`~dyntree.common.quant.WeightKernel` an engine hands to ``QuantLinear`` on a
+    GPU: int4 weights of a supported group size; calls with CUDA 16-bit activations."""
+
+    def prepare(self, qw: QuantizedWeight) -> _Prepared | None:
+        if not HAS_TRITON or qw.bits != 4 or not kernel_supports(qw.in_features, qw.group_size):
+            return None
+        return _Prepared(qw)
+
+    def matmul(self, x: torch.Tensor, prepared: _Prepared) -> torch.Tensor | None:
+        if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)):
+            return None
+        qw = prepared.qw
+        return w4a16_matmul(x, qw.qweight, qw.scales, qw.zeros, qw.group_size)
 
 
 if HAS_TRITON:

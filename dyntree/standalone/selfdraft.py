@@ -22,7 +22,9 @@ from torch import nn
 from dyntree.common.drafter import DraftRequest
 from dyntree.common.drafters.qspec import build_draft_layers
 from dyntree.common.quant import QSpec, QSpecError, QuantLinear
-from dyntree.kernels.w4a16 import int4_linear
+from dyntree.kernels.cpu_weight_only import CpuWeightOnly
+from dyntree.kernels.w4a16 import W4A16Kernel
+from dyntree.standalone.fused_draft import fuse_layers, run_layers
 
 if TYPE_CHECKING:
     from dyntree.standalone.engine import SpecEngine
@@ -81,16 +83,19 @@ class HFSelfDraft:
         self.lm_head = model.get_output_embeddings()
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        draft_layers = build_draft_layers(layers, spec, int4_linear if self.device.type == "cuda" else None)
+        kernel = W4A16Kernel() if self.device.type == "cuda" else CpuWeightOnly() if self.device.type == "cpu" else None
+        draft_layers = build_draft_layers(layers, spec, kernel)
         self.decoder = copy.copy(decoder)  # the target's forward code over the draft's layers
         self.decoder._modules = dict(decoder._modules)
         self.decoder.layers = draft_layers
         self.decoder.config = copy.copy(decoder.config)
         self.decoder.config.num_hidden_layers = len(draft_layers)
         self.quant_layers = [m for m in draft_layers.modules() if isinstance(m, QuantLinear)]
+        self.kernel_layers = sum(m.kernel is not None for m in self.quant_layers)
         if materialize:
             for m in self.quant_layers:
                 m.materialize(self.dtype)
+        self.fused = None if materialize else fuse_layers(draft_layers, decoder.config, kernel)
         self.target_bytes = _param_bytes(model)
         self.last_scratch_bytes = 0
         self.last_transient_bytes = 0
@@ -125,13 +130,14 @@ class HFSelfDraft:
         self._kv.prefix = self._prefix(prefix_len)
         try:
             with torch.inference_mode():
-                hidden = self.decoder(
-                    input_ids=tokens.to(self.device),
-                    position_ids=positions.to(self.device),
-                    attention_mask=mask[:, None].to(self.device),
-                    past_key_values=self._kv,
-                    use_cache=True,
-                ).last_hidden_state
+                tokens, positions, mask = tokens.to(self.device), positions.to(self.device), mask[:, None].to(self.device)
+                if self.fused is not None:
+                    hidden = self.decoder.embed_tokens(tokens)
+                    cos, sin = self.decoder.rotary_emb(hidden, positions)
+                    hidden = self.decoder.norm(run_layers(self.fused, hidden, cos, sin, mask, self._kv))
+                else:
+                    hidden = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask,
+                                          past_key_values=self._kv, use_cache=True).last_hidden_state
                 logits = self.lm_head(hidden)
         finally:
             self._kv.prefix = [None] * len(self._kv.prefix)

@@ -23,13 +23,13 @@ with ``width``/``topk`` 4.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Hashable, Sequence
 
 import torch
 from torch import nn
 
 from dyntree.common.drafter import Candidates, DraftRequest, Drafter, SelfDraftBackend, top_candidates
-from dyntree.common.quant import QSpec, QSpecError, QuantLinear, parse_qspec
+from dyntree.common.quant import QSpec, QSpecError, QuantLinear, WeightKernel, parse_qspec
 
 if TYPE_CHECKING:
     from dyntree.common.builder import PartialTree
@@ -37,30 +37,27 @@ if TYPE_CHECKING:
 
 __all__ = ["QSpecDrafter", "build_draft_layers", "make_qspec_drafter"]
 
-Int4Matmul = Callable[..., "torch.Tensor | None"]
-
-
-def _quantized_copy(module: nn.Module, spec: QSpec, int4_matmul: Int4Matmul | None) -> nn.Module:
+def _quantized_copy(module: nn.Module, spec: QSpec, kernel: WeightKernel | None) -> nn.Module:
     """``module`` with every ``nn.Linear`` inside replaced by a ``QuantLinear``; submodules
     without linear layers (norms, rotary) are the original objects, not copies."""
     if isinstance(module, nn.Linear):
-        return QuantLinear.from_linear(module, spec, int4_matmul=int4_matmul)
+        return QuantLinear.from_linear(module, spec, kernel=kernel)
     if not any(isinstance(m, nn.Linear) for m in module.modules()):
         return module
     clone = copy.copy(module)  # shares parameters and buffers; gets its own child table
-    clone._modules = {name: _quantized_copy(child, spec, int4_matmul) for name, child in module._modules.items()}
+    clone._modules = {name: _quantized_copy(child, spec, kernel) for name, child in module._modules.items()}
     return clone
 
 
-def build_draft_layers(layers: Sequence[nn.Module], spec: QSpec, int4_matmul: Int4Matmul | None = None) -> nn.ModuleList:
+def build_draft_layers(layers: Sequence[nn.Module], spec: QSpec, kernel: WeightKernel | None = None) -> nn.ModuleList:
     """The draft's decoder layers: the first ``len(layers) - skip`` target layers, quantized
-    copies (or the very same modules when ``spec`` does not quantize). ``int4_matmul`` is an
-    optional device kernel for int4 weights (see :class:`~dyntree.common.quant.QuantLinear`)."""
+    copies (or the very same modules when ``spec`` does not quantize). ``kernel`` is an optional
+    device matmul for the quantized weights (see :class:`~dyntree.common.quant.QuantLinear`)."""
     n = len(layers)
     if spec.skip_layers >= n:
         raise QSpecError(f"qspec: skip={spec.skip_layers} must leave at least one of the target's {n} layers")
     kept = list(layers)[: n - spec.skip_layers]
-    return nn.ModuleList([_quantized_copy(layer, spec, int4_matmul) if spec.quantized else layer for layer in kept])
+    return nn.ModuleList([_quantized_copy(layer, spec, kernel) if spec.quantized else layer for layer in kept])
 
 
 class _Step:
@@ -105,6 +102,15 @@ class _Step:
         self.slots += max(len(f) for f in frontiers)
 
 
+def _acceptance_prior(spec: QSpec) -> float | None:
+    """A starting point for the controller: the draft is the target up to weight rounding (the
+    controller then learns the real value). ``None`` (the generic prior) where the spec drops
+    layers or quantizes activations, whose effect is model-dependent."""
+    if spec.skip_layers or spec.act_bits is not None:
+        return None
+    return {None: 1.0, 8: 0.9, 4: 0.75}[spec.weight_bits]
+
+
 class QSpecDrafter(Drafter):
     """Self-draft from the target's own (quantized) weights through an engine's backend."""
 
@@ -116,6 +122,7 @@ class QSpecDrafter(Drafter):
             raise ValueError(f"qspec: topk and width must be >= 1, got topk={topk}, width={width}")
         self.spec = spec
         self.beam_width, self.beam_topk = width, topk
+        self.acceptance_prior = _acceptance_prior(spec)
         self.backend: SelfDraftBackend | None = None
         self._step: _Step | None = None
 

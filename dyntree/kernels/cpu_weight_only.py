@@ -1,0 +1,89 @@
+"""Weight-only int8 / int4 matmuls on CPU through torch's own kernels.
+
+:class:`CpuWeightOnly` is the :class:`~dyntree.common.quant.WeightKernel` the standalone engine
+hands to the quantized self-draft's ``QuantLinear`` layers on a CPU. It repacks a
+:class:`~dyntree.common.quant.QuantizedWeight` once, at build time, for
+
+* ``aten._weight_int8pack_mm`` (int8, one scale per output channel): signed codes ``u - 128``
+  (symmetric) or ``u - 128`` plus a per-channel offset ``(128 - z) * s`` applied as a rank-one
+  correction ``sum_k(x) * offset`` (asymmetric);
+* ``aten._weight_int4pack_mm_for_cpu`` (int4, group size 32..256 dividing ``K``, ``N`` a
+  multiple of 16): the kernel computes ``(u - 8) * s + m`` per group, so symmetric weights get
+  ``m = 0`` and asymmetric ones ``m = (8 - z) * s``.
+
+Both run with bf16 activations (their fp32 paths are several times slower here): the draft's
+fp32 activations are rounded to bf16 around each matmul and the result is cast back. That
+changes the draft's numbers slightly, never the output (the target verifies every token).
+Weights the ops cannot take (grouped int8, other group sizes or shapes) get ``None`` from
+:meth:`CpuWeightOnly.prepare` and the layer dequantizes on the fly. The readable reference is
+:func:`~dyntree.common.quant.dequantize_weight` followed by a matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dyntree.common.quant import QuantizedWeight, unpack_int4
+
+__all__ = ["CpuWeightOnly", "cpu_kernels_available"]
+
+_INT4_GROUPS = (32, 64, 128, 256)
+
+
+def cpu_kernels_available() -> bool:
+    """Whether this torch has the CPU weight-only ops."""
+    ops = torch.ops.aten
+    return all(hasattr(ops, n) for n in ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu",
+                                         "_convert_weight_to_int4pack_for_cpu"))
+
+
+@dataclass(frozen=True)
+class CpuPacked:
+    """One weight in the layout of torch's CPU op (see the module docstring)."""
+
+    bits: int
+    weight: torch.Tensor  # int8 [N, K] codes, or the int4 op's packed layout
+    scales: torch.Tensor  # bf16: [N] (int8) or [K / group, N, 2] scale and min (int4)
+    offset: torch.Tensor | None  # int8 asymmetric: fp32 [N] per-channel offset
+    group_size: int
+
+    @property
+    def extra_nbytes(self) -> int:
+        tensors = [self.weight, self.scales] + ([self.offset] if self.offset is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class CpuWeightOnly:
+    """Torch's CPU weight-only kernels as a ``WeightKernel`` (see the module docstring)."""
+
+    def prepare(self, qw: QuantizedWeight) -> CpuPacked | None:
+        if qw.qweight.device.type != "cpu" or not cpu_kernels_available():
+            return None
+        n, k = qw.out_features, qw.in_features
+        scales = qw.scales.float()
+        if qw.bits == 8:
+            if qw.n_groups != 1:
+                return None
+            codes = (qw.qweight.to(torch.int16) - 128).to(torch.int8).contiguous()
+            offset = None if qw.zeros is None else ((128 - qw.zeros[:, 0].float()) * scales[:, 0]).contiguous()
+            return CpuPacked(8, codes, scales[:, 0].to(torch.bfloat16).contiguous(), offset, k)
+        if qw.group_size not in _INT4_GROUPS or k % qw.group_size or n % 16:
+            return None
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(qw.qweight, k).to(torch.int32), 2)
+        mins = torch.zeros_like(scales) if qw.zeros is None else (8 - qw.zeros.float()) * scales
+        scale_min = torch.stack((scales.t(), mins.t()), dim=-1).to(torch.bfloat16).contiguous()
+        return CpuPacked(4, packed, scale_min, None, qw.group_size)
+
+    def matmul(self, x: torch.Tensor, prepared: CpuPacked) -> torch.Tensor | None:
+        if x.device.type != "cpu" or x.dim() != 2:
+            return None
+        xb = x.to(torch.bfloat16).contiguous()
+        if prepared.bits == 8:
+            y = torch.ops.aten._weight_int8pack_mm(xb, prepared.weight, prepared.scales).to(x.dtype)
+            if prepared.offset is not None:
+                y = y + x.float().sum(-1, keepdim=True).to(x.dtype) * prepared.offset.to(x.dtype)
+            return y
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, prepared.weight, prepared.group_size,
+                                                          prepared.scales).to(x.dtype)

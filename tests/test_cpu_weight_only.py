@@ -1,0 +1,68 @@
+"""Tests for the CPU weight-only kernels (dyntree.kernels.cpu_weight_only) against the torch
+reference (dequantize, then matmul) and for how QuantLinear uses them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from dyntree.common.quant import QuantLinear, dequantize_weight, parse_qspec, quantize_weight
+from dyntree.kernels.cpu_weight_only import CpuWeightOnly, cpu_kernels_available
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="this torch lacks the CPU weight-only ops")
+
+
+@pytest.mark.parametrize(
+    "bits,group,symmetric",
+    [(8, None, True), (8, None, False), (4, 32, True), (4, 64, False), (4, 128, True), (4, None, False)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_the_dequantized_reference(bits: int, group: int | None, symmetric: bool, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(96, 128) * 0.05
+    w[:, :4] += 0.3  # skewed channels: asymmetric zero points away from the middle
+    x = torch.randn(7, 128).to(dtype)
+    qw = quantize_weight(w, bits, group, symmetric)
+    prepared = CpuWeightOnly().prepare(qw)
+    assert prepared is not None and prepared.bits == bits and prepared.extra_nbytes > 0
+    y = CpuWeightOnly().matmul(x, prepared)
+    assert y is not None and y.dtype == dtype and y.shape == (7, 96)
+    ref = x.float() @ dequantize_weight(qw).t()
+    # bf16 activations (and bf16 scales): ~3 significant digits
+    assert float((y.float() - ref).abs().max()) < 0.02 * float(ref.abs().max())
+    if not symmetric:  # the tolerance catches a zero point taken as the implicit one
+        wrong = x.float() @ dequantize_weight(replace(qw, zeros=None)).t()
+        assert float((wrong - ref).abs().max()) > 10 * float((y.float() - ref).abs().max())
+
+
+@pytest.mark.parametrize(
+    "bits,group,shape",
+    [(8, 32, (96, 128)),  # int8 op: one scale per channel only
+     (4, 32, (40, 128)),  # int4 op: N a multiple of 16
+     (4, 64, (96, 96)),  # int4 op: the group divides K
+     (4, 512, (96, 1024))],  # int4 op: groups 32..256
+)
+def test_weights_the_ops_cannot_take_are_refused(bits: int, group: int, shape: tuple[int, int]) -> None:
+    assert CpuWeightOnly().prepare(quantize_weight(torch.randn(*shape), bits, group)) is None
+
+
+def test_quant_linear_uses_the_kernel_and_falls_back() -> None:
+    torch.manual_seed(1)
+    lin = nn.Linear(128, 96, bias=True)
+    x = torch.randn(2, 3, 128)
+    ref_layer = QuantLinear.from_linear(lin, parse_qspec("w4a16,g32"))
+    fast = QuantLinear.from_linear(lin, parse_qspec("w4a16,g32"), kernel=CpuWeightOnly())
+    assert ref_layer.kernel is None and isinstance(fast.kernel, CpuWeightOnly) and "kernel=" in repr(fast)
+    assert fast.nbytes > ref_layer.nbytes  # the packed copy is counted
+    ref, y = ref_layer(x), fast(x)
+    assert y.shape == ref.shape and not torch.equal(y, ref)  # bf16 activations: close, not equal
+    torch.testing.assert_close(y, ref, atol=0.02, rtol=0.02)
+    # activation quantization and grouped int8 stay on the reference path
+    assert QuantLinear.from_linear(lin, parse_qspec("w4a8,g32"), kernel=CpuWeightOnly()).kernel is None
+    assert QuantLinear.from_linear(lin, parse_qspec("w8a16,g32"), kernel=CpuWeightOnly()).kernel is None
+    # materialize: the reference numbers again (dense copy, kernel dropped)
+    fast.materialize(torch.float32)
+    assert fast.kernel is None and torch.equal(fast(x), ref)
