@@ -1,7 +1,7 @@
 """Where one decoding step's time goes in the standalone engine, per phase, at batch 1 and 8.
 
     python benchmarks/step_profile.py --out benchmarks/results/step_profile.json [--dtype auto]
-        [--drafters none,ngram,hydra] [--batch-sizes 1,8] [--new 32] [--no-adaptive]
+        [--drafters none ngram hydra] [--batch-sizes 1,8] [--new 32] [--no-adaptive]
         [--max-nodes 16] [--max-depth 8]
 
 Each phase of ``SpecEngine._step`` is timed by wrapping the method that does it (the engine is not
@@ -100,7 +100,8 @@ def profile(engine: SpecEngine, prompts: list[list[int]], batch: int, params: Sa
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--drafters", default="none,ngram,hydra")
+    ap.add_argument("--drafters", nargs="+", default=["none", "ngram", "hydra"],
+                    help="drafter specs, space-separated (a spec may hold commas: qspec:w8a16,perchannel)")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--dtype", default="auto")
@@ -122,7 +123,7 @@ def main() -> int:
            "dtype": str(dtype).removeprefix("torch."), "dtype_why": why, "adaptive": args.adaptive,
            "setting": f"{len(prompts)} prompts (first Spec-Bench prompt per category, <= 384 tokens, chat) x "
                       f"{args.new} new tokens, greedy, node budget {args.max_nodes}, depth {args.max_depth}", "runs": []}
-    for drafter in args.drafters.split(","):
+    for drafter in args.drafters:
         for batch in batches:
             spec = SpecConfig(drafter=drafter, adaptive=args.adaptive and drafter != "none",
                               max_nodes=args.max_nodes, max_depth=args.max_depth)

@@ -44,7 +44,7 @@ def _int_arg(low: int, high: int | None = None):
 def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2, a local HF checkpoint directory, or a hub id")
     p.add_argument("--drafter", default="ngram",
-                   help="none (plain decoding), ngram[:max_n=4,...], hydra[:DIR] or qspec[:w4a16,...] (default ngram)")
+                   help="none (plain decoding), ngram[:max_n=4,...], hydra[:DIR] or qspec[:w8a16,perchannel,...] (default ngram)")
     p.add_argument("--max-nodes", type=int, default=16, help="draft nodes per tree, root not counted (default 16)")
     p.add_argument("--max-depth", type=int, default=8, help="deepest draft node (default 8)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,

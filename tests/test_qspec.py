@@ -138,11 +138,14 @@ def test_memory_overhead_is_the_quantized_weights_only(tiny) -> None:
     # codes (4 bit) + fp16 scales, and the CPU kernel's packed copy: codes + bf16 scale and min
     quantized = sum(m.out_features * (m.in_features // 2) + m.out_features * (m.in_features // 32) * 2 for m in linears)
     packed = sum(m.out_features * (m.in_features // 2) + m.out_features * (m.in_features // 32) * 4 for m in linears)
-    assert w4.kernel_layers == len(linears)
-    assert w4.overhead_bytes == quantized + packed
-    assert _backend(tiny, "w4a16,g32,skip=1").overhead_bytes == (quantized + packed) * 2 // 3
-    assert w4.overhead_bytes < w4.target_bytes / 3  # fp32 target: ~2 x (1/8 + scales)
-    # the draft shares everything but the linear layers with the target
+    # the fused layers' LM head: per-channel int8 codes + fp16 scales, packed: codes + bf16 scales
+    vocab, hidden = tiny.lm_head.weight.shape
+    head = 2 * vocab * hidden + 2 * vocab + 2 * vocab
+    assert w4.kernel_layers == len(linears) and w4.fused is not None
+    assert w4.overhead_bytes == quantized + packed + head
+    assert _backend(tiny, "w4a16,g32,skip=1").overhead_bytes == (quantized + packed) * 2 // 3 + head
+    assert w4.overhead_bytes < w4.target_bytes / 3  # fp32 target: ~2 x (1/8 + scales) + the head
+    # the draft shares everything else with the target
     assert w4.decoder.embed_tokens is tiny.model.embed_tokens and w4.decoder.norm is tiny.model.norm
     assert w4.decoder.layers[0].input_layernorm is tiny.model.layers[0].input_layernorm
     assert isinstance(tiny.model.layers[0].self_attn.q_proj, nn.Linear)  # target untouched
@@ -181,7 +184,7 @@ def test_factory_and_errors(tiny) -> None:
     d = make_drafter("qspec:w4a8,g32,skip=1")  # no model: the engine attaches its forward later
     assert isinstance(d, QSpecDrafter) and str(d.spec) == "w4a8,g32,sym,skip=1" and d.backend is None
     assert d.needs_self_draft and d.drafts_with_builder and not d.has_own_trees
-    assert str(make_drafter("qspec").spec) == "w4a16,g128,sym"
+    assert str(make_drafter("qspec").spec) == "w8a16,perchannel,sym"
     with pytest.raises(QSpecError, match="weight bits must be 4 or 8"):
         make_drafter("qspec:w3a16")
     # without the engine's backend it cannot draft, nor be handed to a speculator

@@ -27,8 +27,9 @@ from dyntree.common.quant import (
 @pytest.mark.parametrize(
     "text, expected",
     [
-        (None, QSpec(4, None, 128, True, 0)),
-        ("", QSpec(4, None, 128, True, 0)),
+        (None, QSpec(8, None, None, True, 0)),
+        ("", QSpec(8, None, None, True, 0)),
+        ("asym", QSpec(8, None, None, False, 0)),
         ("w4a16", QSpec(4, None, 128, True, 0)),
         ("w8a16,g64", QSpec(8, None, 64, True, 0)),
         ("w4a8,asym", QSpec(4, 8, 128, False, 0)),
