@@ -66,3 +66,17 @@ def test_quant_linear_uses_the_kernel_and_falls_back() -> None:
     # materialize: the reference numbers again (dense copy, kernel dropped)
     fast.materialize(torch.float32)
     assert fast.kernel is None and torch.equal(fast(x), ref)
+
+
+def test_released_codes_leave_only_the_kernel_copy() -> None:
+    lin = nn.Linear(128, 96)
+    layer = QuantLinear.from_linear(lin, parse_qspec("w8a16,perchannel"), kernel=CpuWeightOnly())
+    x = torch.randn(3, 128)
+    before, y = layer.nbytes, layer(x)
+    layer.release_codes()
+    assert layer.nbytes == before - 96 * 128 - 96 * 2  # uint8 codes and fp16 scales gone
+    assert torch.equal(layer(x), y)
+    with pytest.raises(ValueError, match="released"):
+        layer.materialize(torch.float32)
+    with pytest.raises(ValueError, match="no kernel"):
+        QuantLinear.from_linear(lin, parse_qspec("w8a16,g32"), kernel=CpuWeightOnly()).release_codes()

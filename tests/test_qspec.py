@@ -138,13 +138,17 @@ def test_memory_overhead_is_the_quantized_weights_only(tiny) -> None:
     # codes (4 bit) + fp16 scales, and the CPU kernel's packed copy: codes + bf16 scale and min
     quantized = sum(m.out_features * (m.in_features // 2) + m.out_features * (m.in_features // 32) * 2 for m in linears)
     packed = sum(m.out_features * (m.in_features // 2) + m.out_features * (m.in_features // 32) * 4 for m in linears)
-    # the fused layers' LM head: per-channel int8 codes + fp16 scales, packed: codes + bf16 scales
+    # the fused path keeps only the kernel's copies (the common-format codes are released), plus
+    # its int8 LM head: codes + bf16 scales
     vocab, hidden = tiny.lm_head.weight.shape
-    head = 2 * vocab * hidden + 2 * vocab + 2 * vocab
-    assert w4.kernel_layers == len(linears) and w4.fused is not None
-    assert w4.overhead_bytes == quantized + packed + head
-    assert _backend(tiny, "w4a16,g32,skip=1").overhead_bytes == (quantized + packed) * 2 // 3 + head
-    assert w4.overhead_bytes < w4.target_bytes / 3  # fp32 target: ~2 x (1/8 + scales) + the head
+    head = vocab * hidden + 2 * vocab
+    assert w4.fused is not None and w4.kernel_layers == len(w4.quant_layers) == 3 * 4 + 1  # stacked QKV, gate/up
+    assert w4.overhead_bytes == packed + head
+    assert _backend(tiny, "w4a16,g32,skip=1").overhead_bytes == packed * 2 // 3 + head
+    hf = SpecEngine(tiny, _Tok(), QSpecDrafter(parse_qspec("w4a16,g32")), materialize_draft=False)
+    hf_path = HFSelfDraft(hf, parse_qspec("w4a16,g32"), fused=False)
+    assert hf_path.overhead_bytes == quantized + packed  # HF path: codes kept for the fallback
+    assert w4.overhead_bytes < w4.target_bytes / 5  # fp32 target: ~1/8 + scales + the head
     # the draft shares everything else with the target
     assert w4.decoder.embed_tokens is tiny.model.embed_tokens and w4.decoder.norm is tiny.model.norm
     assert w4.decoder.layers[0].input_layernorm is tiny.model.layers[0].input_layernorm
@@ -374,9 +378,10 @@ def test_fused_draft_layers_compute_what_the_hf_layers_do(tiny) -> None:
     # the comparison can fail (positions shifted by 3 change the logits)
     engine = _prefilled(tiny)
     spec = parse_qspec("w4a16,g32")
-    fused, hf = HFSelfDraft(engine, spec), HFSelfDraft(engine, spec)
-    hf.fused = None
-    assert fused.fused is not None and len(fused.fused) == 3 and fused.kernel_layers == hf.kernel_layers == 21
+    fused, hf = HFSelfDraft(engine, spec), HFSelfDraft(engine, spec, fused=False)
+    assert fused.fused is not None and len(fused.fused) == 3 and hf.fused is None
+    assert hf.kernel_layers == 21 and fused.kernel_layers == 3 * 4 + 1  # HF: 7 projections; fused: 4 + LM head
+    hf.lm_head = fused.lm_head  # the fused path's int8 LM head on both: the layers are compared
     reqs = _requests(PROMPTS)
     tokens = torch.tensor([[p[-1], 5] for p in PROMPTS])  # each root and one child
     positions = torch.tensor([[len(p) - 1, len(p)] for p in PROMPTS])

@@ -380,6 +380,7 @@ class QuantLinear(nn.Module):
         self._prepared = kernel.prepare(qweight) if kernel is not None and act_bits is None else None
         self.kernel = kernel if self._prepared is not None else None
         self._dense: torch.Tensor | None = None
+        self._released = False
 
     @classmethod
     def from_linear(
@@ -395,35 +396,29 @@ class QuantLinear(nn.Module):
         qw = quantize_weight(linear.weight, spec.weight_bits, spec.group_size, spec.symmetric, scale_dtype)
         return cls(qw, linear.bias, spec.act_bits, kernel)
 
-    @classmethod
-    def concat(cls, parts: "list[QuantLinear]", kernel: WeightKernel | None = None) -> "QuantLinear":
-        """One layer computing ``cat([p(x) for p in parts], -1)``: the parts' codes, scales,
-        zero points and biases stacked along the output dimension (exact: every row keeps its own
-        scales), so a kernel runs once instead of ``len(parts)`` times (fused QKV, gate/up)."""
-        first = parts[0]
-        same = {(p.bits, p.group_size, p.in_features, p.act_bits, p.zeros is None, p.scales.dtype) for p in parts}
-        if len(same) != 1:
-            raise ValueError(f"QuantLinear.concat: parts differ in bits/group/in_features/act_bits/symmetry: {same}")
-        zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
-        qw = QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), zeros,
-                             first.bits, first.group_size, first.in_features)
-        given = [p.bias for p in parts if p.bias is not None]
-        bias = None
-        if given:
-            bias = torch.cat([p.bias if p.bias is not None else given[0].new_zeros(p.out_features) for p in parts])
-        return cls(qw, bias, first.act_bits, kernel)
-
     @property
     def quantized_weight(self) -> QuantizedWeight:
+        if self._released:
+            raise ValueError("QuantLinear: the codes were released (the layer runs only through its kernel)")
         return QuantizedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.in_features)
 
     @property
     def nbytes(self) -> int:
-        """Bytes this layer owns (codes, scales, zero points; the shared bias is not counted),
-        plus the kernel's packed copy and the dense copy if :meth:`materialize` made one."""
+        """Bytes this layer owns (codes, scales, zero points unless released; the shared bias is
+        not counted), plus the kernel's packed copy and the dense copy if :meth:`materialize` made one."""
         dense = 0 if self._dense is None else self._dense.numel() * self._dense.element_size()
         packed = 0 if self._prepared is None else self._prepared.extra_nbytes
-        return self.quantized_weight.nbytes + dense + packed
+        own = [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
+        return sum(t.numel() * t.element_size() for t in own) + dense + packed
+
+    def release_codes(self) -> None:
+        """Drop the codes in the common format once the kernel holds its own copy (half the
+        layer's memory); from then on the layer runs only through its kernel."""
+        if self._prepared is None:
+            raise ValueError("QuantLinear.release_codes: no kernel holds a copy of this weight")
+        self.qweight, self.scales = self.qweight.new_empty(0), self.scales.new_empty(0)
+        self.zeros = None if self.zeros is None else self.zeros.new_empty(0)
+        self._released = True
 
     def materialize(self, dtype: torch.dtype) -> None:
         """Keep a dequantized ``dtype`` copy of the weight and use it instead of dequantizing on
@@ -443,6 +438,9 @@ class QuantLinear(nn.Module):
         y = None
         if self.kernel is not None and self._prepared is not None:
             y = self.kernel.matmul(x2, self._prepared)
+        if y is None and self._released:
+            raise RuntimeError(f"QuantLinear: the kernel refused a {x.dtype} call on {x.device} and the codes "
+                               "were released (nothing to dequantize)")
         if y is None and self._dense is not None and self._dense.dtype == x.dtype:
             y = x2 @ self._dense.t()
         elif y is None:

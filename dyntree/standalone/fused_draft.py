@@ -9,11 +9,12 @@ module computes the same layer:
     h = x + o(attn(rope(q), rope(k), v))   with q, k, v = split(qkv(rms_norm(x)))
     y = h + down(silu(gate) * up)          with gate, up = split(gate_up(rms_norm(h)))
 
-with the projections stacked into one quantized weight each (:meth:`QuantLinear.concat`: exact,
-every output row keeps its own scales), torch's fused ``rms_norm`` and grouped-query SDPA. It reads
-the same modules' weights (norms, rotary, quantized codes), so it is the draft the HF path runs, up
-to float rounding; :func:`fuse_layers` returns ``None`` (and the caller keeps the HF path) for any
-layer that is not exactly that shape, or whose fused projections no kernel serves.
+with the target's projections stacked and quantized as one weight each (the same codes and scales
+as quantizing them one by one: every output row has its own), torch's fused ``rms_norm`` and
+grouped-query SDPA. It reads the target's norms and rotary, so it is the draft the HF path runs, up
+to float rounding, without the HF path's per-projection copies; :func:`fuse_layers` returns
+``None`` (and the caller keeps the HF path) for any layer that is not exactly that shape, or whose
+stacked projections no kernel serves.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dyntree.common.quant import QuantLinear, WeightKernel
+from dyntree.common.quant import QSpec, QuantLinear, WeightKernel, quantize_weight
 
 __all__ = ["FusedLayer", "fuse_layers", "run_layers"]
 
@@ -57,37 +58,53 @@ def _norm(module: nn.Module) -> tuple[torch.Tensor, float] | None:
     return None
 
 
-def _fuse(layer: nn.Module, config: Any, kernel: WeightKernel) -> FusedLayer | None:
+def _stacked(parts: Sequence[nn.Linear], spec: QSpec, kernel: WeightKernel) -> QuantLinear:
+    """``cat([p(x) for p in parts], -1)`` as one quantized layer."""
+    weight = torch.cat([p.weight.detach() for p in parts]) if len(parts) > 1 else parts[0].weight.detach()
+    qw = quantize_weight(weight, spec.weight_bits or 8, spec.group_size, spec.symmetric)
+    bias = None
+    if any(p.bias is not None for p in parts):
+        bias = torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features) for p in parts])
+    return QuantLinear(qw, bias, None, kernel)
+
+
+def _fuse(layer: nn.Module, config: Any, spec: QSpec, kernel: WeightKernel) -> FusedLayer | None:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     norms = _norm(getattr(layer, "input_layernorm", None)), _norm(getattr(layer, "post_attention_layernorm", None))
     names = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
     if attn is None or mlp is None or None in norms or any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
         return None
     proj = [getattr(attn, n, None) for n in names[0]] + [getattr(mlp, n, None) for n in names[1]]
-    if not all(isinstance(p, QuantLinear) and p.act_bits is None for p in proj):
+    if not all(isinstance(p, nn.Linear) for p in proj):
         return None
     if "SiLU" not in type(getattr(mlp, "act_fn", None)).__name__ or getattr(config, "hidden_act", None) != "silu":
         return None
     q, k, v, o, gate, up, down = proj
     head_dim = int(attn.head_dim)
-    try:
-        qkv, gate_up = QuantLinear.concat([q, k, v], kernel), QuantLinear.concat([gate, up], kernel)
-    except ValueError:
-        return None
-    fused = FusedLayer(norms[0][0], norms[0][1], qkv, o, norms[1][0], norms[1][1], gate_up, down,
+    fused = FusedLayer(norms[0][0], norms[0][1], _stacked([q, k, v], spec, kernel), _stacked([o], spec, kernel),
+                       norms[1][0], norms[1][1], _stacked([gate, up], spec, kernel), _stacked([down], spec, kernel),
                        q.out_features // head_dim, k.out_features // head_dim, head_dim, float(attn.scaling))
     if any(p.kernel is None for p in (fused.qkv, fused.o, fused.gate_up, fused.down)):
         return None
     return fused
 
 
-def fuse_layers(layers: Sequence[nn.Module], config: Any, kernel: WeightKernel | None) -> list[FusedLayer] | None:
-    """The draft's layers in fused form, or ``None`` when any of them is not a plain Llama layer
-    with quantized 16-bit-activation projections that ``kernel`` serves once stacked."""
-    if kernel is None or getattr(config, "model_type", None) not in _MODEL_TYPES:
+def fuse_layers(layers: Sequence[nn.Module], config: Any, spec: QSpec,
+                kernel: WeightKernel | None) -> list[FusedLayer] | None:
+    """The target's ``layers`` as fused draft layers quantized as ``spec`` says, or ``None`` when
+    ``spec`` quantizes activations (or nothing), any layer is not a plain Llama layer, or
+    ``kernel`` does not serve the stacked weights (then no fused layer is kept)."""
+    if kernel is None or not spec.quantized or spec.act_bits is not None:
         return None
-    fused = [_fuse(layer, config, kernel) for layer in layers]
-    return None if any(f is None for f in fused) else fused  # type: ignore[return-value]
+    if getattr(config, "model_type", None) not in _MODEL_TYPES:
+        return None
+    fused = []
+    for layer in layers:
+        f = _fuse(layer, config, spec, kernel)
+        if f is None:
+            return None
+        fused.append(f)
+    return fused
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

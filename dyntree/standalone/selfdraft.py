@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dyntree.common.drafter import DraftRequest
-from dyntree.common.drafters.qspec import build_draft_layers
+from dyntree.common.drafters.qspec import build_draft_layers, kept_layers
 from dyntree.common.quant import QSpec, QSpecError, QuantLinear
 from dyntree.kernels.cpu_weight_only import CpuWeightOnly
 from dyntree.kernels.w4a16 import W4A16Kernel
@@ -75,10 +75,12 @@ class HFSelfDraft:
         engine: the standalone engine whose model and live cache the draft reads.
         spec: what to quantize.
         materialize: keep dequantized dense copies of the quantized weights (CPU acceptance
-            measurements only: same numbers, faster, but the memory saving is gone).
+            measurements only: same numbers, faster, but the memory saving is gone); implies the
+            HF layer path.
+        fused: run the fused layers where they apply (``False``: always the HF layer path).
     """
 
-    def __init__(self, engine: "SpecEngine", spec: QSpec, materialize: bool = False) -> None:
+    def __init__(self, engine: "SpecEngine", spec: QSpec, materialize: bool = False, fused: bool = True) -> None:
         model = engine.model
         decoder = model.get_decoder()
         layers = getattr(decoder, "layers", None)
@@ -89,24 +91,31 @@ class HFSelfDraft:
         self.lm_head = model.get_output_embeddings()
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        kernel = W4A16Kernel() if self.device.type == "cuda" else CpuWeightOnly() if self.device.type == "cpu" else None
-        draft_layers = build_draft_layers(layers, spec, kernel)
-        self.decoder = copy.copy(decoder)  # the target's forward code over the draft's layers
+        kernel = (W4A16Kernel() if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+                  else CpuWeightOnly() if self.device.type == "cpu" else None)
+        kept = kept_layers(layers, spec)
+        self.fused = fuse_layers(kept, decoder.config, spec, kernel) if fused and not materialize else None
+        # the HF path: the target's forward code over quantized copies of the kept layers
+        draft_layers = nn.ModuleList(kept) if self.fused is not None else build_draft_layers(layers, spec, kernel)
+        self.decoder = copy.copy(decoder)
         self.decoder._modules = dict(decoder._modules)
         self.decoder.layers = draft_layers
         self.decoder.config = copy.copy(decoder.config)
         self.decoder.config.num_hidden_layers = len(draft_layers)
-        self.quant_layers = [m for m in draft_layers.modules() if isinstance(m, QuantLinear)]
-        self.kernel_layers = sum(m.kernel is not None for m in self.quant_layers)
+        if self.fused is not None:
+            self.quant_layers = [m for f in self.fused for m in (f.qkv, f.o, f.gate_up, f.down)]
+            head = QuantLinear.from_linear(self.lm_head, _LM_HEAD_SPEC, kernel=kernel)
+            if head.kernel is not None:  # the fast path reads an int8 copy of the LM head as well
+                self.lm_head = head
+                self.quant_layers.append(head)
+            for m in self.quant_layers:  # every call goes through the kernel: its copy is enough
+                m.release_codes()
+        else:
+            self.quant_layers = [m for m in draft_layers.modules() if isinstance(m, QuantLinear)]
         if materialize:
             for m in self.quant_layers:
                 m.materialize(self.dtype)
-        self.fused = None if materialize else fuse_layers(draft_layers, decoder.config, kernel)
-        if self.fused is not None:  # the fast path reads an int8 copy of the LM head as well
-            head = QuantLinear.from_linear(self.lm_head, _LM_HEAD_SPEC, kernel=kernel)
-            if head.kernel is not None:
-                self.lm_head = head
-                self.quant_layers.append(head)
+        self.kernel_layers = sum(m.kernel is not None for m in self.quant_layers)
         self.target_bytes = _param_bytes(model)
         self.last_scratch_bytes = 0
         self.last_transient_bytes = 0

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from dyntree.common.builder import PartialTree
     from dyntree.common.config import SamplingParams
 
-__all__ = ["QSpecDrafter", "build_draft_layers", "make_qspec_drafter"]
+__all__ = ["QSpecDrafter", "build_draft_layers", "kept_layers", "make_qspec_drafter"]
 
 def _quantized_copy(module: nn.Module, spec: QSpec, kernel: WeightKernel | None) -> nn.Module:
     """``module`` with every ``nn.Linear`` inside replaced by a ``QuantLinear``; submodules
@@ -53,11 +53,16 @@ def build_draft_layers(layers: Sequence[nn.Module], spec: QSpec, kernel: WeightK
     """The draft's decoder layers: the first ``len(layers) - skip`` target layers, quantized
     copies (or the very same modules when ``spec`` does not quantize). ``kernel`` is an optional
     device matmul for the quantized weights (see :class:`~dyntree.common.quant.QuantLinear`)."""
+    kept = kept_layers(layers, spec)
+    return nn.ModuleList([_quantized_copy(layer, spec, kernel) if spec.quantized else layer for layer in kept])
+
+
+def kept_layers(layers: Sequence[nn.Module], spec: QSpec) -> list[nn.Module]:
+    """The target layers the draft runs: all but the last ``spec.skip_layers``."""
     n = len(layers)
     if spec.skip_layers >= n:
         raise QSpecError(f"qspec: skip={spec.skip_layers} must leave at least one of the target's {n} layers")
-    kept = list(layers)[: n - spec.skip_layers]
-    return nn.ModuleList([_quantized_copy(layer, spec, kernel) if spec.quantized else layer for layer in kept])
+    return list(layers)[: n - spec.skip_layers]
 
 
 class _Step:
