@@ -3,7 +3,7 @@
 Three pieces, all plain torch (framework-free):
 
 * :class:`QSpec` and :func:`parse_qspec`: the draft-spec grammar behind
-  ``--drafter qspec[:w4a16|w8a16|w4a8|w4a4][,g128][,sym|asym][,skip=N]`` (or ``none``).
+  ``--drafter qspec[:w8a16|w4a16|w4a8|w4a4][,gN|perchannel][,sym|asym][,skip=N]`` (or ``none``).
 * :func:`quantize_weight` / :func:`dequantize_weight`: group-wise int8 / int4 weight
   quantization, symmetric or asymmetric, and :func:`fake_quantize_activations`: symmetric
   per-token activation quantization (8 or 4 bit), quantize-then-dequantize.
