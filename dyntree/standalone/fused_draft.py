@@ -60,8 +60,9 @@ def _norm(module: nn.Module) -> tuple[torch.Tensor, float] | None:
 
 def _stacked(parts: Sequence[nn.Linear], spec: QSpec, kernel: WeightKernel) -> QuantLinear:
     """``cat([p(x) for p in parts], -1)`` as one quantized layer."""
+    assert spec.weight_bits is not None  # fuse_layers only fuses quantizing specs
     weight = torch.cat([p.weight.detach() for p in parts]) if len(parts) > 1 else parts[0].weight.detach()
-    qw = quantize_weight(weight, spec.weight_bits or 8, spec.group_size, spec.symmetric)
+    qw = quantize_weight(weight, spec.weight_bits, spec.group_size, spec.symmetric)
     bias = None
     if any(p.bias is not None for p in parts):
         bias = torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features) for p in parts])
