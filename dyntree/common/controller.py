@@ -272,10 +272,11 @@ class SpeculationController:
         plans = []
         for r, (rid, n) in enumerate(zip(request_ids, alloc)):
             if n == 0:
-                # idle: no evidence, so drift optimistically toward full acceptance until a short
-                # probe pays again (one unlucky first step must not end speculation for good)
+                # idle: no evidence, so drift back toward the better of the population's
+                # acceptance and the prior until a short probe pays again (one unlucky step must
+                # not end a good drafter's speculation for the rest of a request)
                 s = self._state(rid)
-                s.hits += o.relax * (s.trials - s.hits)
+                s.hits += o.relax * (max(self.population_alpha, o.alpha_prior) * s.trials - s.hits)
                 plans.append(Plan("none", 0, 0))
             else:
                 d = int(tables[r][1][n])

@@ -120,7 +120,8 @@ class ControllerOptions(BaseModel):
         ge=0,
         le=1,
         description="per step without speculation, a request's acceptance estimate moves this far "
-        "toward full acceptance (so a request that stopped speculating probes again now and then)",
+        "back toward the better of alpha_prior and the acceptance observed over all requests (so a "
+        "request that stopped speculating probes again now and then)",
     )
     sibling_gain_prior: float = Field(
         0.3,
