@@ -7,8 +7,8 @@ whose layer list is the draft's (:func:`~dyntree.common.drafters.qspec.build_dra
 with quantization off it computes exactly what the target computes. Where a weight kernel serves
 the quantized layers (torch's int8/int4 ops on CPU, the W4A16 Triton kernel on CUDA) and the
 layers are Llama's, the same layers run fused instead (:mod:`dyntree.standalone.fused_draft`)
-and the draft reads an int8 copy of the LM head: about 0.6 of a target forward on a 2-core CPU
-instead of 0.75, most of it the low-bit matmuls. KV: the draft reads the
+and the draft reads an int8 copy of the LM head: about half a target forward on a 2-core CPU
+(SmolLM2: 25 vs ~50 ms) instead of ~0.7, most of it the low-bit matmuls. KV: the draft reads the
 engine's committed prefix KV (its cache rows, read-only, never copied as a whole) and keeps its
 draft tokens' KV in a scratch cache for one step. The HF attention needs one contiguous key
 tensor per layer, so each draft layer call concatenates that layer's prefix with the scratch for
