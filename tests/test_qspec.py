@@ -145,8 +145,7 @@ def test_memory_overhead_is_the_quantized_weights_only(tiny) -> None:
     assert w4.fused is not None and w4.kernel_layers == len(w4.quant_layers) == 3 * 4 + 1  # stacked QKV, gate/up
     assert w4.overhead_bytes == packed + head
     assert _backend(tiny, "w4a16,g32,skip=1").overhead_bytes == packed * 2 // 3 + head
-    hf = SpecEngine(tiny, _Tok(), QSpecDrafter(parse_qspec("w4a16,g32")), materialize_draft=False)
-    hf_path = HFSelfDraft(hf, parse_qspec("w4a16,g32"), fused=False)
+    hf_path = HFSelfDraft(w4.engine, parse_qspec("w4a16,g32"), fused=False)
     assert hf_path.overhead_bytes == quantized + packed  # HF path: codes kept for the fallback
     assert w4.overhead_bytes < w4.target_bytes / 5  # fp32 target: ~1/8 + scales + the head
     # the draft shares everything else with the target

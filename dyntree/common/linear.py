@@ -1,10 +1,10 @@
 """Faster CPU linears for the few query tokens of decoding and tree verification.
 
 ``F.linear(x, W)`` (``x @ W.T``) sends a 2-16 row input to a GEMM path that on a CPU without AMX
-runs far from the memory bound: SmolLM2's 210 decoder linears cost ~34 ms for 1 row, ~55 ms for
-2-4 rows and ~72 ms for 16 rows (fp32, 2 AVX2 cores), while the same product computed as
-``(W @ x.T).T`` costs ~25 ms for 2-4 rows, ~39 ms for 8 and ~54 ms for 16 (1 row padded to 2:
-~25 ms). In between it is irregular (13 rows ~85 ms), so a row count may be padded up to a larger one
+runs far from the memory bound: SmolLM2's 210 decoder linears cost ~43 ms for 1 row, ~70-77 ms for
+2-4 rows and ~79 ms for 16 rows (fp32, 2 AVX2 cores, one calibration), while the same product
+computed as ``(W @ x.T).T`` costs ~33 ms for 1-4 rows (1 row padded to 2), ~52 ms for 8 and ~66 ms
+for 16. In between it is irregular (13 rows ~106 ms), so a row count may be padded up to a larger one
 that runs faster. Which path is faster depends on the CPU, the dtype and the row count, so
 :func:`calibrate` times both on the model's own linears at every row count up to 16 and a few
 beyond (~6 s, kept on disk per CPU, torch version, threads, dtype and linear shapes), and

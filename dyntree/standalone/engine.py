@@ -26,13 +26,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from dyntree.common import linear
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.controller import CostModel
 from dyntree.common.drafter import Drafter
 from dyntree.common.speculator import AcceptResult, SpecRequest, Speculator
 from dyntree.common.tree import DraftBatch, TreeBatch
 from dyntree.models import cache_root
-from dyntree.common import linear
 from dyntree.standalone import kv
 from dyntree.standalone.selfdraft import HFSelfDraft
 
