@@ -87,10 +87,12 @@ class OracleDrafter(Drafter):
         return trees
 
 
-def synthetic_head_cache(path: Path, vocab: int, hidden_size: int, lens: Sequence[int], seed: int = 0):
+def synthetic_head_cache(path: Path, vocab: int, hidden_size: int, lens: Sequence[int], seed: int = 0,
+                         prompt_lens: Sequence[int] | None = None):
     """A Hydra training cache (see ``dyntree.training.data``) whose hidden state at token ``i`` is a
     fixed vector of token ``i`` plus noise: head k's teacher is then a function of ``x_{g+k}``,
-    which sequential heads can learn."""
+    which sequential heads can learn. ``prompt_lens``: prompt tokens at the start of each sequence
+    (default: a cache without ``prompt_lens.npy``, i.e. only the last prompt token)."""
     import numpy as np
 
     from dyntree.training.data import HiddenCache
@@ -103,6 +105,8 @@ def synthetic_head_cache(path: Path, vocab: int, hidden_size: int, lens: Sequenc
     np.save(path / "tokens.npy", tokens)
     np.save(path / "hidden.npy", hidden)
     np.save(path / "offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+    if prompt_lens is not None:
+        np.save(path / "prompt_lens.npy", np.asarray(prompt_lens, dtype=np.int64))
     (path / "meta.json").write_text(json.dumps({"hidden_size": hidden_size, "sequences": len(lens), "tokens": sum(lens)}))
     return HiddenCache(path)
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from dyntree.common.builder import MEDUSA_63, PartialTree, TreeBuilder, draw_children
-from dyntree.common.calibration import Calibrator, entropy
+from dyntree.common.calibration import AcceptanceTable, Calibrator, entropy
 from dyntree.common.drafter import Candidates, top_candidates
 from dyntree.common.options import CalibrationOptions, ControllerOptions, TreeOptions
 from dyntree.common.sampling import sample_verify
@@ -226,6 +226,66 @@ def test_calibrator_starts_at_identity_and_learns() -> None:
     assert torch.allclose(cal.predict(depth, conf, ent), conf)  # depth 1 untouched
     with pytest.raises(ValueError, match="depth"):
         cal.predict(torch.tensor([0]), torch.tensor([0.5]), torch.zeros(1))
+
+
+def _rank_table(rates_by_depth: list[list[float]], bins: int = 4) -> AcceptanceTable:
+    """A table whose acceptance depends on depth and rank only."""
+    acc = torch.tensor(rates_by_depth)[:, :, None].expand(-1, -1, bins).contiguous()
+    return AcceptanceTable(acc, torch.full(acc.shape, 100))
+
+
+def test_acceptance_table_lookup_shrinkage_and_json(tmp_path) -> None:
+    hits = torch.zeros(2, 3, 4)
+    counts = torch.zeros(2, 3, 4)
+    counts[0, 0, 3], hits[0, 0, 3] = 1000, 900  # depth 1, rank 0, confident: 0.9
+    counts[0, 0, 0], hits[0, 0, 0] = 2, 0  # a sparse cell follows its rank's rate
+    counts[1, 2, 1], hits[1, 2, 1] = 50, 5
+    t = AcceptanceTable.from_counts(hits, counts, "synthetic", strength=20.0)
+    assert abs(float(t.lookup(torch.tensor(1), torch.tensor(0), torch.tensor(0.99))) - (900 + 20 * 900 / 1002) / 1020) < 1e-5
+    sparse = float(t.lookup(torch.tensor(1), torch.tensor(0), torch.tensor(0.1)))
+    assert 0.8 < sparse < 0.9  # 2 misses against 20 pseudo-observations at the rank's 0.898
+    # deeper depths and lower ranks than the table holds use its last depth / rank
+    assert float(t.lookup(torch.tensor(9), torch.tensor(7), torch.tensor(0.3))) == float(t.acceptance[1, 2, 1])
+    t.save(tmp_path / "a.json")
+    back = AcceptanceTable.load(tmp_path / "a.json")
+    assert torch.allclose(back.acceptance, t.acceptance, atol=1e-5) and torch.equal(back.counts, t.counts)
+    (tmp_path / "bad.json").write_text('{"shape": [2, 3], "acceptance": [1], "counts": [1]}')
+    with pytest.raises(ValueError, match="bad.json"):
+        AcceptanceTable.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="\\[0, 1\\]"):
+        AcceptanceTable(torch.full((1, 1, 1), 1.5), torch.ones(1, 1, 1, dtype=torch.int64))
+
+
+def test_calibrator_with_a_table_starts_there_and_learns() -> None:
+    table = _rank_table([[0.3, 0.25, 0.2], [0.5, 0.1, 0.05]])
+    cal = Calibrator(CalibrationOptions(prior_strength=4.0, decay=1.0), table)
+    conf = torch.tensor([0.9, 0.05, 0.05])
+    depth, rank = torch.tensor([1, 1, 2]), torch.tensor([0, 2, 0])
+    assert torch.allclose(cal.predict(depth, conf, torch.zeros(3), rank), torch.tensor([0.3, 0.2, 0.5]))
+    # online evidence corrects the table: depth 1 rank 0 accepted 60% of the time
+    n = 4000
+    acc = torch.rand(n, generator=torch.Generator().manual_seed(1)) < 0.6
+    cal.update(torch.ones(n, dtype=torch.int64), torch.full((n,), 0.9), torch.zeros(n), acc, torch.zeros(n, dtype=torch.int64))
+    got = float(cal.predict(torch.tensor([1]), torch.tensor([0.9]), torch.zeros(1), torch.tensor([0])))
+    assert abs(got - float(acc.float().mean())) < 0.01
+
+
+def test_dyntree_width_follows_the_acceptance_table() -> None:
+    """With a table, every node offers the table's ranks and the measured values choose: when the
+    drafter's rank 3 is accepted more often than its ranks 1-2 (confidences say the opposite),
+    the tree takes rank 3 before them; the entropy rule alone never looks past max_children."""
+    drafter = ToyDrafter(12, 0.2, seed=4)  # flat: entropy high
+    table = _rank_table([[0.5, 0.01, 0.01, 0.4, 0.01], [0.3, 0.01, 0.01, 0.01, 0.01]])
+    opts = TreeOptions(max_children=2, threshold=0.0)
+    tree = TreeBuilder(opts, Calibrator(opts.calibration, table)).build(0, drafter, max_nodes=3, max_depth=2)
+    assert drafter.ks[0] == 5
+    depth1 = {int(tree.ranks[i]) for i in tree.children(0)}
+    assert depth1 == {0, 3}  # values 0.5, 0.4; then the rank-0 grandchild (0.5 * 0.3) beats ranks 1-2
+    assert tree.size == 4 and int(tree.depths.max()) == 2
+    assert torch.allclose(tree.values[1:].sort(descending=True).values, torch.tensor([0.5, 0.4, 0.15]), atol=1e-6)
+    plain = ToyDrafter(12, 0.2, seed=4)
+    untabled = TreeBuilder(opts).build(0, plain, max_nodes=3, max_depth=2)
+    assert plain.ks[0] == 2 and 3 not in untabled.ranks.tolist()
 
 
 def test_calibrator_observe_judges_only_reached_nodes() -> None:

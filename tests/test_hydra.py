@@ -17,11 +17,20 @@ from dyntree.common.hydra import (
     HydraHeads,
     HydraMismatchError,
     TargetIdentity,
+    load_acceptance,
     load_heads,
     save_heads,
 )
 from dyntree.common.speculator import Speculator, SpecRequest
-from dyntree.training.trainer import HeadData, TrainConfig, _losses, evaluate, reduced_token_map, train
+from dyntree.training.trainer import (
+    HeadData,
+    TrainConfig,
+    _losses,
+    evaluate,
+    measure_acceptance,
+    reduced_token_map,
+    train,
+)
 from spec_support import synthetic_head_cache
 
 D, VOCAB = 16, 97
@@ -126,6 +135,9 @@ def test_malformed_checkpoints_are_refused(tmp_path: Path) -> None:
         parse_hydra_options(str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="option 'depth' is unknown"):
         parse_hydra_options(f"{tmp_path},depth=3")
+    with pytest.raises(ValueError, match="table='maybe'"):
+        parse_hydra_options(f"{tmp_path},table=maybe")
+    assert parse_hydra_options(f"{tmp_path},table=off").table is False
 
 
 def test_reduced_token_map_picks_most_frequent() -> None:
@@ -211,14 +223,25 @@ def test_generate_cache_is_consistent(tmp_path: Path) -> None:
     prompts = ["Name a river.", "Write a haiku about the sea, please.", "What is 2 + 2?"]
     cache = generate_cache(model, tok, prompts, tmp_path / "cache", batch_size=2, max_new_tokens=8)
     assert cache.meta["sequences"] == 3 and cache.hidden_size == 64
-    assert cache.offsets.tolist() == [0, 9, 18, 27]  # last prompt token + 8 generated, per sequence
+    plens = cache.prompt_lens.tolist()
+    assert cache.offsets.tolist() == np.cumsum([0] + [p + 8 for p in plens]).tolist()  # prompt + 8 generated
+    assert cache.meta["response_tokens"] == 3 * 9  # the last prompt token + 8 generated, per sequence
     h = torch.from_numpy(np.asarray(cache.hidden, dtype=np.float32))
-    nxt = (h @ model.lm_head.weight.T).argmax(-1)
-    for s, e in zip(cache.offsets[:-1], cache.offsets[1:]):
-        assert nxt[s:e - 1].tolist() == cache.tokens[s + 1:e].tolist()
+    logits = h @ model.lm_head.weight.T
+    nxt = logits.argmax(-1)
+    for s, e, p in zip(cache.offsets[:-1], cache.offsets[1:], plens):
+        r = s + p - 1  # the last prompt token: its state produced the first response token
+        assert nxt[r:e - 1].tolist() == cache.tokens[r + 1:e].tolist()
         assert not h[e - 1].any()  # the last row produced nothing
+        # the prompt rows are the target's own states over the prompt (teacher-forced, unpadded)
+        ids = torch.from_numpy(cache.tokens[s:s + p].astype(np.int64))[None]
+        with torch.no_grad():
+            ref = model(ids).logits[0]
+        assert torch.allclose(logits[s:r + 1], ref, atol=2e-2), (logits[s:r + 1] - ref).abs().max()
     pos, valid = cache.positions(3)
-    assert pos[:8].tolist() == list(range(7)) + [9] and valid[:7].tolist() == [3, 3, 3, 3, 3, 2, 1]
+    r0 = plens[0] - 1
+    assert pos[:8].tolist() == list(range(r0, r0 + 7)) + [plens[0] + 8 + plens[1] - 1]
+    assert valid[:7].tolist() == [3, 3, 3, 3, 3, 2, 1]
 
 
 def _synthetic_cache(path: Path, seed: int = 0):
@@ -247,6 +270,62 @@ def test_tiny_training_run_reduces_loss(tmp_path: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), heads.state_dict().values()))
     with pytest.raises(ValueError, match="another training config"):
         train(again, data, TrainConfig(steps=61), tmp_path / "run")
+
+
+def test_measured_acceptance_table(tmp_path: Path) -> None:
+    """The table counts, per depth / rank / confidence bin, head k's held-out candidates and how
+    many were the target's token; it is saved beside the checkpoint, loaded by the drafter (its
+    builder's calibration) unless ``table=off``, and a table for other heads is refused."""
+    from dyntree.common.drafters.hydra import make_hydra_drafter
+
+    from dyntree.training.data import HiddenCache
+
+    embed, lm_head = _target()
+    # tokens mostly follow a fixed successor map, and the target's state at each token predicts its
+    # successor: a learnable task whose candidates are right at rank 0 far more often than lower
+    rng = np.random.default_rng(0)
+    succ = rng.permutation(60)
+    lens = [30] * 24
+    tokens = np.empty(sum(lens), dtype=np.int64)
+    tokens[0] = 0
+    for i in range(1, tokens.size):
+        tokens[i] = succ[tokens[i - 1]] if rng.random() < 0.8 else rng.integers(0, 60)
+    rows = lm_head[torch.from_numpy(succ[tokens])]
+    (tmp_path / "cache").mkdir()
+    np.save(tmp_path / "cache" / "tokens.npy", tokens.astype(np.int32))
+    np.save(tmp_path / "cache" / "hidden.npy", (3 * rows / rows.norm(dim=-1, keepdim=True) * 4).numpy().astype(np.float16))
+    np.save(tmp_path / "cache" / "offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+    (tmp_path / "cache" / "meta.json").write_text(json.dumps({"hidden_size": D, "sequences": 24, "tokens": sum(lens)}))
+    cache = HiddenCache(tmp_path / "cache")
+    cfg = HydraConfig(num_heads=3, num_layers=1, hidden_size=D, target=IDENT, reduced_vocab=64)
+    heads = HydraHeads(cfg, embed, lm_head, reduced_token_map(cache.token_counts(VOCAB), 64))
+    data = HeadData(cache, 3, val_fraction=0.2, seed=0, device=torch.device("cpu"))
+    train(heads, data, TrainConfig(steps=150, batch_size=64, lr=1e-2, warmup=5), tmp_path / "run")
+    table = measure_acceptance(heads, data, ranks=4, confidence_bins=5)
+    assert table.acceptance.shape == (3, 4, 5)
+    # every held-out position with a target for head k is counted once per rank
+    per_depth = data.batch(data.val_pos, data.val_valid)["mask"].sum(0)
+    assert table.counts.sum((1, 2)).tolist() == (per_depth * 4).tolist()
+    # the rank-0 acceptance is the held-out top-1 agreement (up to the shrinkage's pull)
+    top1 = evaluate(heads, data)["top1"]
+    rate = (table.acceptance * table.counts).sum(-1) / table.counts.sum(-1)  # [depth, rank]
+    assert all(abs(a - b) < 0.05 for a, b in zip(rate[:, 0].tolist(), top1)), (rate, top1)
+    assert bool((rate[:, 0] > 0.3).all()) and bool((rate[:, 0] > 3 * rate[:, 3]).all()), rate  # learned
+    save_heads(heads, tmp_path / "ckpt")
+    table.save(tmp_path / "ckpt" / "acceptance.json")
+    assert torch.allclose(load_acceptance(tmp_path / "ckpt").acceptance, table.acceptance, atol=1e-5)
+    from dyntree.common.drafter import TargetInfo
+
+    target = TargetInfo("tiny", D, embed, lm_head, "ab" * 32)
+    assert make_hydra_drafter(str(tmp_path / "ckpt"), target=target).acceptance_table is not None
+    assert make_hydra_drafter(f"{tmp_path / 'ckpt'},table=off", target=target).acceptance_table is None
+    sp = Speculator(make_hydra_drafter(str(tmp_path / "ckpt"), target=target), SpecConfig(tree="dyntree"),
+                    vocab_size=VOCAB)
+    assert sp.builder is not None and sp.builder.calibrator.table is not None
+    cfg2 = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**cfg2, "num_heads": 2}))
+    with pytest.raises(HydraMismatchError, match="3 depths, the heads 2"):
+        load_acceptance(tmp_path / "ckpt")
 
 
 def test_expand_scores_frontiers_with_the_matching_head() -> None:

@@ -350,30 +350,39 @@ def test_engine_hidden_rows_equal_a_plain_forward(tok, alternate: bool) -> None:
 # -- training on windows ----------------------------------------------------------------------
 
 
-def _synthetic_cache(path: Path, seed: int = 0):
-    """Sequences of uneven lengths, so windows meet sequence starts."""
-    return synthetic_head_cache(path, VOCAB, D, [30, 12, 25, 30, 7, 30, 18, 30] * 3, seed)
+def _synthetic_cache(path: Path, seed: int = 0, prompt: int = 1):
+    """Sequences of uneven lengths, so windows meet sequence starts; ``prompt`` tokens each."""
+    lens = [30, 12, 25, 30, 7, 30, 18, 30] * 3
+    return synthetic_head_cache(path, VOCAB, D, [n + prompt - 1 for n in lens], seed,
+                                prompt_lens=[prompt] * len(lens) if prompt > 1 else None)
 
 
-def test_windows_stay_inside_one_sequence(tmp_path: Path) -> None:
-    cache = _synthetic_cache(tmp_path / "cache")
+@pytest.mark.parametrize("prompt", [1, 6])
+def test_windows_stay_inside_one_sequence(tmp_path: Path, prompt: int) -> None:
+    """Training windows end at a training position and reach back up to ``window`` rows (into the
+    prompt when the cache holds it), scoring heads only at response positions; held-out windows
+    score every held-out position exactly once."""
+    cache = _synthetic_cache(tmp_path / "cache", prompt=prompt)
     data = HeadData(cache, 3, val_fraction=0.25, seed=0, device=torch.device("cpu"))
     idx = torch.arange(0, data.train_pos.numel(), 7)
     b = data.train_windows(idx, 8)
     assert b["hidden"].shape == (idx.numel(), 8, D) and b["tokens"].shape == (idx.numel() * 8, 3)
     last = data.train_pos[idx]
     first = torch.maximum(data.train_start[idx], last - 7)
-    mask = b["mask"].view(idx.numel(), 8, 3)
-    real = mask[..., 0]
-    assert torch.equal(real.sum(1), last - first + 1)  # rows first..last, then padding
-    assert torch.equal(b["hidden"][:, 0], data.hidden[first].float())
-    # head k has a target at row g iff g + k <= end - 2
     rows = first[:, None] + torch.arange(8)
+    mask = b["mask"].view(idx.numel(), 8, 3)
+    scored = mask[..., 0]
+    assert torch.equal(scored, (rows <= last[:, None]) & (rows >= data.train_rstart[idx, None]))
+    assert torch.equal(b["hidden"][:, 0], data.hidden[first].float())
+    assert bool((first < data.train_rstart[idx]).any()) == (prompt > 1)  # context from the prompt
+    # head k has a target at row g iff g + k <= end - 2
     has_target = rows[..., None] + torch.arange(1, 4) <= data.train_end[idx, None, None] - 2
-    assert torch.equal(mask, real[..., None] & has_target)
-    f, l, e = data.val_windows(8)  # held-out windows tile the held-out positions exactly once
-    covered = torch.cat([torch.arange(a, b + 1) for a, b in zip(f.tolist(), l.tolist())])
+    assert torch.equal(mask, scored[..., None] & has_target)
+    f, l, e, s = data.val_windows(8)
+    assert bool((l - f < 8).all()) and bool((s >= f).all())
+    covered = torch.cat([torch.arange(a, b + 1) for a, b in zip(s.tolist(), l.tolist())])
     assert torch.equal(covered.sort().values, data.val_pos.sort().values)
+    assert bool((s > f).any())  # later steps see earlier rows as context
 
 
 def test_tiny_training_run_with_prefix_attention_reduces_loss(tmp_path: Path) -> None:

@@ -14,7 +14,10 @@ from the root, depth by depth:
 * ``dyntree``: a frontier node with draft entropy ``H`` may get up to ``k(H)`` children (one for a
   confident node, ``max_children`` for an uncertain one); a child is kept if its *path value* (the
   product of calibrated acceptance probabilities from the root, i.e. its chance of being
-  accepted) reaches ``threshold``. Greedy trees are then trimmed to the ``max_nodes`` best nodes
+  accepted) reaches ``threshold``. When the calibration holds the drafter's measured
+  :class:`~dyntree.common.calibration.AcceptanceTable`, the values already say what entropy and
+  rank are worth: every node offers as many candidates as the table has ranks, and the values
+  alone choose (the width follows the measured acceptance). Greedy trees are then trimmed to the ``max_nodes`` best nodes
   by path value: values never grow along a path, so the kept set is ancestor-closed and its total
   value (the expected number of accepted tokens) is the largest possible for the candidates seen.
 * ``beam``: best-first by draft probability: every frontier node offers its top-``beam_topk``
@@ -99,10 +102,13 @@ class BuiltTree(DraftTree):
             (root: 0); the calibrator's second feature.
         values: ``[N]`` calibrated path values (root: 1); their sum minus one is the expected
             number of accepted draft tokens.
+        ranks: ``[N]`` each node's rank among its parent's candidates (0 = the drafter's most
+            likely; root: 0); the calibration's third feature.
     """
 
     node_entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None
 
     @property
     def expected_accepted(self) -> float:
@@ -151,6 +157,7 @@ class _Growth:
     probs: list[float] = field(default_factory=lambda: [1.0])
     ents: list[float] = field(default_factory=lambda: [0.0])
     values: list[float] = field(default_factory=lambda: [1.0])
+    ranks: list[int] = field(default_factory=lambda: [0])
     shape_path: list[tuple[int, ...]] = field(default_factory=lambda: [()])
     dists: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # sampling: support, probs
     logp: list[float] = field(default_factory=lambda: [0.0])  # beam: path log draft probability
@@ -160,7 +167,8 @@ class _Growth:
     def partial(self) -> PartialTree:
         return PartialTree(self.tokens, self.parents, self.depths)
 
-    def add(self, parent: int, token: int, prob: float, ent: float, value: float, shape: tuple[int, ...] = ()) -> int:
+    def add(self, parent: int, token: int, prob: float, ent: float, value: float, rank: int,
+            shape: tuple[int, ...] = ()) -> int:
         self.logp.append(self.logp[parent] + math.log(max(prob, 1e-30)))
         self.tokens.append(token)
         self.parents.append(parent)
@@ -168,6 +176,7 @@ class _Growth:
         self.probs.append(prob)
         self.ents.append(ent)
         self.values.append(value)
+        self.ranks.append(rank)
         self.shape_path.append(shape)
         return len(self.tokens) - 1
 
@@ -303,7 +312,8 @@ class TreeBuilder:
             return max((p[-1] + 1 for p in shape), default=1)
         if mode == "beam":
             return max((self._beam(g, beam)[1] for g in growths), default=1)
-        return self.options.max_children
+        table = self.calibrator.table
+        return table.ranks if table is not None else self.options.max_children
 
     @staticmethod
     def _beam(g: _Growth, beam: tuple[int | None, int | None]) -> tuple[int, int]:
@@ -324,11 +334,14 @@ class TreeBuilder:
             raise ValueError(f"expand output for tree {b}: candidate token ids must lie in [0, {vocab})")
         return ids, probs, ents
 
-    def _values(self, g: _Growth, nodes: list[int], conf: torch.Tensor, ents: torch.Tensor) -> torch.Tensor:
+    def _values(self, g: _Growth, nodes: list[int], conf: torch.Tensor, ents: torch.Tensor,
+                ranks: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """``[F, k]`` path values of children with confidences ``conf`` (``[F, k]``) under
-        ``nodes`` (``F`` parents whose draft entropies are ``ents``), at depth ``g.depth``."""
+        ``nodes`` (``F`` parents whose draft entropies are ``ents``), at depth ``g.depth``;
+        ``ranks``: the children's candidate ranks (default: their columns, 0..k-1)."""
         depth = torch.full(conf.shape, g.depth, dtype=torch.int64)
-        cal = self.calibrator.predict(depth, conf, ents.reshape(-1, 1).expand(conf.shape))
+        rank = (torch.arange(conf.shape[1]) if ranks is None else torch.as_tensor(ranks)).expand(conf.shape)
+        cal = self.calibrator.predict(depth, conf, ents.reshape(-1, 1).expand(conf.shape), rank)
         return torch.tensor([g.values[i] for i in nodes]).reshape(-1, 1) * cal
 
     def _draw(self, probs: torch.Tensor, counts: Sequence[int], gen: torch.Generator | None) -> list[list[int]]:
@@ -342,8 +355,8 @@ class TreeBuilder:
             return
         j = self._draw(probs[:1], [1], gen)[0][0] if sampling else 0
         p = probs[0, j] / probs[0].sum() if sampling else probs[0, j]
-        value = float(self._values(g, [node], p.reshape(1, 1), ents[:1])[0, 0])
-        g.frontier = [g.add(node, int(ids[0, j]), float(p), float(ents[0]), value)]
+        value = float(self._values(g, [node], p.reshape(1, 1), ents[:1], [j])[0, 0])
+        g.frontier = [g.add(node, int(ids[0, j]), float(p), float(ents[0]), value, j)]
 
     def _grow_static(self, g: _Growth, ids: torch.Tensor, probs: torch.Tensor, ents: torch.Tensor,
                      shape: tuple[tuple[int, ...], ...], sampling: bool, gen: torch.Generator | None) -> None:
@@ -365,10 +378,10 @@ class TreeBuilder:
             if not col:
                 continue
             conf = probs[f, col]
-            vals = self._values(g, [node], conf[None], ents[f : f + 1])[0]
+            vals = self._values(g, [node], conf[None], ents[f : f + 1], col)[0]
             for r, j, c, v in zip(ranks, col, conf.tolist(), vals.tolist()):
                 path = g.shape_path[node] + (r,)
-                child = g.add(node, int(ids[f, j]), c, float(ents[f]), v, path)
+                child = g.add(node, int(ids[f, j]), c, float(ents[f]), v, j, path)
                 if any(len(p) == len(path) + 1 and p[:-1] == path for p in allowed_set):
                     new.append(child)
         g.frontier = new
@@ -384,7 +397,7 @@ class TreeBuilder:
         keep = cands[: min(width, room)]
         frontier = list(g.frontier)
         vals = self._values(g, frontier, probs[:, :topk], ents)
-        g.frontier = [g.add(frontier[f], i_list[f][j], p_list[f][j], float(ents[f]), float(vals[f, j]))
+        g.frontier = [g.add(frontier[f], i_list[f][j], p_list[f][j], float(ents[f]), float(vals[f, j]), j)
                       for _, f, j in keep]
 
     def _max_children(self, ents: torch.Tensor) -> torch.Tensor:
@@ -398,7 +411,8 @@ class TreeBuilder:
     def _grow_dyntree(self, g: _Growth, ids: torch.Tensor, probs: torch.Tensor, ents: torch.Tensor,
                       sampling: bool, gen: torch.Generator | None) -> None:
         o = self.options
-        k = self._max_children(ents)
+        table = self.calibrator.table
+        k = torch.full_like(ents, table.ranks, dtype=torch.int64) if table is not None else self._max_children(ents)
         k = torch.minimum(k, (probs > 0).sum(-1))  # draws without replacement need that many tokens with mass
         kmax = min(int(k.max()) if k.numel() else 0, probs.shape[1])
         if kmax == 0:
@@ -422,14 +436,14 @@ class TreeBuilder:
                 if not cols:
                     continue
                 conf = q[f, cols]
-                child_vals = self._values(g, [node], conf[None], ents[f : f + 1])[0]
+                child_vals = self._values(g, [node], conf[None], ents[f : f + 1], cols)[0]
                 for j, c, v in zip(cols, conf.tolist(), child_vals.tolist()):
-                    new.append((v, g.add(node, int(ids[f, j]), c, float(ents[f]), v)))
+                    new.append((v, g.add(node, int(ids[f, j]), c, float(ents[f]), v, j)))
         else:  # greedy children are the chosen candidates themselves: their values are known
             p_list, i_list, v_list, e_list = top_p.tolist(), ids[:, :kmax].tolist(), vals.tolist(), ents.tolist()
             for c in chosen:  # sorted: parents in frontier order, each one's children in rank order
                 f, j = divmod(c, kmax)
-                new.append((v_list[f][j], g.add(g.frontier[f], i_list[f][j], p_list[f][j], e_list[f], v_list[f][j])))
+                new.append((v_list[f][j], g.add(g.frontier[f], i_list[f][j], p_list[f][j], e_list[f], v_list[f][j], j)))
         new.sort(key=lambda t: (-t[0], t[1]))
         g.frontier = [i for v, i in new[: o.max_frontier] if v >= o.threshold]
         if not sampling and g.frontier and g.drafted >= g.max_nodes:
@@ -461,4 +475,5 @@ class TreeBuilder:
             dists,
             node_entropy=torch.tensor([g.ents[i] for i in keep], dtype=torch.float32),
             values=torch.tensor([g.values[i] for i in keep], dtype=torch.float32),
+            ranks=torch.tensor([g.ranks[i] for i in keep], dtype=torch.int64),
         )

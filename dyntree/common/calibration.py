@@ -1,15 +1,21 @@
-"""Online calibration: draft confidence (and entropy) -> measured acceptance probability.
+"""Calibration: draft confidence (rank, entropy) -> the chance the target accepts a draft node.
 
 The dynamic tree builder values a branch by the product of per-node acceptance probabilities.
 A drafter's own probability for a token is a biased estimate of the chance the target accepts it
-(over- or under-confident, and differently at different depths), so :class:`Calibrator` learns a
-correction per ``(depth, entropy bin, confidence bin)`` from verification outcomes:
+(over- or under-confident, differently at different depths, and for trained heads often no better
+than the candidate's rank), so the estimate has two parts:
 
-    predict(depth, conf, H) = clamp(conf + R / (W + prior_strength), 0, 1)
+* a *base* estimate: the drafter's :class:`AcceptanceTable` when it ships one (acceptance measured
+  offline per ``(depth, rank, confidence bin)`` on held-out data, e.g. Hydra heads on held-out
+  training sequences), else the confidence itself;
+* an online correction per ``(depth, entropy bin, confidence bin)`` learned by
+  :class:`Calibrator` from verification outcomes::
 
-where ``W`` is the (decayed) number of observations in the bin and ``R`` the (decayed) sum of
-``accepted - conf`` over them. With no data this is the identity map ``conf``; with plenty it is
-the bin's measured acceptance rate plus the within-bin slope of ``conf``.
+    predict(depth, conf, H, rank) = clamp(base + R / (W + prior_strength), 0, 1)
+
+  where ``W`` is the (decayed) number of observations in the bin and ``R`` the (decayed) sum of
+  ``accepted - base`` over them. With no data this is the base estimate; with plenty it is the
+  bin's measured acceptance rate plus the within-bin variation of the base.
 
 An observation is a draft node whose parent was on the accepted path (so the target did judge
 it): ``accepted`` says whether the node itself was accepted. Nodes below a rejected node carry
@@ -18,14 +24,17 @@ no information and are skipped.
 
 from __future__ import annotations
 
-from typing import Sequence
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 
 from dyntree.common.options import CalibrationOptions
 from dyntree.common.tree import DraftTree
 
-__all__ = ["Calibrator", "entropy"]
+__all__ = ["AcceptanceTable", "Calibrator", "entropy"]
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -34,10 +43,80 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
     return -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
 
 
-class Calibrator:
-    """Per-depth map from (draft confidence, draft entropy) to acceptance probability."""
+@dataclass(frozen=True)
+class AcceptanceTable:
+    """Measured acceptance of a drafter's candidates: ``acceptance[d - 1, r, c]`` is the chance that
+    the rank-``r`` candidate (0 = most likely) at depth ``d`` whose draft probability falls in
+    confidence bin ``c`` (``confidence_bins`` equal-width bins over [0, 1]) is the target's token,
+    given that its parent is. Deeper depths and lower ranks than the table holds use its last
+    depth / rank. ``counts`` holds the observations behind each cell; ``source`` says where they
+    came from (never evaluation data)."""
 
-    def __init__(self, options: CalibrationOptions | None = None) -> None:
+    acceptance: torch.Tensor  # [depths, ranks, confidence_bins] float32
+    counts: torch.Tensor  # same shape, int64
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        a, c = self.acceptance, self.counts
+        if a.dim() != 3 or c.shape != a.shape or 0 in a.shape:
+            raise ValueError(f"AcceptanceTable: acceptance {tuple(a.shape)} and counts {tuple(c.shape)} must be one "
+                             "non-empty [depths, ranks, confidence_bins] shape")
+        if not bool(((a >= 0) & (a <= 1)).all()):
+            raise ValueError("AcceptanceTable: acceptance must lie in [0, 1]")
+
+    @property
+    def ranks(self) -> int:
+        return int(self.acceptance.shape[1])
+
+    @classmethod
+    def from_counts(cls, hits: torch.Tensor, counts: torch.Tensor, source: str = "", strength: float = 20.0) -> "AcceptanceTable":
+        """A table from per-cell hits and observations: each cell's rate is shrunk toward its
+        ``(depth, rank)`` rate with ``strength`` pseudo-observations (sparse cells follow the rank)."""
+        hits, counts = hits.double(), counts.double()
+        rank_rate = hits.sum(-1, keepdim=True) / counts.sum(-1, keepdim=True).clamp(min=1)
+        rate = (hits + strength * rank_rate) / (counts + strength)
+        return cls(rate.float().clamp(0, 1), counts.round().long(), source)
+
+    def lookup(self, depth: torch.Tensor, rank: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
+        """The acceptance of candidates (tensors of one shape; float32)."""
+        n_d, n_r, n_c = self.acceptance.shape
+        d = (torch.as_tensor(depth, dtype=torch.int64) - 1).clamp(0, n_d - 1)
+        r = torch.as_tensor(rank, dtype=torch.int64).clamp(0, n_r - 1)
+        c = (torch.as_tensor(conf, dtype=torch.float32).clamp(0, 1) * n_c).long().clamp(max=n_c - 1)
+        return self.acceptance[d, r, c]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "shape": list(self.acceptance.shape),
+                "acceptance": [round(x, 5) for x in self.acceptance.flatten().tolist()],
+                "counts": self.counts.flatten().tolist()}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> "AcceptanceTable":
+        try:
+            shape = tuple(int(x) for x in doc["shape"])
+            acc = torch.tensor(doc["acceptance"], dtype=torch.float32).reshape(shape)
+            counts = torch.tensor(doc["counts"], dtype=torch.int64).reshape(shape)
+        except (KeyError, TypeError, RuntimeError, ValueError) as exc:
+            raise ValueError(f"malformed acceptance table ({exc})") from None
+        return cls(acc, counts, str(doc.get("source", "")))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "AcceptanceTable":
+        try:
+            return cls.from_json(json.loads(Path(path).read_text()))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+
+class Calibrator:
+    """Per-depth map from (draft confidence, draft entropy, candidate rank) to acceptance
+    probability: the drafter's :class:`AcceptanceTable` (or the confidence) corrected online."""
+
+    def __init__(self, options: CalibrationOptions | None = None, table: AcceptanceTable | None = None) -> None:
+        self.table = table
         self.options = options or CalibrationOptions()
         o = self.options
         self._edges = torch.tensor(o.entropy_edges, dtype=torch.float32)
@@ -64,15 +143,25 @@ class Calibrator:
         n_e, n_c = len(o.entropy_edges) + 1, o.confidence_bins
         return (d * n_e + e) * n_c + c
 
-    def predict(self, depth: torch.Tensor, conf: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
-        """Calibrated acceptance probability, same shape as ``conf`` (float32, CPU)."""
+    def base(self, depth: torch.Tensor, conf: torch.Tensor, rank: torch.Tensor | None = None) -> torch.Tensor:
+        """The estimate before online correction (float64, CPU): the table's, else ``conf``."""
+        conf = torch.as_tensor(conf, dtype=torch.float32).cpu()
+        if self.table is None:
+            return conf.double().clamp(0, 1)
+        rank = torch.zeros_like(conf, dtype=torch.int64) if rank is None else torch.as_tensor(rank).cpu()
+        return self.table.lookup(torch.as_tensor(depth).cpu(), rank, conf).double()
+
+    def predict(self, depth: torch.Tensor, conf: torch.Tensor, ent: torch.Tensor,
+                rank: torch.Tensor | None = None) -> torch.Tensor:
+        """Calibrated acceptance probability, same shape as ``conf`` (float32, CPU). ``rank``: each
+        candidate's rank among its siblings' candidates (0 = most likely; default 0)."""
         flat = self._bins(depth, conf, ent)
         w = self.weight.view(-1)[flat]
         r = self.residual.view(-1)[flat]
-        conf64 = torch.as_tensor(conf, dtype=torch.float64).cpu()
-        return (conf64 + r / (w + self.options.prior_strength)).clamp(0, 1).float()
+        return (self.base(depth, conf, rank) + r / (w + self.options.prior_strength)).clamp(0, 1).float()
 
-    def update(self, depth: torch.Tensor, conf: torch.Tensor, ent: torch.Tensor, accepted: torch.Tensor) -> None:
+    def update(self, depth: torch.Tensor, conf: torch.Tensor, ent: torch.Tensor, accepted: torch.Tensor,
+               rank: torch.Tensor | None = None) -> None:
         """Fold in observations: each judged draft node and whether the target accepted it."""
         flat = self._bins(depth, conf, ent)
         acc = torch.as_tensor(accepted).cpu().to(torch.float64)
@@ -84,9 +173,9 @@ class Calibrator:
         keep = self.options.decay**n
         self.weight.mul_(keep)
         self.residual.mul_(keep)
-        conf64 = torch.as_tensor(conf, dtype=torch.float64).cpu().clamp(0, 1)
+        base = self.base(depth, conf, rank).reshape(flat.shape)
         self.weight.view(-1).index_add_(0, flat, torch.ones(n, dtype=torch.float64))
-        self.residual.view(-1).index_add_(0, flat, acc - conf64)
+        self.residual.view(-1).index_add_(0, flat, acc - base)
         self.observations += n
 
     def observe(
@@ -121,5 +210,7 @@ class Calibrator:
         judged = torch.zeros(tree.size, dtype=torch.bool)
         judged[1:] = on_path[tree.parents[1:]]
         idx = torch.nonzero(judged).flatten()
-        self.update(tree.depths[idx], tree.draft_probs[idx].cpu(), node_entropy.cpu()[idx], on_path[idx])
+        ranks = getattr(tree, "ranks", None)
+        self.update(tree.depths[idx], tree.draft_probs[idx].cpu(), node_entropy.cpu()[idx], on_path[idx],
+                    ranks[idx] if ranks is not None else None)
         return int(idx.numel())

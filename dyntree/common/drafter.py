@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Hashable, Protocol, Sequence
 
 import torch
 
-from dyntree.common.calibration import entropy
+from dyntree.common.calibration import AcceptanceTable, entropy
 from dyntree.common.sampling import process_logits
 from dyntree.common.tree import DraftTree
 
@@ -198,6 +198,9 @@ class Drafter:
         acceptance_prior: the top-1 acceptance the adaptive controller assumes before it has
             observed any (``None``: its ``alpha_prior`` option); set by drafters whose kind says
             much more than a generic prior (a self-draft is mostly the target itself).
+        acceptance_table: the measured acceptance of this drafter's candidates per depth, rank and
+            confidence (:class:`~dyntree.common.calibration.AcceptanceTable`), the tree builder's
+            starting calibration (``None``: the confidences are taken at face value).
     """
 
     name: ClassVar[str] = ""
@@ -207,6 +210,7 @@ class Drafter:
     beam_width: int | None = None
     beam_topk: int | None = None
     acceptance_prior: float | None = None
+    acceptance_table: AcceptanceTable | None = None
 
     @property
     def drafts_with_builder(self) -> bool:

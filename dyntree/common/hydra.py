@@ -41,12 +41,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dyntree.common.calibration import AcceptanceTable
 from dyntree.common.linear import install, linear
 
 if TYPE_CHECKING:
     from dyntree.common.drafter import TargetInfo
 
 __all__ = [
+    "ACCEPTANCE_FILE",
     "tokenizer_sha256",
     "HydraConfig",
     "HydraHeads",
@@ -55,11 +57,15 @@ __all__ = [
     "PrefixKV",
     "TargetIdentity",
     "default_prefix_heads",
+    "load_acceptance",
     "load_heads",
     "save_heads",
 ]
 
 FORMAT_VERSION = 1
+#: Optional file of a checkpoint directory: the heads' measured acceptance per depth, rank and
+#: confidence (:class:`~dyntree.common.calibration.AcceptanceTable`), the tree builder's calibration.
+ACCEPTANCE_FILE = "acceptance.json"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: The prefix layer's SwiGLU MLP width, in multiples of the hidden size.
 PREFIX_MLP_RATIO = 3
@@ -522,3 +528,19 @@ def load_heads(
             f"model.safetensors does not match config.json: missing {missing}, unexpected {unexpected}"
         )
     return heads.to(device=device, dtype=dtype).eval()
+
+
+def load_acceptance(ckpt_dir: str | Path) -> AcceptanceTable | None:
+    """The checkpoint's measured :class:`AcceptanceTable` (``None`` when it has none); refuses a
+    table whose depths are not the heads'."""
+    path = Path(ckpt_dir) / ACCEPTANCE_FILE
+    if not path.is_file():
+        return None
+    try:
+        table = AcceptanceTable.load(path)
+    except ValueError as exc:
+        raise HydraMismatchError(str(exc)) from None
+    heads = read_config(ckpt_dir).num_heads
+    if table.acceptance.shape[0] != heads:
+        raise HydraMismatchError(f"{path}: the table has {table.acceptance.shape[0]} depths, the heads {heads}")
+    return table

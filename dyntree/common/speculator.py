@@ -27,6 +27,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from dyntree.common.builder import BuiltTree, PartialTree, TreeBuilder
+from dyntree.common.calibration import Calibrator
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.controller import CostModel, Plan, SpeculationController
 from dyntree.common.drafter import Candidates, DraftRequest, Drafter
@@ -169,7 +170,8 @@ class Speculator:
                              "SelfDraftBackend before building the speculator")
         self.own_mode: TreeMode | None = None if drafter.has_own_trees else "beam"
         uses_builder = spec.tree is not None or self.own_mode is not None
-        self.builder = TreeBuilder(spec.builder_options()) if uses_builder else None
+        options = spec.builder_options()
+        self.builder = TreeBuilder(options, Calibrator(options.calibration, drafter.acceptance_table)) if uses_builder else None
         self._cost = cost_model
         self._padded = padded
         self.controller: SpeculationController | None = None

@@ -54,6 +54,12 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--gen-dtype", default="fp32", help="target dtype while generating (fp32, bf16, fp16)")
     p.add_argument("--work-dir", default=None, help="training state and log (default $DYNTREE_CACHE/train-heads/<OUT name>)")
     p.add_argument("--cache-dir", default=None, help="generated data + hidden states (default WORK/cache)")
+    p.add_argument("--gen-minutes", type=float, default=None,
+                   help="stop generating after this many minutes and use the batches finished so far "
+                   "(a random sample of the prompts); rerun with the same --cache-dir to resume")
+    p.add_argument("--generate-only", action="store_true",
+                   help="stop once the data cache is complete (generate in the background or on a GPU, "
+                   "train later with the same --cache-dir)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch default)")
     p.set_defaults(func=run_train_heads)
@@ -61,12 +67,13 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
 
 
 def run_train_heads(args: argparse.Namespace) -> int:
-    from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, default_prefix_heads, save_heads
+    from dyntree.common.hydra import (ACCEPTANCE_FILE, HydraConfig, HydraHeads, HydraMismatchError,
+                                      default_prefix_heads, save_heads)
     from dyntree.models import cache_root, load_model, parse_dtype, resolve_device
     from dyntree.training.data import generate_cache, read_prompts
     from dyntree.common.hydra import TargetIdentity
     from dyntree.standalone.target import hf_target
-    from dyntree.training.trainer import HeadData, TrainConfig, reduced_token_map, train
+    from dyntree.training.trainer import HeadData, TrainConfig, measure_acceptance, reduced_token_map, train
 
     for name in ("heads", "layers", "steps", "batch_size", "prompts", "max_new_tokens", "gen_batch_size", "window"):
         if getattr(args, name) < 1:
@@ -96,9 +103,13 @@ def run_train_heads(args: argparse.Namespace) -> int:
         raise SystemExit(str(exc)) from None
     prompts = read_prompts(args.data, args.prompts, args.seed)
     cache = generate_cache(model, tok, prompts, cache_dir, batch_size=args.gen_batch_size,
-                           max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
+                           max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                           time_budget_s=args.gen_minutes * 60 if args.gen_minutes else None)
     t_gen = time.time() - t0
-    print(f"data: {cache.meta['sequences']} responses, {cache.meta['tokens']} tokens ({t_gen:.0f} s)", file=sys.stderr)
+    print(f"data: {cache.meta['sequences']} responses, {cache.meta.get('response_tokens', cache.meta['tokens'])} "
+          f"response tokens ({t_gen:.0f} s)", file=sys.stderr)
+    if args.generate_only:
+        return 0
 
     embed, lm_head = target.embed, target.lm_head
     vocab = identity.vocab_size
@@ -108,7 +119,9 @@ def run_train_heads(args: argparse.Namespace) -> int:
     cfg = HydraConfig(
         **arch,
         training={"command": command, "data": [Path(d).name for d in args.data], "prompts": args.prompts,
-                  "responses": cache.meta["sequences"], "tokens": cache.meta["tokens"], "steps": args.steps,
+                  "responses": cache.meta["sequences"],
+                  "tokens": cache.meta.get("response_tokens", cache.meta["tokens"]),
+                  "generation": cache.meta["settings"] | {"dtype": args.gen_dtype}, "steps": args.steps,
                   "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
                   **({"window": args.window} if args.prefix_attention else {})},
     )
@@ -120,6 +133,8 @@ def run_train_heads(args: argparse.Namespace) -> int:
     result = train(heads, data, tcfg, work)
     heads.config.training.update({"val": result["val"], "wall_s": round(time.time() - t0, 1)})
     save_heads(heads, out, torch.float16)
+    table = measure_acceptance(heads, data, window=args.window)
+    table.save(out / ACCEPTANCE_FILE)
     print(json.dumps({"out": str(out), "val": result["val"], "wall_s": round(time.time() - t0, 1)}))
     return 0
 

@@ -4,12 +4,16 @@ and last-layer hidden states on disk.
 The cache directory holds, per finished batch, ``chunks/NNNNN.npz`` (so an interrupted run resumes
 at the next batch), and once all batches are done the consolidated arrays the trainer reads:
 
-* ``tokens.npy``  int32 ``[M]``: per sequence, the last prompt token then the response tokens
+* ``tokens.npy``  int32 ``[M]``: per sequence, the prompt tokens then the response tokens
   (through the end-of-sequence token when one was produced);
 * ``hidden.npy``  fp16 (memory-mapped) ``[M, d]``: row ``i`` is the target's last-layer hidden state (after
   the final norm) at token ``i``: the state whose logits produced token ``i + 1``; the last row of
   each sequence is zero (never produced anything);
 * ``offsets.npy`` int64 ``[S + 1]``: sequence boundaries;
+* ``prompt_lens.npy`` int64 ``[S]``: prompt tokens at the start of each sequence. Heads train on the
+  response part only (from the last prompt token on); the prompt rows are context for the prefix
+  layer (Hydra++ sees the whole prompt at inference, so it trains with it). Caches written before
+  this file existed hold only the last prompt token (a prompt length of 1);
 * ``meta.json``: hidden size, counts, the generation settings.
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -60,8 +65,9 @@ def _encode(tokenizer: Any, prompt: str) -> list[int]:
 @torch.no_grad()
 def _generate_batch(
     model: Any, batch: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Greedy-generate for a left-padded batch; return (tokens, hidden, lengths) for its sequences."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Greedy-generate for a left-padded batch; return (tokens, hidden, lengths, prompt lengths)
+    for its sequences (prompt and response each)."""
     device = next(model.parameters()).device
     width = max(len(p) for p in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -71,7 +77,8 @@ def _generate_batch(
         mask[i, width - len(p):] = 1
     captured: list[torch.Tensor] = []
     norm = model.get_decoder().norm  # the LM-head input is the final norm's output
-    handle = norm.register_forward_hook(lambda _m, _i, out: captured.append(out[:, -1].float().cpu()))
+    # the first call is the prefill (every prompt position), then one position per step
+    handle = norm.register_forward_hook(lambda _m, _i, out: captured.append(out.float().cpu()))
     try:
         seqs = model.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
@@ -79,23 +86,29 @@ def _generate_batch(
         ).cpu()
     finally:
         handle.remove()
-    hidden = torch.stack(captured, dim=1)  # [B, steps, d]; step s produced response token s
-    toks_out, hid_out, lens = [], [], []
-    for i in range(len(batch)):
+    prefill = captured[0]  # [B, width, d]
+    # [B, steps, d]: step s produced response token s (step 0 is the prefill's last position)
+    hidden = torch.cat([prefill[:, -1:], *captured[1:]], dim=1)
+    toks_out, hid_out, lens, plens = [], [], [], []
+    for i, prompt in enumerate(batch):
         resp = seqs[i, width:].tolist()
         m = resp.index(eos_id) + 1 if eos_id in resp else len(resp)
         m = min(m, hidden.shape[1])
         if m < 2:
             continue
-        toks_out.append(np.array([batch[i][-1], *resp[:m]], dtype=np.int32))
-        h = np.zeros((m + 1, hidden.shape[2]), dtype=np.float16)
-        h[:m] = hidden[i, :m].numpy().astype(np.float16)
+        p = len(prompt)
+        toks_out.append(np.array([*prompt, *resp[:m]], dtype=np.int32))
+        h = np.zeros((p + m, hidden.shape[2]), dtype=np.float16)
+        h[:p - 1] = prefill[i, width - p:width - 1].numpy().astype(np.float16)
+        h[p - 1:p - 1 + m] = hidden[i, :m].numpy().astype(np.float16)
         hid_out.append(h)
-        lens.append(m + 1)
+        lens.append(p + m)
+        plens.append(p)
     d = hidden.shape[2]
     if not lens:
-        return np.zeros(0, np.int32), np.zeros((0, d), np.float16), np.zeros(0, np.int64)
-    return np.concatenate(toks_out), np.concatenate(hid_out), np.array(lens, dtype=np.int64)
+        return np.zeros(0, np.int32), np.zeros((0, d), np.float16), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return (np.concatenate(toks_out), np.concatenate(hid_out), np.array(lens, dtype=np.int64),
+            np.array(plens, dtype=np.int64))
 
 
 def generate_cache(
@@ -106,18 +119,26 @@ def generate_cache(
     batch_size: int = 16,
     max_new_tokens: int = 128,
     max_prompt_tokens: int = 256,
+    time_budget_s: float | None = None,
 ) -> "HiddenCache":
-    """Generate responses and hidden states for ``prompts`` into ``cache_dir`` (resumable)."""
+    """Generate responses and hidden states for ``prompts`` into ``cache_dir`` (resumable).
+
+    Batches hold prompts of similar length (little padding) and run in a seeded random order, so
+    the batches finished so far are an unbiased sample of the prompts. With ``time_budget_s`` the
+    run stops after the first batch that ends past the budget and consolidates what is finished
+    (``meta["complete"]`` is then False); a later call with the same settings resumes.
+    """
     out = Path(cache_dir)
     chunks = out / "chunks"
     chunks.mkdir(parents=True, exist_ok=True)
     settings = {"prompts": len(prompts), "batch_size": batch_size, "max_new_tokens": max_new_tokens,
-                "max_prompt_tokens": max_prompt_tokens}
+                "max_prompt_tokens": max_prompt_tokens, "prompt_hidden": True}
     if (out / "meta.json").exists():
         meta = json.loads((out / "meta.json").read_text())
-        if meta["settings"] == settings:
+        if meta["settings"] != settings:
+            raise ValueError(f"{out} holds a cache made with other settings {meta['settings']}; use another --cache-dir")
+        if meta.get("complete", True):
             return HiddenCache(out)
-        raise ValueError(f"{out} holds a cache made with other settings {meta['settings']}; use another --cache-dir")
     settings_file = out / "settings.json"
     if settings_file.exists() and json.loads(settings_file.read_text()) != settings:
         raise ValueError(f"{out} holds partial chunks made with other settings; use another --cache-dir")
@@ -127,20 +148,30 @@ def generate_cache(
     eos = int(tokenizer.eos_token_id)
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
     batches = [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)]
-    for b, batch in enumerate(tqdm(batches, desc="generate", unit="batch")):
+    order = np.random.default_rng(len(batches)).permutation(len(batches)).tolist()
+    t0 = time.monotonic()
+    bar = tqdm(order, desc="generate", unit="batch")
+    for b in bar:
         path = chunks / f"{b:05d}.npz"
         if path.exists():
             continue
-        toks, hid, lens = _generate_batch(model, batch, max_new_tokens, eos, pad)
+        if time_budget_s is not None and time.monotonic() - t0 > time_budget_s:
+            bar.close()
+            break
+        toks, hid, lens, plens = _generate_batch(model, batches[b], max_new_tokens, eos, pad)
         tmp = chunks / f"{b:05d}.tmp.npz"
-        np.savez(tmp, tokens=toks, hidden=hid, lengths=lens)
+        np.savez(tmp, tokens=toks, hidden=hid, lengths=lens, prompt_lens=plens)
         tmp.rename(path)
-    return _consolidate(out, len(batches), settings)
+    done = [b for b in order if (chunks / f"{b:05d}.npz").exists()]
+    if not done:
+        raise ValueError("no batch finished within the time budget")
+    return _consolidate(out, done, settings, complete=len(done) == len(batches))
 
 
-def _consolidate(out: Path, n_chunks: int, settings: dict[str, Any]) -> "HiddenCache":
-    parts = [np.load(out / "chunks" / f"{b:05d}.npz") for b in range(n_chunks)]
+def _consolidate(out: Path, done: list[int], settings: dict[str, Any], complete: bool) -> "HiddenCache":
+    parts = [np.load(out / "chunks" / f"{b:05d}.npz") for b in done]
     lengths = np.concatenate([p["lengths"] for p in parts])
+    prompt_lens = np.concatenate([p["prompt_lens"] for p in parts])
     total = int(lengths.sum())
     d = int(next(p["hidden"].shape[1] for p in parts))
     hidden = np.lib.format.open_memmap(out / "hidden.npy", mode="w+", dtype=np.float16, shape=(total, d))
@@ -155,7 +186,10 @@ def _consolidate(out: Path, n_chunks: int, settings: dict[str, Any]) -> "HiddenC
     del hidden
     np.save(out / "tokens.npy", tokens)
     np.save(out / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-    meta = {"hidden_size": d, "sequences": int(lengths.size), "tokens": total, "settings": settings}
+    np.save(out / "prompt_lens.npy", prompt_lens)
+    meta = {"hidden_size": d, "sequences": int(lengths.size), "tokens": total,
+            "response_tokens": int(total - prompt_lens.sum() + prompt_lens.size), "settings": settings,
+            "complete": complete, "batches_done": len(done)}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return HiddenCache(out)
 
@@ -173,6 +207,8 @@ class HiddenCache:
         self.meta = json.loads((self.path / "meta.json").read_text())
         self.tokens = np.load(self.path / "tokens.npy")
         self.offsets = np.load(self.path / "offsets.npy")
+        plens = self.path / "prompt_lens.npy"
+        self.prompt_lens = np.load(plens) if plens.exists() else np.ones(self.offsets.size - 1, np.int64)
         self.hidden = np.load(self.path / "hidden.npy", mmap_mode="r")
 
     @property
@@ -183,14 +219,20 @@ class HiddenCache:
         """How often each token occurs in the cached sequences (``[vocab_size]`` int64)."""
         return np.bincount(self.tokens, minlength=vocab_size).astype(np.int64)
 
+    @property
+    def response_starts(self) -> np.ndarray:
+        """Per sequence, the row of the last prompt token: the first training position."""
+        return self.offsets[:-1] + self.prompt_lens - 1
+
     def positions(self, num_heads: int) -> tuple[np.ndarray, np.ndarray]:
         """Training positions ``g`` and how many heads have a target there (1..K).
 
         At ``g`` head ``k`` reads ``hidden[g]`` and tokens ``g+1..g+k`` and learns from the
         target's distribution at ``hidden[g+k]``; it needs ``g + k <= end - 2`` (``end`` = the
-        sequence's exclusive end: the last row's hidden state produced nothing).
+        sequence's exclusive end: the last row's hidden state produced nothing). Positions start at
+        the last prompt token: the heads learn the target's own responses.
         """
-        starts, ends = self.offsets[:-1], self.offsets[1:]
+        starts, ends = self.response_starts, self.offsets[1:]
         pos, valid = [], []
         for s, e in zip(starts, ends):
             g = np.arange(s, e - 2)

@@ -7,12 +7,13 @@ target frozen. A batch is ``batch_size`` positions drawn at random.
 
 Heads with prefix attention read the prefix layer's output at ``g`` instead of ``hidden[g]``, so
 they train on windows: a batch is ``max(1, batch_size // window)`` windows (the same position
-slots per step as without the layer), each up to ``window`` consecutive positions of one cached
-sequence (ending at a random position ``g``, starting at ``max(sequence start,
+slots per step as without the layer), each up to ``window`` consecutive rows of one cached
+sequence (ending at a random training position ``g``, starting at ``max(sequence start,
 g - window + 1)``); the prefix layer runs causally over each window and the head losses apply at
-every position of it. Held-out sequences are cut into consecutive windows. Cached sequences start
-at the prompt's last token, so the layer sees the response part of the prefix only (at inference
-it sees the whole prompt too).
+its response positions. Cached sequences start with the whole prompt (caches written since
+``prompt_lens.npy`` exists), so windows near the start of a response reach back into the prompt,
+as the layer does at inference. Held-out sequences are scored in steps of ``window // 2``
+positions, each step in a window with up to ``window`` rows of context.
 
 The run is seeded (batch ``s`` is drawn from a generator seeded by ``(seed, s)``), resumable
 (``train_state.pt`` every ``save_every`` steps), logs per-head loss and top-1 accuracy (against
@@ -34,10 +35,11 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
+from dyntree.common.calibration import AcceptanceTable
 from dyntree.common.hydra import HydraHeads
 from dyntree.training.data import HiddenCache
 
-__all__ = ["TrainConfig", "HeadData", "train", "evaluate", "reduced_token_map"]
+__all__ = ["TrainConfig", "HeadData", "train", "evaluate", "measure_acceptance", "reduced_token_map"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,8 @@ class HeadData:
 
     ``train_pos`` / ``val_pos`` are the training positions (cache rows), ``*_valid`` how many heads
     have a target there, ``*_start`` / ``*_end`` the bounds (first row, exclusive end) of the
-    cached sequence each position lies in.
+    cached sequence each position lies in, ``*_rstart`` the first training position of that
+    sequence (its last prompt token).
     """
 
     def __init__(self, cache: HiddenCache, num_heads: int, val_fraction: float, seed: int, device: torch.device):
@@ -92,9 +95,11 @@ class HeadData:
         seq_of = np.searchsorted(cache.offsets, pos, side="right") - 1
         is_val = np.isin(seq_of, val_seqs)
         start, end = cache.offsets[seq_of], cache.offsets[seq_of + 1]
+        rstart = cache.response_starts[seq_of]
         as_t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(device)  # noqa: E731
         self.train_pos, self.train_valid = as_t(pos[~is_val]), as_t(valid[~is_val])
         self.train_start, self.train_end = as_t(start[~is_val]), as_t(end[~is_val])
+        self.train_rstart, self.val_rstart = as_t(rstart[~is_val]), as_t(rstart[is_val])
         self.val_pos, self.val_valid = as_t(pos[is_val]), as_t(valid[is_val])
         self.val_start, self.val_end = as_t(start[is_val]), as_t(end[is_val])
         if self.train_pos.numel() == 0:
@@ -113,16 +118,16 @@ class HeadData:
         }
 
     def windows(
-        self, first: torch.Tensor, last: torch.Tensor, end: torch.Tensor, window: int
+        self, first: torch.Tensor, last: torch.Tensor, end: torch.Tensor, score_from: torch.Tensor, window: int
     ) -> dict[str, torch.Tensor]:
         """A batch of windows: rows ``first[i] .. last[i]`` (at most ``window``) of a sequence ending
-        (exclusively) at ``end[i]``, padded at the end. ``hidden`` is ``[B, window, d]`` with
-        ``positions`` ``[B, window]`` (from 0 at ``first``: the prefix layer's RoPE is relative),
-        the other fields as in :meth:`batch` for the ``B * window`` rows (padding rows: no head
-        has a target)."""
+        (exclusively) at ``end[i]``, padded at the end; heads are scored at rows from
+        ``score_from[i]`` on. ``hidden`` is ``[B, window, d]`` with ``positions`` ``[B, window]``
+        (from 0 at ``first``: the prefix layer's RoPE is relative), the other fields as in
+        :meth:`batch` for the ``B * window`` rows (context and padding rows: no head has a target)."""
         offsets = torch.arange(window, device=self.device)
         rows = first[:, None] + offsets
-        real = rows <= last[:, None]
+        real = (rows <= last[:, None]) & (rows >= score_from[:, None])
         rows = torch.minimum(rows, last[:, None])
         heads_there = torch.clamp(end[:, None] - 2 - rows, max=self.num_heads) * real
         b = self.batch(rows.flatten(), heads_there.flatten())
@@ -134,13 +139,19 @@ class HeadData:
         """Windows ending at training positions ``idx`` (indices into ``train_pos``)."""
         last = self.train_pos[idx]
         first = torch.maximum(self.train_start[idx], last - window + 1)
-        return self.windows(first, last, self.train_end[idx], window)
+        return self.windows(first, last, self.train_end[idx], self.train_rstart[idx], window)
 
-    def val_windows(self, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The held-out sequences cut into consecutive windows: ``(first, last, end)`` rows."""
-        starts = (self.val_pos - self.val_start) % window == 0
-        first, end = self.val_pos[starts], self.val_end[starts]
-        return first, torch.minimum(first + window - 1, end - 3), end
+    def val_windows(self, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The held-out positions in steps of ``max(1, window // 2)``, each scored once in a window
+        of up to ``window`` rows ending at the step's last position: ``(first, last, end,
+        score_from)`` rows."""
+        step = max(1, window // 2)
+        rel = self.val_pos - self.val_rstart
+        ends_step = (rel % step == step - 1) | (self.val_pos == self.val_end - 3)  # or the sequence's last
+        last, end = self.val_pos[ends_step], self.val_end[ends_step]
+        score_from = self.val_rstart[ends_step] + (rel[ends_step] // step) * step
+        first = torch.maximum(self.val_start[ends_step], last - window + 1)
+        return first, last, end, score_from
 
 
 def _losses(heads: HydraHeads, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -172,10 +183,10 @@ def _val_batches(heads: HydraHeads, data: HeadData, batch_size: int, window: int
         for i in range(0, data.val_pos.numel(), batch_size):
             yield data.batch(data.val_pos[i:i + batch_size], data.val_valid[i:i + batch_size])
         return
-    first, last, end = data.val_windows(window)
+    first, last, end, score_from = data.val_windows(window)
     step = max(1, batch_size // window)
     for i in range(0, first.numel(), step):
-        yield data.windows(first[i:i + step], last[i:i + step], end[i:i + step], window)
+        yield data.windows(first[i:i + step], last[i:i + step], end[i:i + step], score_from[i:i + step], window)
 
 
 @torch.no_grad()
@@ -195,6 +206,40 @@ def evaluate(heads: HydraHeads, data: HeadData, batch_size: int = 512, window: i
     heads.train()
     avg = sums / counts.clamp(min=1)
     return {"loss": avg[0].tolist(), "top1": avg[1].tolist(), "top5": avg[2].tolist()}
+
+
+@torch.no_grad()
+def measure_acceptance(heads: HydraHeads, data: HeadData, ranks: int = 16, confidence_bins: int = 10,
+                       batch_size: int = 512, window: int = 64) -> AcceptanceTable:
+    """The heads' :class:`AcceptanceTable` on the held-out sequences: at each position, head ``k``
+    (teacher-forced on the target's tokens, i.e. its parent path accepted) offers its top-``ranks``
+    candidates with their probabilities, exactly as it drafts; a candidate is accepted when it is
+    the target's token."""
+    if data.val_pos.numel() == 0:
+        raise ValueError("measuring acceptance needs held-out sequences (val_fraction > 0)")
+    heads.eval()
+    shape = (heads.num_heads, ranks, confidence_bins)
+    hits = torch.zeros(shape, dtype=torch.float64)
+    counts = torch.zeros(shape, dtype=torch.float64)
+    depth = torch.arange(heads.num_heads)[None, :, None]
+    rank = torch.arange(ranks)[None, None, :]
+    for b in _val_batches(heads, data, batch_size, window):
+        hidden = b["hidden"]
+        if hidden.dim() == 3:
+            hidden = heads.prefix_forward(hidden, b["positions"])[0].flatten(0, 1)
+        probs = torch.softmax(heads(hidden, b["tokens"]).float(), dim=-1)  # [N, K, V']
+        top = probs.topk(min(ranks, probs.shape[-1]), dim=-1)
+        ids = heads.to_full_ids(top.indices).cpu()
+        conf = (top.values.cpu() * confidence_bins).long().clamp(max=confidence_bins - 1)
+        hit = (ids == b["next"].cpu()[..., None]).double()
+        live = b["mask"].cpu()[..., None].expand(conf.shape)
+        r = rank[..., : conf.shape[-1]].expand(conf.shape)
+        cell = ((depth.expand(conf.shape) * ranks + r) * confidence_bins + conf)[live]
+        counts.view(-1).index_add_(0, cell, torch.ones(cell.numel(), dtype=torch.float64))
+        hits.view(-1).index_add_(0, cell, hit[live])
+    heads.train()
+    n = int(counts[:, 0].sum())
+    return AcceptanceTable.from_counts(hits, counts, f"held-out training sequences: {n} head positions")
 
 
 def train(heads: HydraHeads, data: HeadData, cfg: TrainConfig, out_dir: str | Path) -> dict[str, object]:

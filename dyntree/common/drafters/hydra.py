@@ -2,11 +2,13 @@
 forward per depth.
 
 Spec: ``hydra[:OPTIONS]`` where OPTIONS is a comma-separated list of a checkpoint directory
-(default: the heads shipped for SmolLM2 in ``dyntree/assets/hydra-smollm2``) and ``width=W`` /
+(default: the heads shipped for SmolLM2 in ``dyntree/assets/hydra-smollm2``), ``width=W`` /
 ``topk=T`` settings of its own (``beam``) trees: at every depth each frontier node offers head
 ``d``'s top-``T`` tokens and the ``W`` best by cumulative head probability become the next
 frontier; ``W`` defaults to ``ceil(max_nodes / depth)`` so the node budget is spread evenly over the
-depths, ``T`` to ``W``. Trees are at most ``num_heads`` deep.
+depths, ``T`` to ``W``; and ``table=off`` to ignore the checkpoint's measured acceptance table
+(``acceptance.json``, the dynamic tree's calibration; an ablation). Trees are at most
+``num_heads`` deep.
 
 Head ``d`` reads the target's last-layer hidden state at the token before the root (pushed by the
 engine through :meth:`HydraDrafter.observe_hidden`) and the embeddings of the path's tokens. Heads
@@ -26,7 +28,8 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 import torch
 
 from dyntree.common.drafter import Candidates, DraftRequest, Drafter, TargetInfo, top_candidates
-from dyntree.common.hydra import HydraHeads, PrefixKV, TargetIdentity, load_heads
+from dyntree.common.calibration import AcceptanceTable
+from dyntree.common.hydra import HydraHeads, PrefixKV, TargetIdentity, load_acceptance, load_heads
 
 if TYPE_CHECKING:
     from dyntree.common.builder import PartialTree
@@ -43,11 +46,13 @@ class HydraOptions:
     path: Path = SHIPPED_HEADS
     width: int | None = None
     topk: int | None = None
+    table: bool = True
 
 
 def parse_hydra_options(options: str | None) -> HydraOptions:
-    """Parse ``PATH``, ``width=W``, ``topk=T`` (comma separated, any order, all optional)."""
-    path, ints = SHIPPED_HEADS, {}
+    """Parse ``PATH``, ``width=W``, ``topk=T``, ``table=on|off`` (comma separated, any order, all
+    optional)."""
+    path, ints, table = SHIPPED_HEADS, {}, True
     for item in (options or "").split(","):
         item = item.strip()
         if not item:
@@ -56,8 +61,13 @@ def parse_hydra_options(options: str | None) -> HydraOptions:
         if not eq:
             path = Path(item).expanduser()
             continue
+        if key == "table":
+            if value not in ("on", "off"):
+                raise ValueError(f"hydra option table={value!r} must be 'on' or 'off'")
+            table = value == "on"
+            continue
         if key not in ("width", "topk"):
-            raise ValueError(f"hydra option {key!r} is unknown; use PATH, width=W, topk=T")
+            raise ValueError(f"hydra option {key!r} is unknown; use PATH, width=W, topk=T, table=on|off")
         try:
             ints[key] = int(value)
         except ValueError:
@@ -66,7 +76,7 @@ def parse_hydra_options(options: str | None) -> HydraOptions:
             raise ValueError(f"hydra option {key} must be >= 1, got {ints[key]}")
     if not (path / "config.json").is_file():
         raise ValueError(f"hydra checkpoint {path} has no config.json (train one with `dyntree train-heads`)")
-    return HydraOptions(path, ints.get("width"), ints.get("topk"))
+    return HydraOptions(path, ints.get("width"), ints.get("topk"), table)
 
 
 @dataclass
@@ -86,8 +96,10 @@ class HydraDrafter(Drafter):
     name = "hydra"
     needs_hidden = True
 
-    def __init__(self, heads: HydraHeads, width: int | None = None, topk: int | None = None) -> None:
+    def __init__(self, heads: HydraHeads, width: int | None = None, topk: int | None = None,
+                 table: AcceptanceTable | None = None) -> None:
         self.heads = heads.eval()
+        self.acceptance_table = table
         self.beam_width, self.beam_topk = width, topk
         self.max_depth = heads.num_heads
         self.device = heads.out_weight.device
@@ -190,4 +202,4 @@ def make_hydra_drafter(options: str | None = None, *, target: TargetInfo | None 
     device = target.embed.device
     dtype = torch.float32 if device.type == "cpu" else target.embed.dtype
     heads = load_heads(opts.path, identity, target.embed, target.lm_head, dtype=dtype, device=device)
-    return HydraDrafter(heads, opts.width, opts.topk)
+    return HydraDrafter(heads, opts.width, opts.topk, load_acceptance(opts.path) if opts.table else None)
