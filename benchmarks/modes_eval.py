@@ -1,14 +1,18 @@
 """Tree modes at equal node budgets on Spec-Bench: ``chain`` vs ``static`` vs ``dyntree`` per drafter.
 
-For each drafter (default: ``ngram``; any registered drafter with ``expand`` can be added
-with ``--drafters``; one without it runs mode ``own`` only) and each node budget (16, 32, 64),
-every tree mode decodes the same Spec-Bench prompts (spread over all categories) at batch size 1,
+For each drafter (default: ``ngram``; any drafter spec with ``expand`` can be added
+with ``--drafters``, space-separated, e.g. ``hydra hydra:DIR,table=off``; one without it runs mode
+``own`` only) and each node budget (16, 32, 64), every tree mode decodes the same Spec-Bench
+prompts (spread over all categories, or ``--categories`` only: ``coding``, ``mt_bench`` = the 80
+MT-Bench questions, ...) at batch size 1,
 on the CPU by default or on a GPU with ``--device cuda``. Reports tau, tokens/s, speedup over plain decoding, accepted tokens per depth,
 the share of outputs identical to plain decoding (bf16: not exact, see README), and the
-tree-building overhead per step (ms and % of step time). Writes
+tree-building overhead per step (ms and % of step time). The ``summary`` block gives, per drafter
+and budget, dyntree's tau over the best of ``static`` and ``chain`` (each dyntree variant). Writes
 ``benchmarks/results/modes_eval.json`` and ``modes_eval.png``.
 
     python benchmarks/modes_eval.py --prompts 3 --new 24 --budgets 16,64 --modes chain,static,dyntree
+    python benchmarks/modes_eval.py --categories coding --drafters hydra "hydra:DIR,table=off" --dtype fp32
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="Spec-Bench prompts (spread over categories)")
     ap.add_argument("--new", type=int, default=40, help="new tokens per prompt")
     ap.add_argument("--budgets", default="16,32,64")
-    ap.add_argument("--drafters", default="ngram")
+    ap.add_argument("--drafters", nargs="+", default=["ngram"], help="drafter specs, space-separated")
+    ap.add_argument("--categories", default="",
+                    help="comma-separated Spec-Bench categories (mt_bench = the 80 MT-Bench questions); default all")
     ap.add_argument("--modes", default="own,chain,static,dyntree", help="modes of a drafter with expand")
     ap.add_argument(
         "--dyntree-thresholds", default="",
@@ -52,7 +58,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
     model, tok = load_model("smollm2", parse_dtype(args.dtype), resolve_device(args.device))
-    every = load_prompts(SPEC_BENCH)
+    every = select(load_prompts(SPEC_BENCH), args.categories)
     prompts = every[:: max(1, len(every) // args.prompts)][: args.prompts]
     encoded = [encode_prompt(tok, p.text, chat=True) for p in prompts]
     ids = [p.id for p in prompts]
@@ -61,7 +67,7 @@ def main() -> None:
     compare(base, base)
     runs = [base]
     thresholds = [float(t) for t in args.dyntree_thresholds.split(",") if t]
-    for drafter in args.drafters.split(","):
+    for drafter in args.drafters:
         builder = make_hf_drafter(drafter, model, tok).drafts_with_builder
         for budget in (int(b) for b in args.budgets.split(",")):
             spec = SpecConfig(drafter=drafter, max_nodes=budget, max_depth=min(8, budget))
@@ -84,13 +90,49 @@ def main() -> None:
         "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
         "note": "2-core CPU shared with other jobs; wall-clock numbers are noisy, tau is not"
         if args.device == "cpu" else "one GPU, no other jobs",
-        "num_prompts": len(prompts), "max_new_tokens": args.new, "batch_size": 1, "runs": runs,
+        "categories": args.categories or "all", "prompt_ids": ids,
+        "num_prompts": len(prompts), "max_new_tokens": args.new, "batch_size": 1,
+        "summary": summarize(runs), "runs": runs,
     }  # fmt: skip
+    for line in doc["summary"]:
+        print(line)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     plot(doc, out.with_suffix(".png"))
     print(f"wrote {out}")
+
+
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+def select(prompts: list, categories: str) -> list:
+    """The prompts of the comma-separated ``categories`` (``mt_bench``: its eight); all if empty."""
+    want = {c.strip() for c in categories.split(",") if c.strip()}
+    if "mt_bench" in want:
+        want = (want - {"mt_bench"}) | set(MT_BENCH)
+    out = [p for p in prompts if not want or p.category in want]
+    if not out:
+        raise SystemExit(f"no Spec-Bench prompt has a category in {sorted(want)}")
+    return out
+
+
+def summarize(runs: list[dict]) -> list[str]:
+    """Per drafter and budget: each dyntree variant's tau against the best of static and chain."""
+    lines = []
+    keys = sorted({(r["drafter"], r["max_nodes"]) for r in runs if r["mode"] == "dyntree"}, key=str)
+    for drafter, budget in keys:
+        same = [r for r in runs if r["drafter"] == drafter and r["max_nodes"] == budget]
+        fixed = [r for r in same if r["mode"] in ("static", "chain")]
+        if not fixed:
+            continue
+        best = max(fixed, key=lambda r: r["tau"])
+        for r in (r for r in same if r["mode"] == "dyntree"):
+            ratio = r["tau"] / best["tau"]
+            lines.append(f"{drafter} N={budget} dyntree thr={r['threshold']}: tau {r['tau']:.3f} = {ratio:.3f}x "
+                         f"the best fixed shape ({best['mode']} {best['tau']:.3f}); target >= 1.10x: "
+                         f"{'met' if ratio >= 1.10 else 'not met'}")
+    return lines
 
 
 def variants(

@@ -171,3 +171,16 @@ def test_modes_eval_runs_dyntree_once_per_threshold() -> None:
     assert [(m, s.tree_options.max_children) for m, s in wide] == [("static", 6), ("dyntree", 8)]
     with pytest.raises(ValueError, match="threshold"):
         mod.variants(["dyntree"], base, [1.5])
+    from dyntree.standalone.bench import Prompt
+
+    prompts = [Prompt(i, "q", c) for i, c in enumerate(["coding", "writing", "qa", "coding"])]
+    assert [p.id for p in mod.select(prompts, "coding")] == [0, 3]
+    assert [p.id for p in mod.select(prompts, "mt_bench")] == [0, 1, 3]
+    assert len(mod.select(prompts, "")) == 4
+    with pytest.raises(SystemExit, match="rag"):
+        mod.select(prompts, "rag")
+    runs = [{"drafter": "hydra", "max_nodes": 16, "mode": m, "tau": t, "threshold": thr}
+            for m, t, thr in [("chain", 1.5, None), ("static", 2.0, None), ("dyntree", 2.3, 0.0), ("dyntree", 2.1, 0.02)]]
+    lines = mod.summarize(runs)
+    assert len(lines) == 2 and "1.150x" in lines[0] and "(static 2.000)" in lines[0] and lines[0].endswith("met")
+    assert lines[1].endswith("not met")

@@ -104,7 +104,7 @@ def run_train_heads(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.data, args.prompts, args.seed)
     cache = generate_cache(model, tok, prompts, cache_dir, batch_size=args.gen_batch_size,
                            max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                           time_budget_s=args.gen_minutes * 60 if args.gen_minutes else None)
+                           time_budget_s=args.gen_minutes * 60 if args.gen_minutes is not None else None)
     t_gen = time.time() - t0
     print(f"data: {cache.meta['sequences']} responses, {cache.meta.get('response_tokens', cache.meta['tokens'])} "
           f"response tokens ({t_gen:.0f} s)", file=sys.stderr)
