@@ -248,6 +248,30 @@ def _synthetic_cache(path: Path, seed: int = 0):
     return synthetic_head_cache(path, VOCAB, D, [30] * 24, seed)
 
 
+def test_generate_cache_time_budget_and_resume(tmp_path: Path) -> None:
+    """A spent budget stops after one batch and consolidates a partial cache; a budget of 0 uses
+    what is there; a run without a budget completes it, with the same sequences as one go."""
+    from transformers import AutoTokenizer
+
+    from spec_support import tiny_llama
+    from dyntree.models import model_path
+    from dyntree.training.data import generate_cache
+
+    tok = AutoTokenizer.from_pretrained(model_path("smollm2"))
+    model = tiny_llama(seed=3)
+    prompts = [f"Name river number {i}." for i in range(5)]
+    part = generate_cache(model, tok, prompts, tmp_path / "c", batch_size=2, max_new_tokens=4, time_budget_s=0.0)
+    assert part.meta["complete"] is False and part.meta["batches_done"] == 1 and part.meta["sequences"] in (1, 2)
+    again = generate_cache(model, tok, prompts, tmp_path / "c", batch_size=2, max_new_tokens=4, time_budget_s=0.0)
+    assert again.meta["batches_done"] == 1
+    full = generate_cache(model, tok, prompts, tmp_path / "c", batch_size=2, max_new_tokens=4)
+    assert full.meta["complete"] is True and full.meta["sequences"] == 5
+    one_go = generate_cache(model, tok, prompts, tmp_path / "d", batch_size=2, max_new_tokens=4)
+    assert full.tokens.tolist() == one_go.tokens.tolist() and full.prompt_lens.tolist() == one_go.prompt_lens.tolist()
+    with pytest.raises(ValueError, match="other settings"):
+        generate_cache(model, tok, prompts, tmp_path / "c", batch_size=3, max_new_tokens=4)
+
+
 def test_tiny_training_run_reduces_loss(tmp_path: Path) -> None:
     cache = _synthetic_cache(tmp_path / "cache")
     embed, lm_head = _target()

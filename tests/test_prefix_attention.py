@@ -428,6 +428,8 @@ def test_train_heads_cli_with_prefix_attention_end_to_end(tmp_path: Path, tok) -
     assert main(argv) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["prefix_attention"] is True and cfg["prefix_heads"] == 1 and cfg["training"]["window"] == 8
+    assert cfg["training"]["generation"]["prompt_hidden"] is True and cfg["training"]["generation"]["dtype"] == "fp32"
+    assert (out / "acceptance.json").is_file()  # the measured calibration ships with the heads
     drafter = make_hf_drafter(f"hydra:{out},width=3", model, tok)
     assert isinstance(drafter, HydraDrafter) and drafter.needs_hidden and drafter.heads.prefix is not None
     prompts = [tok.encode("The river"), tok.encode("Once upon a time there was")]
