@@ -230,3 +230,45 @@ def test_engine_timings_reach_the_controller() -> None:
     res = sp.accept(batch, toy_logits(batch, {"a": tokens}), overhead_ms=500.0)
     assert res.tokens[0]
     assert sp.controller.draft_cost(int(batch.depths.max()), batch.num_drafts) > before + 100
+
+
+def test_target_info_borrows_the_decoder_embedding_first() -> None:
+    """``TargetInfo.from_model`` shares the decoder's own embedding (some engines'
+    ``get_input_embeddings`` embeds token ids instead of returning the module), falls back to
+    ``get_input_embeddings()``, ties the LM head when there is none, and cuts padded rows."""
+    from torch import nn
+
+    from dyntree.common.drafter import TargetInfo
+
+    class Tok:
+        def get_vocab(self) -> dict[str, int]:
+            return {"a": 0, "b": 1}
+
+    class Engine(nn.Module):  # vLLM-style: get_input_embeddings(input_ids) -> embeddings
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Module()
+            self.model.embed_tokens = nn.Embedding(12, 4)
+            self.lm_head = nn.Linear(4, 12, bias=False)
+
+        def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.model.embed_tokens(input_ids)
+
+    m = Engine()
+    info = TargetInfo.from_model(m, Tok(), "e", vocab=10)
+    assert info.embed.data_ptr() == m.model.embed_tokens.weight.data_ptr() and info.embed.shape == (10, 4)
+    assert info.lm_head.data_ptr() == m.lm_head.weight.data_ptr() and info.vocab_size == 10
+
+    class HF(nn.Module):  # HF-style accessor, tied LM head
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+
+        def get_input_embeddings(self) -> nn.Module:
+            return self.emb
+
+    h = HF()
+    tied = TargetInfo.from_model(h, Tok(), "hf")
+    assert tied.embed.data_ptr() == tied.lm_head.data_ptr() == h.emb.weight.data_ptr()
+    with pytest.raises(ValueError, match="neither model.embed_tokens nor get_input_embeddings"):
+        TargetInfo.from_model(nn.Linear(2, 2), Tok(), "x")

@@ -146,13 +146,20 @@ class TargetInfo:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer: Any, name: str, vocab: int | None = None) -> "TargetInfo":
-        """From a loaded causal LM of any engine (HF-style ``get_input_embeddings`` or
-        ``model.embed_tokens``; ``lm_head``, else tied to the embedding), weights shared, rows cut
-        to ``vocab`` (an engine's padded vocabulary)."""
+        """From a loaded causal LM of any engine (``model.model.embed_tokens``, else HF-style
+        ``get_input_embeddings()``; ``lm_head``, else tied to the embedding), weights shared, rows
+        cut to ``vocab`` (an engine's padded vocabulary). The decoder's own embedding comes first:
+        some engines' ``get_input_embeddings`` takes token ids and returns embeddings."""
         from dyntree.common.hydra import tokenizer_sha256
 
-        get_embed = getattr(model, "get_input_embeddings", None)
-        embed = get_embed().weight if callable(get_embed) else model.model.embed_tokens.weight
+        inner = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if isinstance(getattr(inner, "weight", None), torch.Tensor):
+            embed = inner.weight
+        else:
+            get_embed = getattr(model, "get_input_embeddings", None)
+            if not callable(get_embed):
+                raise ValueError(f"{type(model).__name__} has neither model.embed_tokens nor get_input_embeddings()")
+            embed = get_embed().weight
         head = getattr(model, "lm_head", None)
         lm_head = head.weight if isinstance(getattr(head, "weight", None), torch.Tensor) else embed
         rows = slice(None) if vocab is None else slice(0, vocab)
