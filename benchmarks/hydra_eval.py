@@ -131,7 +131,9 @@ def _vocab_tradeoff(heads: HydraHeads, lm_head: torch.Tensor, plain_outs: list) 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--heads", default=str(SHIPPED_HEADS), help="Hydra checkpoint (default: shipped)")
+    ap.add_argument("--heads", nargs="+", default=[str(SHIPPED_HEADS)],
+                    help="Hydra checkpoint(s) (default: shipped); the first is 'hydra' in the agreement table, "
+                    "others by directory name")
     ap.add_argument("--independent-heads", default=None, help="the --independent ablation checkpoint")
     ap.add_argument("--prefix-heads", default=None, help="a --prefix-attention (Hydra++) checkpoint")
     ap.add_argument("--prompts", default=str(SPEC_BENCH))
@@ -154,7 +156,8 @@ def main() -> int:
     n_tau = len(tau_set)
     plain = _summary("none", plain_outs[:n_tau], plain_walls[:n_tau], tau_set, timing)
     runs = [plain]
-    specs = [f"hydra:{args.heads}", "ngram"] + [f"hydra:{p}" for p in (args.independent_heads, args.prefix_heads) if p]
+    specs = ([f"hydra:{h}" for h in args.heads] + ["ngram"]
+             + [f"hydra:{p}" for p in (args.independent_heads, args.prefix_heads) if p])
     for spec in specs:
         outs, walls, timing = _run(model, tok, spec, tau_set, args.budget, args.depth, args.new_tokens)
         run = _summary(spec, outs, walls, tau_set, timing)
@@ -165,13 +168,14 @@ def main() -> int:
     target = hf_target(model, tok, "smollm2")
     ident, embed, lm_head = TargetIdentity.of(target), target.embed, target.lm_head
     agreement = {}
-    for name, path in (("hydra", args.heads), ("independent", args.independent_heads), ("prefix", args.prefix_heads)):
+    named = [("hydra", args.heads[0])] + [(Path(h).name, h) for h in args.heads[1:]]
+    for name, path in (*named, ("independent", args.independent_heads), ("prefix", args.prefix_heads)):
         if path:
             heads = load_heads(path, ident, embed, lm_head)
             agreement[name] = {"config": {k: v for k, v in json.loads((Path(path) / "config.json").read_text()).items()
                                           if k != "target"},
                                **_agreement(model, tok, heads, agree_set, reference)}
-    tradeoff = _vocab_tradeoff(load_heads(args.heads, ident, embed, lm_head), lm_head, plain_outs[:n_tau])
+    tradeoff = _vocab_tradeoff(load_heads(args.heads[0], ident, embed, lm_head), lm_head, plain_outs[:n_tau])
     doc = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads, shared)",
