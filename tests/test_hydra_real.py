@@ -11,7 +11,7 @@ import torch
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafters import make_drafter
 from dyntree.common.drafters.hydra import SHIPPED_HEADS, HydraDrafter
-from dyntree.common.hydra import HydraMismatchError
+from dyntree.common.hydra import HydraMismatchError, load_acceptance
 from dyntree.standalone.engine import SpecEngine
 from dyntree.standalone.target import hf_target, make_hf_drafter
 
@@ -24,6 +24,8 @@ def test_shipped_checkpoint_format() -> None:
     assert cfg["target"]["hidden_size"] == 576 and cfg["target"]["vocab_size"] == 49152
     assert "train-heads" in cfg["training"]["command"]
     assert (SHIPPED_HEADS / "model.safetensors").stat().st_size <= 25 * 2**20
+    table = load_acceptance(SHIPPED_HEADS)  # the measured calibration of the dynamic tree ships too
+    assert table is not None and table.acceptance.shape[0] == cfg["num_heads"] and "held-out" in table.source
 
 
 def test_shipped_heads_refuse_another_target(smol) -> None:
