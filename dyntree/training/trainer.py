@@ -90,7 +90,7 @@ class HeadData:
         self.tokens = torch.from_numpy(cache.tokens.astype(np.int64)).to(device)
         pos, valid = cache.positions(num_heads)
         n_seq = cache.offsets.size - 1
-        n_val = int(round(n_seq * val_fraction)) if n_seq > 1 else 0
+        n_val = max(1, int(round(n_seq * val_fraction))) if val_fraction > 0 and n_seq > 1 else 0  # >= 1 held out
         val_seqs = np.random.default_rng(seed).permutation(n_seq)[:n_val]
         seq_of = np.searchsorted(cache.offsets, pos, side="right") - 1
         is_val = np.isin(seq_of, val_seqs)
