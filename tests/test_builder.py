@@ -4,7 +4,6 @@ online calibration, and the options' validation."""
 from __future__ import annotations
 
 import itertools
-import json
 from collections import Counter
 
 import pytest
@@ -14,7 +13,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from dyntree.common.builder import MEDUSA_63, PartialTree, TreeBuilder, draw_children
-from dyntree.common.calibration import AcceptanceTable, Calibrator, ancestor_ranks, entropy
+from dyntree.common.calibration import AcceptanceTable, Calibrator, entropy
 from dyntree.common.drafter import Candidates, top_candidates
 from dyntree.common.options import CalibrationOptions, ControllerOptions, TreeOptions
 from dyntree.common.sampling import sample_verify
@@ -246,7 +245,7 @@ def test_acceptance_table_lookup_shrinkage_and_json(tmp_path) -> None:
     sparse = float(t.lookup(torch.tensor(1), torch.tensor(0), torch.tensor(0.1)))
     assert 0.8 < sparse < 0.9  # 2 misses against 20 pseudo-observations at the rank's 0.898
     # deeper depths and lower ranks than the table holds use its last depth / rank
-    assert float(t.lookup(torch.tensor(9), torch.tensor(7), torch.tensor(0.3))) == float(t.acceptance[1, 0, 2, 1])
+    assert float(t.lookup(torch.tensor(9), torch.tensor(7), torch.tensor(0.3))) == float(t.acceptance[1, 2, 1])
     t.save(tmp_path / "a.json")
     back = AcceptanceTable.load(tmp_path / "a.json")
     assert torch.allclose(back.acceptance, t.acceptance, atol=1e-5) and torch.equal(back.counts, t.counts)
@@ -255,66 +254,6 @@ def test_acceptance_table_lookup_shrinkage_and_json(tmp_path) -> None:
         AcceptanceTable.load(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="\\[0, 1\\]"):
         AcceptanceTable(torch.full((1, 1, 1), 1.5), torch.ones(1, 1, 1, dtype=torch.int64))
-    with pytest.raises(ValueError, match="ancestor_edges"):
-        AcceptanceTable(torch.full((1, 2, 1, 1), 0.5), torch.ones(1, 2, 1, 1, dtype=torch.int64), "", (0,))
-
-
-def test_acceptance_table_ancestor_classes(tmp_path) -> None:
-    """Classes of the worst ancestor rank: each is looked up by its own rates, sparse ones shrink
-    toward the rank's rate over all classes, and the edges survive JSON."""
-    hits, counts = torch.zeros(2, 3, 2, 2), torch.zeros(2, 3, 2, 2)
-    counts[1, :, 0, 1] = torch.tensor([1000.0, 1000.0, 1000.0])
-    hits[1, :, 0, 1] = torch.tensor([900.0, 700.0, 500.0])
-    counts[1, 0, 1, 0], hits[1, 0, 1, 0] = 1000, 100
-    counts[1, 2, 1, 0], hits[1, 2, 1, 0] = 1, 1  # one lucky observation: pulled toward the pooled rank rate
-    t = AcceptanceTable.from_counts(hits, counts, "synthetic", strength=20.0, ancestor_edges=(1, 4))
-    got = t.lookup(torch.tensor([2, 2, 2, 2, 2]), torch.zeros(5, dtype=torch.int64), torch.full((5,), 0.9),
-                   torch.tensor([0, 1, 3, 4, 30]))
-    assert got[0] > got[1] == got[2] > got[3] == got[4]
-    assert abs(float(got[0]) - 0.9) < 0.01 and abs(float(got[3]) - 0.5) < 0.01
-    assert float(t.lookup(torch.tensor(2), torch.tensor(1), torch.tensor(0.1), torch.tensor(5))) < 0.2
-    assert float(t.lookup(torch.tensor(2), torch.tensor(0), torch.tensor(0.9))) == float(got[0])  # default class 0
-    t.save(tmp_path / "a.json")
-    back = AcceptanceTable.load(tmp_path / "a.json")
-    assert back.ancestor_edges == (1, 4) and torch.allclose(back.acceptance, t.acceptance, atol=1e-5)
-    old = json.loads((tmp_path / "a.json").read_text())  # a table written before ancestor classes
-    one = AcceptanceTable.from_counts(hits.sum(1), counts.sum(1))
-    old.update(shape=[2, 2, 2], acceptance=one.acceptance.flatten().tolist(), counts=one.counts.flatten().tolist())
-    del old["ancestor_edges"]
-    (tmp_path / "old.json").write_text(json.dumps(old))
-    assert AcceptanceTable.load(tmp_path / "old.json").acceptance.shape == (2, 1, 2, 2)
-
-
-def test_ancestor_ranks_follow_the_worst_rank_on_the_path() -> None:
-    parents = torch.tensor([-1, 0, 0, 1, 2, 4, 3])
-    ranks = torch.tensor([0, 0, 5, 2, 0, 1, 0])
-    assert ancestor_ranks(parents, ranks).tolist() == [0, 0, 0, 0, 5, 5, 2]
-
-
-def test_dyntree_values_follow_the_ancestor_class() -> None:
-    """Children under a rank-1 parent take that parent's class's rates: with the table saying a
-    path that left the first choice is hopeless, the budget goes down the rank-0 chain."""
-    acc = torch.zeros(3, 2, 2, 1)
-    acc[:, 0, 0], acc[:, 0, 1], acc[:, 1, :] = 0.8, 0.5, 0.05
-    table = AcceptanceTable(acc, torch.full(acc.shape, 100), "synthetic", (1,))
-    opts = TreeOptions(threshold=0.0)
-    tree = TreeBuilder(opts, Calibrator(opts.calibration, table)).build(0, ToyDrafter(12, 0.2, seed=4),
-                                                                        max_nodes=4, max_depth=3)
-    # depth 1: ranks 0 (0.8), 1 (0.5); under rank 0: 0.64, 0.4; under rank 1: 0.025 each
-    assert sorted(tree.values[1:].tolist(), reverse=True) == pytest.approx([0.8, 0.64, 0.512, 0.5])
-    flat = AcceptanceTable(acc[:, :1].expand(-1, 2, -1, -1).contiguous(), torch.full(acc.shape, 100), "", (1,))
-    same = TreeBuilder(opts, Calibrator(opts.calibration, flat)).build(0, ToyDrafter(12, 0.2, seed=4),
-                                                                       max_nodes=4, max_depth=3)
-    assert sorted(same.values[1:].tolist(), reverse=True) == pytest.approx([0.8, 0.64, 0.512, 0.5])
-    tree6 = TreeBuilder(opts, Calibrator(opts.calibration, table)).build(0, ToyDrafter(12, 0.2, seed=4),
-                                                                         max_nodes=6, max_depth=3)
-    same6 = TreeBuilder(opts, Calibrator(opts.calibration, flat)).build(0, ToyDrafter(12, 0.2, seed=4),
-                                                                        max_nodes=6, max_depth=3)
-    assert sorted(tree6.values[1:].tolist(), reverse=True) == pytest.approx([0.8, 0.64, 0.512, 0.5, 0.4, 0.32])
-    assert sorted(same6.values[1:].tolist(), reverse=True) == pytest.approx([0.8, 0.64, 0.512, 0.5, 0.4, 0.4])
-    under_rank1 = [i for i in range(1, same6.size) if int(same6.ranks[int(same6.parents[i])]) == 1 and int(same6.parents[i]) != 0]
-    assert under_rank1 and not [i for i in range(1, tree6.size)
-                                if int(tree6.parents[i]) > 0 and int(tree6.ranks[int(tree6.parents[i])]) == 1]
 
 
 def test_calibrator_with_a_table_starts_there_and_learns() -> None:

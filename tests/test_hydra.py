@@ -326,23 +326,14 @@ def test_measured_acceptance_table(tmp_path: Path) -> None:
     data = HeadData(cache, 3, val_fraction=0.2, seed=0, device=torch.device("cpu"))
     train(heads, data, TrainConfig(steps=150, batch_size=64, lr=1e-2, warmup=5), tmp_path / "run")
     table = measure_acceptance(heads, data, ranks=4, confidence_bins=5)
-    assert table.acceptance.shape == (3, 3, 4, 5) and table.ancestor_edges == (1, 4)
-    # a held-out position with a target for head k is counted once per rank, in the class of the
-    # worst rank heads 1..k-1 gave the target's tokens, unless one of them was outside the top 4
-    b = data.batch(data.val_pos, data.val_valid)
-    with torch.no_grad():
-        ids = heads.to_full_ids(heads(b["hidden"], b["tokens"]).topk(4, dim=-1).indices)
-    hit = ids == b["next"][..., None]
-    inside, first = hit.any(-1), hit[..., 0]
-    for k in range(3):
-        reach = b["mask"][:, k] & inside[:, :k].all(-1)
-        assert int(table.counts[k].sum()) == 4 * int(reach.sum())
-        assert int(table.counts[k, 0].sum()) == 4 * int((reach & first[:, :k].all(-1)).sum())
-    assert int(table.counts[1:, 1:].sum()) > 0 and int(table.counts[0, 1:].sum()) == 0  # depth 1: no ancestors
-    # the rank-0 acceptance at depth 1 is the held-out top-1 agreement (up to the shrinkage's pull)
+    assert table.acceptance.shape == (3, 4, 5)
+    # every held-out position with a target for head k is counted once per rank
+    per_depth = data.batch(data.val_pos, data.val_valid)["mask"].sum(0)
+    assert table.counts.sum((1, 2)).tolist() == (per_depth * 4).tolist()
+    # the rank-0 acceptance is the held-out top-1 agreement (up to the shrinkage's pull)
     top1 = evaluate(heads, data)["top1"]
-    rate = (table.acceptance * table.counts).sum((1, 3)) / table.counts.sum((1, 3))  # [depth, rank]
-    assert abs(float(rate[0, 0]) - top1[0]) < 0.05, (rate, top1)
+    rate = (table.acceptance * table.counts).sum(-1) / table.counts.sum(-1)  # [depth, rank]
+    assert all(abs(a - b) < 0.05 for a, b in zip(rate[:, 0].tolist(), top1)), (rate, top1)
     assert bool((rate[:, 0] > 0.3).all()) and bool((rate[:, 0] > 3 * rate[:, 3]).all()), rate  # learned
     save_heads(heads, tmp_path / "ckpt")
     table.save(tmp_path / "ckpt" / "acceptance.json")

@@ -158,7 +158,6 @@ class _Growth:
     ents: list[float] = field(default_factory=lambda: [0.0])
     values: list[float] = field(default_factory=lambda: [1.0])
     ranks: list[int] = field(default_factory=lambda: [0])
-    path_rank: list[int] = field(default_factory=lambda: [0])  # worst rank on the path, the node included
     shape_path: list[tuple[int, ...]] = field(default_factory=lambda: [()])
     dists: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # sampling: support, probs
     logp: list[float] = field(default_factory=lambda: [0.0])  # beam: path log draft probability
@@ -178,7 +177,6 @@ class _Growth:
         self.ents.append(ent)
         self.values.append(value)
         self.ranks.append(rank)
-        self.path_rank.append(max(self.path_rank[parent], rank))
         self.shape_path.append(shape)
         return len(self.tokens) - 1
 
@@ -340,12 +338,10 @@ class TreeBuilder:
                 ranks: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """``[F, k]`` path values of children with confidences ``conf`` (``[F, k]``) under
         ``nodes`` (``F`` parents whose draft entropies are ``ents``), at depth ``g.depth``;
-        ``ranks``: the children's candidate ranks (default: their columns, 0..k-1). A child's worst
-        ancestor rank is its parent's path rank."""
+        ``ranks``: the children's candidate ranks (default: their columns, 0..k-1)."""
         depth = torch.full(conf.shape, g.depth, dtype=torch.int64)
         rank = (torch.arange(conf.shape[1]) if ranks is None else torch.as_tensor(ranks)).expand(conf.shape)
-        ancestor = torch.tensor([g.path_rank[i] for i in nodes], dtype=torch.int64).reshape(-1, 1).expand(conf.shape)
-        cal = self.calibrator.predict(depth, conf, ents.reshape(-1, 1).expand(conf.shape), rank, ancestor)
+        cal = self.calibrator.predict(depth, conf, ents.reshape(-1, 1).expand(conf.shape), rank)
         return torch.tensor([g.values[i] for i in nodes]).reshape(-1, 1) * cal
 
     def _draw(self, probs: torch.Tensor, counts: Sequence[int], gen: torch.Generator | None) -> list[list[int]]:

@@ -6,7 +6,7 @@ A drafter's own probability for a token is a biased estimate of the chance the t
 than the candidate's rank), so the estimate has two parts:
 
 * a *base* estimate: the drafter's :class:`AcceptanceTable` when it ships one (acceptance measured
-  offline per ``(depth, worst ancestor rank, rank, confidence bin)`` on held-out data, e.g. Hydra heads on held-out
+  offline per ``(depth, rank, confidence bin)`` on held-out data, e.g. Hydra heads on held-out
   training sequences), else the confidence itself;
 * an online correction per ``(depth, entropy bin, confidence bin)`` learned by
   :class:`Calibrator` from verification outcomes::
@@ -34,7 +34,7 @@ import torch
 from dyntree.common.options import CalibrationOptions
 from dyntree.common.tree import DraftTree
 
-__all__ = ["AcceptanceTable", "Calibrator", "ancestor_ranks", "entropy"]
+__all__ = ["AcceptanceTable", "Calibrator", "entropy"]
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -43,93 +43,50 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
     return -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
 
 
-def ancestor_ranks(parents: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
-    """Per node, the worst (largest) candidate rank among its draft ancestors (0 for the root and
-    its children): how far off the drafter's first choice the path leading to the node went.
-    ``parents[i] < i`` (topological order), ``ranks[0]`` (the root's) is ignored."""
-    n = int(parents.numel())
-    path_max = [0] * n  # worst rank on the path root..i, the node itself included
-    out = [0] * n
-    par, rk = parents.tolist(), ranks.tolist()
-    for i in range(1, n):
-        out[i] = path_max[par[i]]
-        path_max[i] = max(out[i], int(rk[i]))
-    return torch.tensor(out, dtype=torch.int64)
-
-
 @dataclass(frozen=True)
 class AcceptanceTable:
-    """Measured acceptance of a drafter's candidates: ``acceptance[d - 1, a, r, c]`` is the chance
-    that the rank-``r`` candidate (0 = most likely) at depth ``d`` whose draft probability falls in
+    """Measured acceptance of a drafter's candidates: ``acceptance[d - 1, r, c]`` is the chance that
+    the rank-``r`` candidate (0 = most likely) at depth ``d`` whose draft probability falls in
     confidence bin ``c`` (``confidence_bins`` equal-width bins over [0, 1]) is the target's token,
-    given that its parent is, when the worst rank among its draft ancestors falls in class ``a``
-    (``ancestor_edges`` cut ancestor ranks into classes: ``(1, 4)`` = {0}, {1..3}, {4..}). A path
-    that stays on the drafter's first choices is easier context than one that needed a rank-5
-    guess, beyond what the node's own confidence says (Hydra heads on SmolLM2, depth 3,
-    confidence >= 0.6: rank-0 acceptance 0.94 / 0.89 / 0.76 over those classes). Deeper depths and
-    lower ranks than the table holds use its last depth / rank. ``counts`` holds the observations
-    behind each cell; ``source`` says where they came from (never evaluation data). A 3-D
-    ``[depths, ranks, confidence_bins]`` table has one ancestor class."""
+    given that its parent is. Deeper depths and lower ranks than the table holds use its last
+    depth / rank. ``counts`` holds the observations behind each cell; ``source`` says where they
+    came from (never evaluation data)."""
 
-    acceptance: torch.Tensor  # [depths, ancestor classes, ranks, confidence_bins] float32
+    acceptance: torch.Tensor  # [depths, ranks, confidence_bins] float32
     counts: torch.Tensor  # same shape, int64
     source: str = ""
-    ancestor_edges: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.acceptance.dim() == 3 and self.counts.dim() == 3:
-            object.__setattr__(self, "acceptance", self.acceptance.unsqueeze(1))
-            object.__setattr__(self, "counts", self.counts.unsqueeze(1))
         a, c = self.acceptance, self.counts
-        if a.dim() != 4 or c.shape != a.shape or 0 in a.shape:
+        if a.dim() != 3 or c.shape != a.shape or 0 in a.shape:
             raise ValueError(f"AcceptanceTable: acceptance {tuple(a.shape)} and counts {tuple(c.shape)} must be one "
-                             "non-empty [depths, ancestor classes, ranks, confidence_bins] shape")
-        edges = tuple(int(e) for e in self.ancestor_edges)
-        if a.shape[1] != len(edges) + 1 or list(edges) != sorted(set(edges)) or (edges and edges[0] < 1):
-            raise ValueError(f"AcceptanceTable: ancestor_edges {edges} must be increasing ranks >= 1, one fewer than "
-                             f"the {a.shape[1]} ancestor classes")
-        object.__setattr__(self, "ancestor_edges", edges)
+                             "non-empty [depths, ranks, confidence_bins] shape")
         if not bool(((a >= 0) & (a <= 1)).all()):
             raise ValueError("AcceptanceTable: acceptance must lie in [0, 1]")
 
     @property
     def ranks(self) -> int:
-        return int(self.acceptance.shape[2])
-
-    def ancestor_class(self, ancestor_rank: torch.Tensor) -> torch.Tensor:
-        """The ancestor class of worst-ancestor ranks."""
-        edges = torch.tensor(self.ancestor_edges, dtype=torch.int64)
-        return torch.bucketize(torch.as_tensor(ancestor_rank, dtype=torch.int64), edges, right=True)
+        return int(self.acceptance.shape[1])
 
     @classmethod
-    def from_counts(cls, hits: torch.Tensor, counts: torch.Tensor, source: str = "", strength: float = 20.0,
-                    ancestor_edges: Sequence[int] = ()) -> "AcceptanceTable":
-        """A table from per-cell hits and observations (``[depths, classes, ranks, bins]``, or 3-D for
-        one class), shrunk in two levels with ``strength`` pseudo-observations each: a ``(depth,
-        class, rank)`` rate toward its ``(depth, rank)`` rate, each cell toward its ``(depth, class,
-        rank)`` rate (sparse cells follow the rank)."""
+    def from_counts(cls, hits: torch.Tensor, counts: torch.Tensor, source: str = "", strength: float = 20.0) -> "AcceptanceTable":
+        """A table from per-cell hits and observations: each cell's rate is shrunk toward its
+        ``(depth, rank)`` rate with ``strength`` pseudo-observations (sparse cells follow the rank)."""
         hits, counts = hits.double(), counts.double()
-        if hits.dim() == 3:
-            hits, counts = hits.unsqueeze(1), counts.unsqueeze(1)
-        pooled = hits.sum((1, 3), keepdim=True) / counts.sum((1, 3), keepdim=True).clamp(min=1)
-        rank_rate = (hits.sum(-1, keepdim=True) + strength * pooled) / (counts.sum(-1, keepdim=True) + strength)
+        rank_rate = hits.sum(-1, keepdim=True) / counts.sum(-1, keepdim=True).clamp(min=1)
         rate = (hits + strength * rank_rate) / (counts + strength)
-        return cls(rate.float().clamp(0, 1), counts.round().long(), source, tuple(ancestor_edges))
+        return cls(rate.float().clamp(0, 1), counts.round().long(), source)
 
-    def lookup(self, depth: torch.Tensor, rank: torch.Tensor, conf: torch.Tensor,
-               ancestor_rank: torch.Tensor | None = None) -> torch.Tensor:
-        """The acceptance of candidates (tensors of one shape; float32); ``ancestor_rank``: the
-        worst rank among each candidate's draft ancestors (default 0)."""
-        n_d, _, n_r, n_c = self.acceptance.shape
+    def lookup(self, depth: torch.Tensor, rank: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
+        """The acceptance of candidates (tensors of one shape; float32)."""
+        n_d, n_r, n_c = self.acceptance.shape
         d = (torch.as_tensor(depth, dtype=torch.int64) - 1).clamp(0, n_d - 1)
         r = torch.as_tensor(rank, dtype=torch.int64).clamp(0, n_r - 1)
         c = (torch.as_tensor(conf, dtype=torch.float32).clamp(0, 1) * n_c).long().clamp(max=n_c - 1)
-        a = self.ancestor_class(torch.zeros_like(r) if ancestor_rank is None else ancestor_rank)
-        return self.acceptance[d, a.expand(r.shape), r, c]
+        return self.acceptance[d, r, c]
 
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "shape": list(self.acceptance.shape),
-                "ancestor_edges": list(self.ancestor_edges),
                 "acceptance": [round(x, 5) for x in self.acceptance.flatten().tolist()],
                 "counts": self.counts.flatten().tolist()}
 
@@ -139,10 +96,9 @@ class AcceptanceTable:
             shape = tuple(int(x) for x in doc["shape"])
             acc = torch.tensor(doc["acceptance"], dtype=torch.float32).reshape(shape)
             counts = torch.tensor(doc["counts"], dtype=torch.int64).reshape(shape)
-            edges = tuple(int(e) for e in doc.get("ancestor_edges", ()))
         except (KeyError, TypeError, RuntimeError, ValueError) as exc:
             raise ValueError(f"malformed acceptance table ({exc})") from None
-        return cls(acc, counts, str(doc.get("source", "")), edges)
+        return cls(acc, counts, str(doc.get("source", "")))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json()))
@@ -187,28 +143,25 @@ class Calibrator:
         n_e, n_c = len(o.entropy_edges) + 1, o.confidence_bins
         return (d * n_e + e) * n_c + c
 
-    def base(self, depth: torch.Tensor, conf: torch.Tensor, rank: torch.Tensor | None = None,
-             ancestor: torch.Tensor | None = None) -> torch.Tensor:
+    def base(self, depth: torch.Tensor, conf: torch.Tensor, rank: torch.Tensor | None = None) -> torch.Tensor:
         """The estimate before online correction (float64, CPU): the table's, else ``conf``."""
         conf = torch.as_tensor(conf, dtype=torch.float32).cpu()
         if self.table is None:
             return conf.double().clamp(0, 1)
         rank = torch.zeros_like(conf, dtype=torch.int64) if rank is None else torch.as_tensor(rank).cpu()
-        ancestor = None if ancestor is None else torch.as_tensor(ancestor).cpu()
-        return self.table.lookup(torch.as_tensor(depth).cpu(), rank, conf, ancestor).double()
+        return self.table.lookup(torch.as_tensor(depth).cpu(), rank, conf).double()
 
     def predict(self, depth: torch.Tensor, conf: torch.Tensor, ent: torch.Tensor,
-                rank: torch.Tensor | None = None, ancestor: torch.Tensor | None = None) -> torch.Tensor:
+                rank: torch.Tensor | None = None) -> torch.Tensor:
         """Calibrated acceptance probability, same shape as ``conf`` (float32, CPU). ``rank``: each
-        candidate's rank among its siblings' candidates (0 = most likely; default 0); ``ancestor``:
-        the worst rank among its draft ancestors (:func:`ancestor_ranks`; default 0)."""
+        candidate's rank among its siblings' candidates (0 = most likely; default 0)."""
         flat = self._bins(depth, conf, ent)
         w = self.weight.view(-1)[flat]
         r = self.residual.view(-1)[flat]
-        return (self.base(depth, conf, rank, ancestor) + r / (w + self.options.prior_strength)).clamp(0, 1).float()
+        return (self.base(depth, conf, rank) + r / (w + self.options.prior_strength)).clamp(0, 1).float()
 
     def update(self, depth: torch.Tensor, conf: torch.Tensor, ent: torch.Tensor, accepted: torch.Tensor,
-               rank: torch.Tensor | None = None, ancestor: torch.Tensor | None = None) -> None:
+               rank: torch.Tensor | None = None) -> None:
         """Fold in observations: each judged draft node and whether the target accepted it."""
         flat = self._bins(depth, conf, ent)
         acc = torch.as_tensor(accepted).cpu().to(torch.float64)
@@ -220,7 +173,7 @@ class Calibrator:
         keep = self.options.decay**n
         self.weight.mul_(keep)
         self.residual.mul_(keep)
-        base = self.base(depth, conf, rank, ancestor).reshape(flat.shape)
+        base = self.base(depth, conf, rank).reshape(flat.shape)
         self.weight.view(-1).index_add_(0, flat, torch.ones(n, dtype=torch.float64))
         self.residual.view(-1).index_add_(0, flat, acc - base)
         self.observations += n
@@ -258,7 +211,6 @@ class Calibrator:
         judged[1:] = on_path[tree.parents[1:]]
         idx = torch.nonzero(judged).flatten()
         ranks = getattr(tree, "ranks", None)
-        ancestor = ancestor_ranks(tree.parents.cpu(), ranks.cpu())[idx] if ranks is not None else None
         self.update(tree.depths[idx], tree.draft_probs[idx].cpu(), node_entropy.cpu()[idx], on_path[idx],
-                    ranks[idx] if ranks is not None else None, ancestor)
+                    ranks[idx] if ranks is not None else None)
         return int(idx.numel())

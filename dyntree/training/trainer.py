@@ -28,7 +28,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -210,21 +210,19 @@ def evaluate(heads: HydraHeads, data: HeadData, batch_size: int = 512, window: i
 
 @torch.no_grad()
 def measure_acceptance(heads: HydraHeads, data: HeadData, ranks: int = 16, confidence_bins: int = 10,
-                       batch_size: int = 512, window: int = 64,
-                       ancestor_edges: Sequence[int] = (1, 4)) -> AcceptanceTable:
+                       batch_size: int = 512, window: int = 64) -> AcceptanceTable:
     """The heads' :class:`AcceptanceTable` on the held-out sequences: at each position, head ``k``
     (teacher-forced on the target's tokens, i.e. its parent path accepted) offers its top-``ranks``
     candidates with their probabilities, exactly as it drafts; a candidate is accepted when it is
-    the target's token. The position's ancestor class is the worst rank heads ``1..k-1`` gave the
-    target's tokens on that path; a position whose path holds a token outside some head's
-    top-``ranks`` (no tree of that width reaches it) is skipped."""
+    the target's token."""
     if data.val_pos.numel() == 0:
         raise ValueError("measuring acceptance needs held-out sequences (val_fraction > 0)")
     heads.eval()
-    edges = torch.tensor(list(ancestor_edges), dtype=torch.int64)
-    shape = (heads.num_heads, edges.numel() + 1, ranks, confidence_bins)
+    shape = (heads.num_heads, ranks, confidence_bins)
     hits = torch.zeros(shape, dtype=torch.float64)
     counts = torch.zeros(shape, dtype=torch.float64)
+    depth = torch.arange(heads.num_heads)[None, :, None]
+    rank = torch.arange(ranks)[None, None, :]
     for b in _val_batches(heads, data, batch_size, window):
         hidden = b["hidden"]
         if hidden.dim() == 3:
@@ -232,22 +230,16 @@ def measure_acceptance(heads: HydraHeads, data: HeadData, ranks: int = 16, confi
         probs = torch.softmax(heads(hidden, b["tokens"]).float(), dim=-1)  # [N, K, V']
         top = probs.topk(min(ranks, probs.shape[-1]), dim=-1)
         ids = heads.to_full_ids(top.indices).cpu()
-        n_pos, n_heads, n_ranks = ids.shape
         conf = (top.values.cpu() * confidence_bins).long().clamp(max=confidence_bins - 1)
-        hit = ids == b["next"].cpu()[..., None]  # [N, K, R]
-        true_rank = torch.where(hit.any(-1), hit.int().argmax(-1), torch.full((n_pos, n_heads), ranks))
-        ancestor = torch.cat([torch.zeros(n_pos, 1, dtype=torch.int64), true_rank.cummax(-1).values[:, :-1]], -1)
-        cls = torch.bucketize(ancestor, edges, right=True)[..., None].expand(conf.shape)
-        live = (b["mask"].cpu() & (ancestor < ranks))[..., None].expand(conf.shape)
-        depth = torch.arange(n_heads)[None, :, None].expand(conf.shape)
-        rank = torch.arange(n_ranks)[None, None, :].expand(conf.shape)
-        cell = (((depth * shape[1] + cls) * ranks + rank) * confidence_bins + conf)[live]
+        hit = (ids == b["next"].cpu()[..., None]).double()
+        live = b["mask"].cpu()[..., None].expand(conf.shape)
+        r = rank[..., : conf.shape[-1]].expand(conf.shape)
+        cell = ((depth.expand(conf.shape) * ranks + r) * confidence_bins + conf)[live]
         counts.view(-1).index_add_(0, cell, torch.ones(cell.numel(), dtype=torch.float64))
-        hits.view(-1).index_add_(0, cell, hit.double()[live])
+        hits.view(-1).index_add_(0, cell, hit[live])
     heads.train()
-    n = int(counts[:, :, 0].sum())
-    return AcceptanceTable.from_counts(hits, counts, f"held-out training sequences: {n} head positions",
-                                       ancestor_edges=tuple(ancestor_edges))
+    n = int(counts[:, 0].sum())
+    return AcceptanceTable.from_counts(hits, counts, f"held-out training sequences: {n} head positions")
 
 
 def train(heads: HydraHeads, data: HeadData, cfg: TrainConfig, out_dir: str | Path) -> dict[str, object]:
