@@ -32,7 +32,7 @@ from dyntree.common.speculator import Speculator, SpecRequest
 from dyntree.common.tree import DraftTree
 from dyntree.standalone.engine import SpecEngine
 from dyntree.standalone.target import make_hf_drafter
-from dyntree.training.trainer import HeadData, TrainConfig, _losses, evaluate, reduced_token_map, train
+from dyntree.training.trainer import HeadData, TrainConfig, _losses, evaluate, reduced_token_map, train, warm_start
 
 D, VOCAB = 16, 97
 IDENT = TargetIdentity("tiny", D, VOCAB, "ab" * 32)
@@ -440,3 +440,39 @@ def test_train_heads_cli_with_prefix_attention_end_to_end(tmp_path: Path, tok) -
     assert sum(o.draft_nodes for o in spec) > 0 and not drafter._state  # drafted; state released
     with pytest.raises(SystemExit, match="prefix_heads=3"):
         main([*argv[:-1], "--prefix-attention", "--prefix-heads", "3", "--out", str(tmp_path / "bad")])
+    # fine-tuning from the checkpoint: same cached data, a new run
+    tuned = [*argv, "--init-from", str(out), "--steps", "2", "--cache-dir", str(tmp_path / "work" / "cache"),
+             "--work-dir", str(tmp_path / "work2"), "--out", str(tmp_path / "tuned")]
+    assert main(tuned) == 0
+    assert json.loads((tmp_path / "tuned" / "config.json").read_text())["training"]["init_from"] == str(out)
+    with pytest.raises(SystemExit, match="--init-from: .*not a Hydra checkpoint"):
+        main([*argv, "--init-from", str(tmp_path / "nope"), "--out", str(tmp_path / "t3")])
+
+
+def test_warm_start_adds_a_prefix_layer_to_trained_heads(tmp_path: Path) -> None:
+    """``train-heads --init-from``: trained heads' weights load into a prefix-attention run (the new
+    layer starts as the identity, so the heads predict exactly as before); another architecture or
+    token map is refused, naming it."""
+    token_map = torch.arange(0, 40, 2)
+    plain_cfg = HydraConfig(num_heads=3, num_layers=1, hidden_size=D, target=IDENT, reduced_vocab=20)
+    trained = HydraHeads(plain_cfg, *_target(), token_map)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.normal_(0.0, 0.3)
+    save_heads(trained, tmp_path / "plain", torch.float32)
+    grown = _prefix_heads(3, reduced=20, randomize=False)
+    assert all(k.startswith("prefix.") for k in warm_start(grown, tmp_path / "plain"))
+    hidden, path = torch.randn(5, D), torch.randint(0, VOCAB, (5, 3))
+    x, pos = _seq(5, 4)
+    h = grown.prefix_forward(x, pos)[0][:, -1]
+    assert torch.equal(h, x[:, -1])  # identity prefix layer
+    assert torch.allclose(grown(h, path), trained(x[:, -1], path))
+    assert torch.allclose(grown(hidden, path), trained(hidden, path))
+    with pytest.raises(HydraMismatchError, match="num_layers is 1, this run's is 2"):
+        warm_start(HydraHeads(replace(plain_cfg, num_layers=2), *_target(), token_map), tmp_path / "plain")
+    with pytest.raises(HydraMismatchError, match="token map"):
+        warm_start(HydraHeads(plain_cfg, *_target(), token_map + 1), tmp_path / "plain")
+    save_heads(grown, tmp_path / "grown", torch.float32)
+    with pytest.raises(HydraMismatchError, match="prefix layer"):
+        warm_start(HydraHeads(plain_cfg, *_target(), token_map), tmp_path / "grown")

@@ -43,6 +43,9 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--window", type=int, default=64,
                    help="with --prefix-attention: positions per training window (a batch holds "
                    "--batch-size / --window windows)")
+    p.add_argument("--init-from", default=None,
+                   help="start from a trained checkpoint's weights (same heads, layers and data; e.g. add "
+                   "--prefix-attention to trained heads)")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -68,18 +71,24 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
 
 def run_train_heads(args: argparse.Namespace) -> int:
     from dyntree.common.hydra import (ACCEPTANCE_FILE, HydraConfig, HydraHeads, HydraMismatchError,
-                                      default_prefix_heads, save_heads)
+                                      default_prefix_heads, read_config, save_heads)
     from dyntree.models import cache_root, load_model, parse_dtype, resolve_device
     from dyntree.training.data import generate_cache, read_prompts
     from dyntree.common.hydra import TargetIdentity
     from dyntree.standalone.target import hf_target
-    from dyntree.training.trainer import HeadData, TrainConfig, measure_acceptance, reduced_token_map, train
+    from dyntree.training.trainer import (HeadData, TrainConfig, measure_acceptance, reduced_token_map, train,
+                                          warm_start)
 
     for name in ("heads", "layers", "steps", "batch_size", "prompts", "max_new_tokens", "gen_batch_size", "window"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.prefix_heads and not args.prefix_attention:
         raise SystemExit("--prefix-heads needs --prefix-attention")
+    if args.init_from:
+        try:
+            read_config(args.init_from)
+        except (HydraMismatchError, ValueError) as exc:
+            raise SystemExit(f"--init-from: {exc}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -123,10 +132,16 @@ def run_train_heads(args: argparse.Namespace) -> int:
                   "tokens": cache.meta.get("response_tokens", cache.meta["tokens"]),
                   "generation": cache.meta["settings"] | {"dtype": args.gen_dtype}, "steps": args.steps,
                   "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
-                  **({"window": args.window} if args.prefix_attention else {})},
+                  **({"window": args.window} if args.prefix_attention else {}),
+                  **({"init_from": args.init_from} if args.init_from else {})},
     )
     heads = HydraHeads(cfg, embed.float().to(device), lm_head.float().to(device),
                        token_map.to(device) if token_map is not None else None).to(device)
+    if args.init_from:
+        try:
+            warm_start(heads, args.init_from)
+        except HydraMismatchError as exc:
+            raise SystemExit(f"--init-from: {exc}") from None
     del model
     data = HeadData(cache, args.heads, val_fraction=0.02, seed=args.seed, device=device)
     tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, window=args.window)
