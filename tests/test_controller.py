@@ -12,7 +12,7 @@ from dyntree.common.options import ControllerOptions
 from dyntree.common.tree import DraftTree
 
 
-def _feed(ctrl: SpeculationController, rid: int, accept_all: bool, steps: int = 20) -> None:
+def _feed(ctrl: SpeculationController, rid: int, accept_all: bool, steps: int = 60) -> None:
     """Verified chains of 4: everything accepted, or the first draft rejected."""
     tree = DraftTree.chain(0, [1, 2, 3, 4])
     for _ in range(steps):
