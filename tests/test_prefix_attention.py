@@ -447,6 +447,10 @@ def test_train_heads_cli_with_prefix_attention_end_to_end(tmp_path: Path, tok) -
     assert json.loads((tmp_path / "tuned" / "config.json").read_text())["training"]["init_from"] == str(out)
     with pytest.raises(SystemExit, match="--init-from: .*not a Hydra checkpoint"):
         main([*argv, "--init-from", str(tmp_path / "nope"), "--out", str(tmp_path / "t3")])
+    with pytest.raises(SystemExit, match="--init-from: .*num_layers is 1, this run's is 2"):  # before any data
+        main([*argv, "--init-from", str(out), "--layers", "2", "--work-dir", str(tmp_path / "work3"),
+              "--out", str(tmp_path / "t4")])
+    assert not (tmp_path / "work3").exists()
 
 
 def test_warm_start_adds_a_prefix_layer_to_trained_heads(tmp_path: Path) -> None:

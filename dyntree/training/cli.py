@@ -76,17 +76,18 @@ def run_train_heads(args: argparse.Namespace) -> int:
     from dyntree.training.data import generate_cache, read_prompts
     from dyntree.common.hydra import TargetIdentity
     from dyntree.standalone.target import hf_target
-    from dyntree.training.trainer import (HeadData, TrainConfig, measure_acceptance, reduced_token_map, train,
-                                          warm_start)
+    from dyntree.training.trainer import (HeadData, TrainConfig, check_init, measure_acceptance, reduced_token_map,
+                                          train, warm_start)
 
     for name in ("heads", "layers", "steps", "batch_size", "prompts", "max_new_tokens", "gen_batch_size", "window"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.prefix_heads and not args.prefix_attention:
         raise SystemExit("--prefix-heads needs --prefix-attention")
+    init = None
     if args.init_from:
         try:
-            read_config(args.init_from)
+            init = read_config(args.init_from)
         except (HydraMismatchError, ValueError) as exc:
             raise SystemExit(f"--init-from: {exc}") from None
     if args.threads:
@@ -107,9 +108,14 @@ def run_train_heads(args: argparse.Namespace) -> int:
             "target": identity, "independent": args.independent, "reduced_vocab": args.vocab_size,
             "prefix_attention": args.prefix_attention, "prefix_heads": prefix_heads}
     try:
-        HydraConfig(**arch)  # refuse a bad architecture before generating data
+        planned = HydraConfig(**arch)  # refuse a bad architecture before generating data
     except HydraMismatchError as exc:
         raise SystemExit(str(exc)) from None
+    if init is not None:
+        try:
+            check_init(init, planned, args.init_from)  # likewise a checkpoint that cannot seed this run
+        except HydraMismatchError as exc:
+            raise SystemExit(f"--init-from: {exc}") from None
     prompts = read_prompts(args.data, args.prompts, args.seed)
     cache = generate_cache(model, tok, prompts, cache_dir, batch_size=args.gen_batch_size,
                            max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,

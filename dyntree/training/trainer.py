@@ -36,10 +36,10 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from dyntree.common.calibration import AcceptanceTable
-from dyntree.common.hydra import HydraHeads, HydraMismatchError, check_target, read_config
+from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, check_target, read_config
 from dyntree.training.data import HiddenCache
 
-__all__ = ["TrainConfig", "HeadData", "train", "evaluate", "measure_acceptance", "reduced_token_map", "warm_start"]
+__all__ = ["TrainConfig", "HeadData", "train", "evaluate", "measure_acceptance", "reduced_token_map", "check_init", "warm_start"]
 
 
 @dataclass(frozen=True)
@@ -242,14 +242,10 @@ def measure_acceptance(heads: HydraHeads, data: HeadData, ranks: int = 16, confi
     return AcceptanceTable.from_counts(hits, counts, f"held-out training sequences: {n} head positions")
 
 
-def warm_start(heads: HydraHeads, ckpt_dir: str | Path) -> list[str]:
-    """Copy a trained checkpoint's weights into ``heads`` before training (fine-tuning; e.g. trained
-    heads gain a prefix layer, which starts as the identity). Returns the parameters left at their
-    initialisation (the prefix layer's when the checkpoint has none). Refuses a checkpoint of
-    another architecture, target or token map, naming what differs."""
-    from safetensors.torch import load_file
-
-    src, mine = read_config(ckpt_dir), heads.config
+def check_init(src: HydraConfig, mine: HydraConfig, ckpt_dir: str | Path) -> None:
+    """Refuse to start a run configured as ``mine`` from the checkpoint ``src`` (read from
+    ``ckpt_dir``) when architectures or targets differ, naming what differs. A checkpoint without
+    a prefix layer may seed a run with one."""
     for name in ("num_heads", "num_layers", "hidden_size", "independent", "reduced_vocab"):
         if getattr(src, name) != getattr(mine, name):
             raise HydraMismatchError(f"{ckpt_dir}: {name} is {getattr(src, name)}, this run's is {getattr(mine, name)}")
@@ -257,6 +253,16 @@ def warm_start(heads: HydraHeads, ckpt_dir: str | Path) -> list[str]:
     if src.prefix_attention and (not mine.prefix_attention or src.prefix_heads != mine.prefix_heads):
         raise HydraMismatchError(f"{ckpt_dir}: has a prefix layer with {src.prefix_heads} heads, this run "
                                  f"{'has ' + str(mine.prefix_heads) if mine.prefix_attention else 'none'}")
+
+
+def warm_start(heads: HydraHeads, ckpt_dir: str | Path) -> list[str]:
+    """Copy a trained checkpoint's weights into ``heads`` before training (fine-tuning; e.g. trained
+    heads gain a prefix layer, which starts as the identity). Returns the parameters left at their
+    initialisation (the prefix layer's when the checkpoint has none). Refuses a checkpoint of
+    another architecture, target (:func:`check_init`) or token map, naming what differs."""
+    from safetensors.torch import load_file
+
+    check_init(read_config(ckpt_dir), heads.config, ckpt_dir)
     state = load_file(str(Path(ckpt_dir) / "model.safetensors"))
     if not torch.equal(state.get("token_map", torch.empty(0, dtype=torch.int64)), heads.token_map.cpu()):
         raise HydraMismatchError(f"{ckpt_dir}: its reduced vocabulary (token map) differs from this run's: warm "
