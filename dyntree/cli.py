@@ -41,10 +41,15 @@ def _int_arg(low: int, high: int | None = None):
     return parse
 
 
-def _spec_args(p: argparse.ArgumentParser) -> None:
+def _spec_args(p: argparse.ArgumentParser, several_drafters: bool = False) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2, a local HF checkpoint directory, or a hub id")
-    p.add_argument("--drafter", default="ngram",
-                   help="none (plain decoding), ngram[:max_n=4,...], hydra[:DIR] or qspec[:w8a16,perchannel,...] (default ngram)")
+    kinds = "none (plain decoding), ngram[:max_n=4,...], hydra[:DIR] or qspec[:w8a16,perchannel,...] (default ngram)"
+    if several_drafters:
+        p.add_argument("--drafter", action="append", default=None,
+                       help=f"{kinds}; repeat it to run every speculative mode with each drafter, side by side "
+                       "against the same plain run")
+    else:
+        p.add_argument("--drafter", default="ngram", help=kinds)
     p.add_argument("--max-nodes", type=int, default=16, help="draft nodes per tree, root not counted (default 16)")
     p.add_argument("--max-depth", type=int, default=8, help="deepest draft node (default 8)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
@@ -94,8 +99,11 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: none (plain), own (the drafter's trees), chain, static, dyntree, beam, "
                    "hf (transformers generate), hf-lookup (its prompt lookup)")
     b.add_argument("--batch-size", type=_int_arg(1), default=1)
+    b.add_argument("--repeats", type=_int_arg(1), default=1,
+                   help="run every mode this many times, round by round; report each mode's median run and "
+                   "the median of its per-round speedups (default 1)")
     b.add_argument("--out", required=True, help="where to write RESULT.json")
-    _spec_args(b)
+    _spec_args(b, several_drafters=True)
 
     m = sub.add_parser("model-path", help="print the local checkpoint directory of a model")
     m.add_argument("model", nargs="?", default="smollm2")
@@ -121,7 +129,7 @@ def _configs(args: argparse.Namespace):
             raise ValueError(f"{flag}: must be a JSON object, e.g. '{{\"threshold\": 0.05}}'")
         return value
 
-    spec = SpecConfig(drafter=args.drafter, max_nodes=args.max_nodes, max_depth=args.max_depth,
+    spec = SpecConfig(drafter=_drafters(args)[0], max_nodes=args.max_nodes, max_depth=args.max_depth,
                       tree=getattr(args, "tree", None), adaptive=args.adaptive,
                       tree_options=options("--tree-options", args.tree_options),
                       controller=options("--controller-options", args.controller_options))
@@ -140,14 +148,22 @@ def _as_flag(flag: str, call, *args):
         raise ValueError(f"{flag}: {exc}") from None
 
 
+def _drafters(args: argparse.Namespace) -> list[str]:
+    """The ``--drafter`` values (``bench`` takes several)."""
+    d = args.drafter
+    return [d] if isinstance(d, str) else (d or ["ngram"])
+
+
 def _check_before_load(args: argparse.Namespace):
-    """Everything about the input that needs no model: settings, drafter spec, model name,
-    device and dtype. Returns ``(spec, params, device, dtype, why)``."""
+    """Everything about the input that needs no model: settings, drafter specs, model name,
+    device and dtype. Returns ``(spec, params, device, dtype, why)``; ``spec`` holds the first
+    drafter."""
     from dyntree.common.drafters import check_drafter_spec
     from dyntree.models import check_model_name, pick_dtype, resolve_device
 
     spec, params = _configs(args)
-    _as_flag("--drafter", check_drafter_spec, spec.drafter)
+    for d in _drafters(args):
+        _as_flag("--drafter", check_drafter_spec, d)
     _as_flag("--model", check_model_name, args.model)
     device = _as_flag("--device", resolve_device, args.device)
     dtype, why = _as_flag("--dtype", pick_dtype, args.dtype, device)
@@ -233,8 +249,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     prompts = _as_flag("--prompts", load_prompts, args.prompts, args.limit, cats, args.per_category)
     model, tok = _load(args, device, dtype)
     print(f"[dyntree] {_dtype_name(dtype)} ({why}), {device.type}", file=sys.stderr)
-    result = run_bench(model, tok, prompts, modes, spec.drafter, spec, params, args.batch_size, args.chat,
-                       args.model, _dtype_name(dtype), args.fast_linear)
+    result = run_bench(model, tok, prompts, modes, _drafters(args), spec, params, args.batch_size, args.chat,
+                       args.model, _dtype_name(dtype), args.fast_linear, args.repeats)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
@@ -247,6 +263,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         print(f"{r['mode']:<10}{r['drafter']:<12}{tau:>7}{r['tokens_per_s']:>9.1f}{sp:>9}"
               f"{r['identical_to_none']!s:>11}{build:>10}  {depth}")
+        if len(r.get("speedup_runs", ())) > 1:
+            print(f"{'':<22}speedup per round: {' '.join(f'{x:.2f}' for x in r['speedup_runs'])}")
     print(f"wrote {out}")
     return 0
 

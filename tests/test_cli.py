@@ -92,6 +92,12 @@ def test_bench_checks_modes_and_prompts_before_loading(tmp_path: Path, capsys: p
     (tmp_path / "list.jsonl").write_text("[1, 2]\n")
     assert main(["bench", "--prompts", str(tmp_path / "list.jsonl"), "--out", str(tmp_path / "r.json")]) == 2
     assert "list.jsonl:1: a prompt line must be a JSON object" in capsys.readouterr().err
+    several = ["--drafter", "ngram", "--drafter", "nosuch"]
+    assert main(["bench", "--prompts", str(good), "--out", str(tmp_path / "r.json"), *several]) == 2
+    assert "--drafter: unknown drafter 'nosuch'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--prompts", str(good), "--out", str(tmp_path / "r.json"), "--repeats", "0"])
+    assert "--repeats: must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -200,3 +200,29 @@ def test_new_requests_start_from_the_population_acceptance() -> None:
     for rid in range(1, 4):
         _feed(bad, rid, accept_all=False)
     assert bad.alpha(99) < 0.1
+
+
+def test_plans_the_drafter_cannot_fill_are_priced_down() -> None:
+    # Two requests at batch 2 in a padded engine; a draft node (any width) adds 30% to the verify.
+    # Both accept half their first drafts. When the drafter delivers every planned tree, that pays;
+    # when it finds nothing for most plans (n-gram lookup without a match), the controller learns the
+    # delivery ratio and stops paying for trees that mostly do not come.
+    cost = CostModel({1: 10.0, 2: 10.0, 4: 13.0, 64: 13.0}, lr=0.0)
+
+    def run(deliver_every: int) -> SpeculationController:
+        ctrl = SpeculationController(cost, ControllerOptions(alpha_prior=0.5), padded=True)
+        for step in range(200):
+            for rid, plan in zip((0, 1), ctrl.plan([0, 1])):
+                if plan.max_nodes and step % deliver_every == 0:
+                    tree = DraftTree.chain(0, list(range(1, plan.max_nodes + 1)))
+                    ctrl.observe(rid, tree, [0, 1] if step % 2 == 0 else [0])
+                else:
+                    ctrl.observe(rid, DraftTree.root_only(0), [0])
+        return ctrl
+
+    full, sparse = run(1), run(5)
+    assert full.delivery(0) == pytest.approx(1.0) and any(p.mode != "none" for p in full.plan([0, 1]))
+    assert sparse.delivery(0) < 0.5 and all(p.mode == "none" for p in sparse.plan([0, 1]))
+    e_full, _ = full.expected_table(0.6)
+    e_half, _ = full.expected_table(0.6, delivery=0.5)
+    assert e_half == pytest.approx([e / 2 for e in e_full])

@@ -154,6 +154,33 @@ def test_bench_runs_every_mode_with_overhead_fields() -> None:
         run_hf_mode(model, tok, prompts, ids, "hf", SamplingParams(temperature=0.7))
 
 
+def test_bench_runs_several_drafters_round_by_round() -> None:
+    from transformers import AutoTokenizer
+
+    from spec_support import tiny_llama
+    from dyntree.models import model_path
+    from dyntree.standalone.bench import Prompt, _median_run, run_bench
+
+    tok = AutoTokenizer.from_pretrained(model_path("smollm2"))
+    prompts = [Prompt(0, "one two three one two three one two"), Prompt(1, "a b c a b c a b c")]
+    spec = SpecConfig(drafter="ngram", max_nodes=4, max_depth=4)
+    doc = run_bench(tiny_llama(2), tok, prompts, ["none", "own"], ["ngram", "ngram:max_n=2"], spec,
+                    SamplingParams(max_new_tokens=12, ignore_eos=True), 2, False, "tiny", "fp32", repeats=3)
+    assert doc["repeats"] == 3 and doc["drafters"] == ["ngram", "ngram:max_n=2"]
+    assert [(r["mode"], r["drafter"]) for r in doc["runs"]] == [("none", "none"), ("own", "ngram"), ("own", "ngram:max_n=2")]
+    for run in doc["runs"]:
+        assert len(run["tokens_per_s_runs"]) == 3 and len(run["speedup_runs"]) == 3
+        assert run["tokens_per_s"] == sorted(run["tokens_per_s_runs"])[1]  # the median run
+        assert run["speedup"] == pytest.approx(sorted(run["speedup_runs"])[1], abs=1e-4)
+        assert run["identical_to_none"] == 1.0
+    # the median run's own record, every round's speed, the median of the per-round speedups
+    rounds = [{"tokens_per_s": t, "speedup": s, "identical_to_none": i, "tau": tau}
+              for t, s, i, tau in [(10.0, 1.2, 1.0, 1.5), (30.0, 0.9, 0.5, 1.7), (20.0, 1.0, 1.0, 1.6)]]
+    run = _median_run(rounds)
+    assert run["tau"] == 1.6 and run["tokens_per_s_runs"] == [10.0, 30.0, 20.0]
+    assert run["speedup"] == 1.0 and run["identical_to_none"] == 0.5
+
+
 def test_modes_eval_runs_dyntree_once_per_threshold() -> None:
     import importlib.util
     from pathlib import Path

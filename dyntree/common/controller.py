@@ -5,8 +5,10 @@
   sibling is worth relative to an independent first draft: 0 nothing, 1 as much) predict the
   expected accepted draft tokens of a tree with ``n`` nodes and depth ``d``: with ``w = n / d``
   nodes per level and ``beta = 1 - (1 - alpha)^(1 + g (w - 1))``,
-  ``E(n, d) = beta + beta^2 + ... + beta^d``; the best depth is chosen per ``n``. ``g`` is fitted
-  online from how often later siblings catch the token a first child missed. A request that keeps being accepted gets deep, large trees; one that
+  ``E(n, d) = beta + beta^2 + ... + beta^d``, times the request's *delivery* (the EMA fraction
+  of planned nodes the drafter actually drafted: n-gram lookup often finds nothing); the best
+  depth is chosen per ``n``. ``g`` is fitted online from how often later siblings catch the
+  token a first child missed. A request that keeps being accepted gets deep, large trees; one that
   keeps failing gets a short chain or nothing (each draft node must be worth ``min_node_value``
   accepted tokens), and drifts back toward the prior while idle so it is retried now and then.
 * Per batch, a :class:`CostModel` (ms of one target forward vs. its number of query tokens,
@@ -161,6 +163,8 @@ class DraftCost:
 class _RequestState:
     hits: float
     trials: float
+    got: float  # decayed draft nodes delivered ...
+    want: float  # ... of the nodes planned (the drafter's delivery ratio is got / want)
 
 
 class SpeculationController:
@@ -183,12 +187,17 @@ class SpeculationController:
         self._gain_hits = catch * o.prior_weight
         self._gain_trials = o.prior_weight
         self._gain_alpha = o.alpha_prior * o.prior_weight
+        # Population delivery (decayed nodes delivered, planned): a drafter that often finds no
+        # draft (n-gram without a match) delivers fewer nodes than planned; new requests start here.
+        self._pop_got = self._pop_want = o.prior_weight
+        self._planned: dict[Hashable, int] = {}  # the last plan's nodes per request, until observed
 
     # -- estimates ------------------------------------------------------------------------------
     def _state(self, rid: Hashable) -> _RequestState:
         o = self.options
         if rid not in self._requests:
-            self._requests[rid] = _RequestState(self.population_alpha * o.prior_weight, o.prior_weight)
+            self._requests[rid] = _RequestState(self.population_alpha * o.prior_weight, o.prior_weight,
+                                                self._pop_got / self._pop_want * o.prior_weight, o.prior_weight)
         return self._requests[rid]
 
     @property
@@ -202,6 +211,11 @@ class SpeculationController:
         s = self._state(request_id)
         return s.hits / s.trials
 
+    def delivery(self, request_id: Hashable) -> float:
+        """Expected fraction of planned draft nodes the drafter delivers for a request."""
+        s = self._state(request_id)
+        return s.got / s.want
+
     @property
     def sibling_gain(self) -> float:
         """Fitted ``g``: extra-sibling catch rate ``c = 1 - (1 - alpha)^g`` solved for ``g``."""
@@ -211,8 +225,10 @@ class SpeculationController:
             return self.options.sibling_gain_prior
         return min(max(math.log1p(-catch) / log_miss, 0.0), 1.0)
 
-    def expected_table(self, alpha: float) -> tuple[list[float], list[int]]:
-        """``(E[n], best_depth[n])`` for ``n = 0..max_nodes`` draft nodes at acceptance ``alpha``.
+    def expected_table(self, alpha: float, delivery: float = 1.0) -> tuple[list[float], list[int]]:
+        """``(E[n], best_depth[n])`` for ``n = 0..max_nodes`` draft nodes at acceptance ``alpha``,
+        scaled by ``delivery``, the fraction of planned nodes the drafter actually drafts (an
+        n-gram drafter finds no match about half the time: its plans are worth half as much).
 
         Plain Python floats: the table is small (``max_nodes x max_depth``) and recomputed for
         every request every step, where tensor ops would cost more in dispatch than in math."""
@@ -228,7 +244,7 @@ class SpeculationController:
                     continue
                 beta = 1 - (1 - alpha) ** (1 + gain * (max(n / d, 1.0) - 1))
                 beta = min(max(beta, 0.0), 1 - 1e-12)
-                e = beta * (1 - beta**d) / (1 - beta)
+                e = delivery * beta * (1 - beta**d) / (1 - beta)
                 if e > e_best:
                     e_best, d_best = e, d
             best.append(e_best)
@@ -242,14 +258,14 @@ class SpeculationController:
         b = len(request_ids)
         if b == 0:
             return []
-        alphas = [self.alpha(r) for r in request_ids]
-        cache: dict[float, tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]] = {}
-        for a in set(alphas):
-            table = self.expected_table(a)
-            cache[a] = (table, self._hull(table[0]))
-        tables = [cache[a][0] for a in alphas]
+        keys = [(self.alpha(r), self.delivery(r)) for r in request_ids]
+        cache: dict[tuple[float, float], tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]] = {}
+        for key in set(keys):
+            table = self.expected_table(*key)
+            cache[key] = (table, self._hull(table[0]))
+        tables = [cache[k][0] for k in keys]
         # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
-        segments = [(gain, r, lo, hi) for r, a in enumerate(alphas) for gain, lo, hi in cache[a][1]]
+        segments = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
         segments.sort(key=lambda s: (-s[0], s[1], s[2]))
         plain = b / self.cost(b)
         best_rate, best_k = plain, 0
@@ -271,6 +287,7 @@ class SpeculationController:
             alloc = [0] * b
         plans = []
         for r, (rid, n) in enumerate(zip(request_ids, alloc)):
+            self._planned[rid] = n
             if n == 0:
                 # idle: no evidence, so drift back toward the better of the population's
                 # acceptance and the prior until a short probe pays again (one unlucky step must
@@ -303,10 +320,20 @@ class SpeculationController:
 
     # -- feedback -------------------------------------------------------------------------------
     def observe(self, request_id: Hashable, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:
-        """Learn from one verified tree: top-1 acceptance per reached level, and sibling gain."""
+        """Learn from one verified tree: the drafter's delivery (nodes drafted of those planned),
+        top-1 acceptance per reached level, and sibling gain."""
+        o = self.options
+        planned = self._planned.pop(request_id, 0)
+        if planned > 0:
+            got = min(tree.size - 1, planned)
+            s = self._state(request_id)
+            s.got = (1 - o.ema) * s.got + o.ema * got
+            s.want = (1 - o.ema) * s.want + o.ema * planned
+            keep = 1 - o.ema / 4
+            self._pop_got = keep * self._pop_got + (1 - keep) * got
+            self._pop_want = keep * self._pop_want + (1 - keep) * planned
         if tree.size == 1:
             return
-        o = self.options
         children: dict[int, list[int]] = {}
         for i, par in enumerate(tree.parents.tolist()[1:], start=1):
             children.setdefault(par, []).append(i)
@@ -349,13 +376,14 @@ class SpeculationController:
 
     def release(self, request_id: Hashable) -> None:
         self._requests.pop(request_id, None)
+        self._planned.pop(request_id, None)
 
     def predicted_rate(self, request_ids: Sequence[Hashable], plans: Sequence[Plan]) -> float:
         """Predicted committed tokens per millisecond of ``plans`` (for logs and tests)."""
         nodes, expected, depth = 0, float(len(plans)), 0
         for rid, p in zip(request_ids, plans):
             if p.max_nodes:
-                e, _ = self.expected_table(self.alpha(rid))
+                e, _ = self.expected_table(self.alpha(rid), self.delivery(rid))
                 nodes += p.max_nodes
                 expected += float(e[p.max_nodes])
                 depth = max(depth, p.max_depth)

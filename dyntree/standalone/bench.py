@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -248,12 +249,26 @@ def compare(base: dict[str, Any] | None, run: dict[str, Any]) -> None:
     run["speedup"] = round(run["tokens_per_s"] / base["tokens_per_s"], 4) if base["tokens_per_s"] else None
 
 
+def _median_run(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's runs over the rounds -> its median run (by tokens/s; the lower middle one for an
+    even count) with every round's tokens/s and speedup, the median speedup, and
+    ``identical_to_none`` as the worst round's."""
+    order = sorted(range(len(rounds)), key=lambda i: rounds[i]["tokens_per_s"])
+    run = dict(rounds[order[(len(rounds) - 1) // 2]])
+    run["tokens_per_s_runs"] = [x["tokens_per_s"] for x in rounds]
+    if run["speedup"] is not None:
+        run["speedup_runs"] = [x["speedup"] for x in rounds]
+        run["speedup"] = round(statistics.median(run["speedup_runs"]), 4)
+        run["identical_to_none"] = min(x["identical_to_none"] for x in rounds)
+    return run
+
+
 def run_bench(
     model,
     tokenizer,
     prompts: Sequence[Prompt],
     modes: Sequence[str],
-    drafter: str,
+    drafter: str | Sequence[str],
     spec: SpecConfig,
     params: SamplingParams,
     batch_size: int,
@@ -261,30 +276,53 @@ def run_bench(
     model_name: str,
     dtype: str,
     fast_linear: bool = True,
+    repeats: int = 1,
 ) -> dict[str, Any]:
-    """Run every mode over ``prompts`` and return the result document."""
+    """Run every mode over ``prompts`` and return the result document.
+
+    ``drafter``: one drafter spec or several; every speculative mode runs with each of them, and
+    all share the one plain (``none``) and transformers runs. ``repeats``: the whole list of runs
+    is repeated round by round (each round starting one run later than the last, so no mode
+    always runs first), and a slow phase of the machine hits every mode alike; each mode then reports its median run, the tokens/s of every
+    round, and as ``speedup`` the median over rounds of its tokens/s over that round's plain run."""
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     if batch_size > 1 and any(m in HF_MODES for m in modes):
         raise ValueError(f"modes {', '.join(HF_MODES)} run one prompt at a time; use --batch-size 1")
-    spec = spec.model_copy(update={"drafter": drafter})
+    drafters = [drafter] if isinstance(drafter, str) else list(drafter)
+    if not drafters:
+        raise ValueError("run_bench needs at least one drafter")
     tree_modes = [m for m in modes if m in ("chain", "static", "dyntree")]
-    if tree_modes and not make_hf_drafter(drafter, model, tokenizer).drafts_with_builder:
-        raise ValueError(f"mode(s) {tree_modes} need a drafter with expand; {drafter!r} has none (use mode own)")
+    for d in drafters if tree_modes else ():
+        if not make_hf_drafter(d, model, tokenizer).drafts_with_builder:
+            raise ValueError(f"mode(s) {tree_modes} need a drafter with expand; {d!r} has none (use mode own)")
+    jobs = [(m, d) for m in modes for d in ([None] if m == "none" or m in HF_MODES else drafters)]
     encoded = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
     ids = [p.id for p in prompts]
     category = {p.id: p.category for p in prompts}
     plain = SpecEngine(model, tokenizer, make_drafter("none"), SpecConfig(drafter="none"), fast_linear=fast_linear)
     cost = plain.measure_cost() if spec.adaptive and any(m != "none" for m in modes) else None
-    runs = [run_hf_mode(model, tokenizer, encoded, ids, m, params) if m in HF_MODES
-            else run_mode(model, tokenizer, encoded, ids, m, spec, params, batch_size, cost, category, fast_linear)
-            for m in modes]
-    base = next((r for r in runs if r["mode"] == "none"), None)
-    for run in runs:
-        compare(base, run)
+
+    def run(mode: str, d: str | None) -> dict[str, Any]:
+        if mode in HF_MODES:
+            return run_hf_mode(model, tokenizer, encoded, ids, mode, params)
+        s = spec.model_copy(update={"drafter": d or drafters[0]})
+        return run_mode(model, tokenizer, encoded, ids, mode, s, params, batch_size, cost, category, fast_linear)
+
+    rounds = []
+    for r in tqdm(range(repeats), desc="rounds", disable=repeats == 1, leave=False):
+        order = [(j + r) % len(jobs) for j in range(len(jobs))]  # each round starts one job later
+        done = {j: run(*jobs[j]) for j in order}
+        rounds.append([done[j] for j in range(len(jobs))])
+        base = next((x for x in rounds[-1] if x["mode"] == "none"), None)
+        for x in rounds[-1]:
+            compare(base, x)
+    runs = [_median_run([rnd[j] for rnd in rounds]) for j in range(len(jobs))]
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": _device(),
@@ -294,6 +332,8 @@ def run_bench(
         "batch_size": batch_size,
         "chat": chat,
         "num_prompts": len(prompts),
+        "repeats": repeats,
+        "drafters": drafters,
         "spec": spec.model_dump(),
         "sampling": params.model_dump(),
         "linear": {"routing": plain.linear.summary(), "ms_by_rows": plain.linear.timings_ms} if plain.linear else None,
