@@ -42,13 +42,14 @@ SAMPLED_PROMPT, SAMPLED_COPIES, TEMP, TOP_P = "The capital of France is", 128, 0
 def test_options_name_the_field() -> None:
     spec = parse_options({"method": "dyntree", "drafter": "ngram", "num_speculative_tokens": 8, "tree": "dyntree"})
     assert spec.max_nodes == 8 and spec.tree == "dyntree" and spec.drafter == "ngram"
+    assert parse_options({"method": "dyntree", "drafter": "qspec:w4a16,g64"}).drafter == "qspec:w4a16,g64"
     default = parse_options({"method": "dyntree"})
     assert default.drafter == "auto" and default.adaptive  # the controller is on unless turned off
     assert not parse_options({"method": "dyntree", "adaptive": False}).adaptive
     for bad, field in [({"max_depth": "deep"}, "max_depth"), ({"tree": "bushy"}, "tree"), ({"bogus": 1}, "bogus"),
                        ({"drafter": "medusa"}, "drafter"), ({"num_speculative_tokens": 300}, "max_nodes"),
                        ({"max_nodes": 4, "num_speculative_tokens": 8}, "num_speculative_tokens"),
-                       ({"drafter": "qspec"}, "qspec"), ({"adaptive": "sometimes"}, "adaptive"),
+                       ({"drafter": "qspec:w4a8"}, "weight-only"), ({"adaptive": "sometimes"}, "adaptive"),
                        ({"tree_options": {"threshold": 3}}, "threshold")]:
         with pytest.raises(OptionsError, match=field):
             parse_options({"method": "dyntree", **bad})
@@ -95,6 +96,7 @@ def runs(tmp_path_factory) -> dict:
         {"name": "plain", "prompts": prompts, "sampling": GREEDY},
         {"name": "ngram", "prompts": prompts, "sampling": GREEDY, "speculative_config": {**SPEC, "drafter": "ngram"}},
         {"name": "hydra", "prompts": prompts, "sampling": GREEDY, "speculative_config": {**SPEC, "drafter": "hydra", "tree": "dyntree"}},
+        {"name": "qspec", "prompts": prompts, "sampling": GREEDY, "speculative_config": {**SPEC, "drafter": "qspec"}},
         *[{"name": f"ablate_{a}", "ablate": a, "prompts": prompts, "sampling": GREEDY,
            "speculative_config": {**SPEC, "drafter": "ngram"}} for a in ("mask", "positions", "compaction")],
         {"name": "plain_shared", "prompts": shared, "sampling": GREEDY, "llm": {"enable_prefix_caching": True}},
@@ -122,7 +124,7 @@ def runs(tmp_path_factory) -> dict:
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter", ["ngram", "hydra"])
+@pytest.mark.parametrize("drafter", ["ngram", "hydra", "qspec"])
 def test_greedy_trees_equal_vllm_without_speculation(runs, drafter: str) -> None:
     assert runs[drafter]["tokens"] == runs["plain"]["tokens"]
     m = runs[drafter]["metrics"]

@@ -7,8 +7,9 @@
   nodes per level and ``beta = 1 - (1 - alpha)^(1 + g (w - 1))``,
   ``E(n, d) = beta + beta^2 + ... + beta^d``, times the request's *delivery* (the EMA fraction
   of planned nodes the drafter actually drafted: n-gram lookup often finds nothing); the best
-  depth is chosen per ``n``. ``g`` is fitted online from how often later siblings catch the
-  token a first child missed. A request that keeps being accepted gets deep, large trees; one that
+  depth is chosen per ``n``; a verify is priced as wide as planned only with the chance that
+  some planned tree arrives, else as plain decoding. ``g`` is fitted online from how often later
+  siblings catch the token a first child missed. A request that keeps being accepted gets deep, large trees; one that
   keeps failing gets a short chain or nothing (each draft node must be worth ``min_node_value``
   accepted tokens), and drifts back toward the prior while idle so it is retried now and then.
 * Per batch, a :class:`CostModel` (ms of one target forward vs. its number of query tokens,
@@ -267,9 +268,11 @@ class SpeculationController:
         # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
         segments = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
         segments.sort(key=lambda s: (-s[0], s[1], s[2]))
-        plain = b / self.cost(b)
+        plain_ms = self.cost(b)
+        plain = b / plain_ms
         best_rate, best_k = plain, 0
         nodes, widest, expected, max_depth = 0, 0, float(b), 0
+        no_tree = 1.0  # chance that no planned tree is delivered (the forward is then plain)
         for k, (_, r, lo, hi) in enumerate(segments, start=1):
             tokens = self._verify_tokens(b, nodes + hi - lo, max(widest, hi))
             if tokens > o.max_batch_tokens:
@@ -277,7 +280,9 @@ class SpeculationController:
             nodes, widest = nodes + hi - lo, max(widest, hi)
             expected += float(tables[r][0][hi] - tables[r][0][lo])
             max_depth = max(max_depth, int(tables[r][1][hi]))
-            rate = expected / (self.cost(tokens) + self.draft_cost(max_depth, nodes))
+            no_tree *= 1.0 - keys[r][1] if lo == 0 else 1.0
+            forward = (1.0 - no_tree) * self.cost(tokens) + no_tree * plain_ms
+            rate = expected / (forward + self.draft_cost(max_depth, nodes))
             if rate > best_rate:
                 best_rate, best_k = rate, k
         alloc = [0] * b
@@ -290,10 +295,12 @@ class SpeculationController:
             self._planned[rid] = n
             if n == 0:
                 # idle: no evidence, so drift back toward the better of the population's
-                # acceptance and the prior until a short probe pays again (one unlucky step must
-                # not end a good drafter's speculation for the rest of a request)
+                # acceptance and the prior (and toward full delivery) until a short probe pays
+                # again (one unlucky step must not end a good drafter's speculation for the rest
+                # of a request)
                 s = self._state(rid)
                 s.hits += o.relax * (max(self.population_alpha, o.alpha_prior) * s.trials - s.hits)
+                s.got += o.relax * (s.want - s.got)
                 plans.append(Plan("none", 0, 0))
             else:
                 d = int(tables[r][1][n])
@@ -380,12 +387,14 @@ class SpeculationController:
 
     def predicted_rate(self, request_ids: Sequence[Hashable], plans: Sequence[Plan]) -> float:
         """Predicted committed tokens per millisecond of ``plans`` (for logs and tests)."""
-        nodes, expected, depth = 0, float(len(plans)), 0
+        nodes, expected, depth, no_tree = 0, float(len(plans)), 0, 1.0
         for rid, p in zip(request_ids, plans):
             if p.max_nodes:
                 e, _ = self.expected_table(self.alpha(rid), self.delivery(rid))
                 nodes += p.max_nodes
                 expected += float(e[p.max_nodes])
                 depth = max(depth, p.max_depth)
+                no_tree *= 1.0 - self.delivery(rid)
         tokens = self._verify_tokens(len(plans), nodes, max((p.max_nodes for p in plans), default=0))
-        return expected / (self.cost(tokens) + self.draft_cost(depth, nodes))
+        forward = (1.0 - no_tree) * self.cost(tokens) + no_tree * self.cost(len(plans))
+        return expected / (forward + self.draft_cost(depth, nodes))

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from dyntree.common.config import SpecConfig
 from dyntree.common.drafters import check_drafter_spec
+from dyntree.common.quant import parse_qspec
 
 __all__ = ["OptionsError", "parse_spec_options"]
 
@@ -23,12 +24,15 @@ class OptionsError(ValueError):
     """Engine options that cannot work (the message names the field, flag or feature)."""
 
 
-def parse_spec_options(options: Mapping[str, Any], where: str, engine: str, *, adaptive: bool = False) -> SpecConfig:
+def parse_spec_options(options: Mapping[str, Any], where: str, engine: str, *, adaptive: bool = False,
+                       self_draft: bool = False) -> SpecConfig:
     """Validate ``options`` (SpecConfig fields; ``-`` and ``_`` alike) for an engine adapter.
 
     ``where`` prefixes every message (``speculative_config``, the options file, ...); ``engine``
     names the adapter in refusals of what it does not run yet. ``adaptive``: the engine runs the
-    adaptive controller, and it is on unless the options turn it off; otherwise it is refused."""
+    adaptive controller, and it is on unless the options turn it off; otherwise it is refused.
+    ``self_draft``: the engine runs the quantized self-draft with weight-only quantization (CPU
+    low-bit kernels); otherwise ``qspec`` is refused."""
     if adaptive:
         options = {"adaptive": True, **options}
     opts = {k.replace("-", "_"): v for k, v in options.items()}
@@ -46,7 +50,13 @@ def parse_spec_options(options: Mapping[str, Any], where: str, engine: str, *, a
     if spec.adaptive and not adaptive:
         raise OptionsError(f"{where}.adaptive: the adaptive controller is not wired into the {engine} adapter yet; "
                            "leave adaptive false")
-    if spec.drafter.partition(":")[0].strip().lower() == "qspec":
-        raise OptionsError(f"{where}.drafter 'qspec': the quantized self-draft does not run inside {engine} yet "
-                           "(use ngram or hydra)")
+    name, _, qopts = spec.drafter.partition(":")
+    if name.strip().lower() == "qspec":
+        if not self_draft:
+            raise OptionsError(f"{where}.drafter 'qspec': the quantized self-draft does not run inside {engine} yet "
+                               "(use ngram or hydra)")
+        q = parse_qspec(qopts or None)
+        if q.act_bits is not None or not q.quantized:
+            raise OptionsError(f"{where}.drafter {spec.drafter!r}: inside {engine} the self-draft runs weight-only "
+                               f"quantization (w8a16 or w4a16), not {q}")
     return spec.model_copy(update={"drafter": "auto"}) if auto else spec

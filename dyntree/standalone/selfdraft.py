@@ -6,7 +6,7 @@ The draft forward is the target's own decoder ``forward`` run on a shallow copy 
 whose layer list is the draft's (:func:`~dyntree.common.drafters.qspec.build_draft_layers`), so
 with quantization off it computes exactly what the target computes. Where a weight kernel serves
 the quantized layers (torch's int8/int4 ops on CPU, the W4A16 Triton kernel on CUDA) and the
-layers are Llama's, the same layers run fused instead (:mod:`dyntree.standalone.fused_draft`)
+layers are Llama's, the same layers run fused instead (:mod:`dyntree.common.fused_draft`)
 and the draft reads an int8 copy of the LM head: about half a target forward on a 2-core CPU
 (SmolLM2: 25 vs ~50 ms) instead of ~0.7, most of it the low-bit matmuls. KV: the draft reads the
 engine's committed prefix KV (its cache rows, read-only, never copied as a whole) and keeps its
@@ -18,55 +18,22 @@ the duration of the call (a transient copy of one layer's prefix, never a second
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import nn
 
 from dyntree.common.drafter import DraftRequest
 from dyntree.common.drafters.qspec import build_draft_layers, kept_layers
+from dyntree.common.fused_draft import LM_HEAD_SPEC, ScratchKV, attention_mask, fuse_layers, hf_rope, run_layers
 from dyntree.common.quant import QSpec, QSpecError, QuantLinear
 from dyntree.kernels.cpu_weight_only import CpuWeightOnly
 from dyntree.kernels.w4a16 import W4A16Kernel
-from dyntree.standalone.fused_draft import fuse_layers, run_layers
 
 if TYPE_CHECKING:
     from dyntree.standalone.engine import SpecEngine
 
 __all__ = ["HFSelfDraft"]
-
-_LM_HEAD_SPEC = QSpec(weight_bits=8, group_size=None)  # per-channel int8: top-1 barely moves
-
-
-class _ScratchKV:
-    """The cache object the draft forward writes to: per layer, the target's prefix KV (views,
-    read-only, set for the duration of one forward) followed by this step's draft tokens' KV
-    (scratch, owned)."""
-
-    def __init__(self, n_layers: int) -> None:
-        self.prefix: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
-        self.scratch: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
-        self.peak_transient_bytes = 0
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        old = self.scratch[layer_idx]
-        self.scratch[layer_idx] = (key, value) if old is None else (torch.cat([old[0], key], 2), torch.cat([old[1], value], 2))
-        k, v = self.scratch[layer_idx]
-        pre = self.prefix[layer_idx]
-        if pre is None:
-            return k, v
-        full_k, full_v = torch.cat([pre[0], k], 2), torch.cat([pre[1], v], 2)
-        self.peak_transient_bytes = max(self.peak_transient_bytes, 2 * full_k.numel() * full_k.element_size())
-        return full_k, full_v
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        pre, scr = self.prefix[layer_idx], self.scratch[layer_idx]
-        return (0 if pre is None else pre[0].shape[2]) + (0 if scr is None else scr[0].shape[2])
-
-    @property
-    def scratch_bytes(self) -> int:
-        return sum(2 * s[0].numel() * s[0].element_size() for s in self.scratch if s is not None)
-
 
 class HFSelfDraft:
     """Draft layers over the engine's cache rows (see the module docstring).
@@ -104,7 +71,7 @@ class HFSelfDraft:
         self.decoder.config.num_hidden_layers = len(draft_layers)
         if self.fused is not None:
             self.quant_layers = [m for f in self.fused for m in (f.qkv, f.o, f.gate_up, f.down)]
-            head = QuantLinear.from_linear(self.lm_head, _LM_HEAD_SPEC, kernel=kernel)
+            head = QuantLinear.from_linear(self.lm_head, LM_HEAD_SPEC, kernel=kernel)
             if head.kernel is not None:  # the fast path reads an int8 copy of the LM head as well
                 self.lm_head = head
                 self.quant_layers.append(head)
@@ -121,7 +88,7 @@ class HFSelfDraft:
         self.last_transient_bytes = 0
         self._rows: list[int] = []
         self._kv_lens = torch.zeros(0, dtype=torch.int64)
-        self._kv = _ScratchKV(len(draft_layers))
+        self._kv = ScratchKV(len(draft_layers))
 
     @property
     def overhead_bytes(self) -> int:
@@ -136,25 +103,22 @@ class HFSelfDraft:
                                  f"row holds {self.engine.kv_len(row)}")
         self._rows = rows
         self._kv_lens = torch.tensor([r.kv_len for r in requests])
-        self._kv = _ScratchKV(len(self.decoder.layers))
+        self._kv = ScratchKV(len(self.decoder.layers))
 
     def release(self) -> None:
-        self._kv = _ScratchKV(len(self.decoder.layers))
+        self._kv = ScratchKV(len(self.decoder.layers))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, scratch_mask: torch.Tensor) -> torch.Tensor:
         prefix_len = int(self._kv_lens.max()) if self._kv_lens.numel() else 0
-        b, w = tokens.shape
-        see_prefix = (torch.arange(prefix_len)[None, :] < self._kv_lens[:, None])[:, None, :].expand(b, w, prefix_len)
-        allowed = torch.cat([see_prefix, scratch_mask], dim=-1)
-        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        mask = attention_mask(self._kv_lens, prefix_len, scratch_mask, self.dtype)
         self._kv.prefix = self._prefix(prefix_len)
         try:
             with torch.inference_mode():
-                tokens, positions, mask = tokens.to(self.device), positions.to(self.device), mask[:, None].to(self.device)
+                tokens, positions, mask = tokens.to(self.device), positions.to(self.device), mask.to(self.device)
                 if self.fused is not None:
                     hidden = self.decoder.embed_tokens(tokens)
                     cos, sin = self.decoder.rotary_emb(hidden, positions)
-                    hidden = self.decoder.norm(run_layers(self.fused, hidden, cos, sin, mask, self._kv))
+                    hidden = self.decoder.norm(run_layers(self.fused, hidden, hf_rope(cos, sin), mask, self._kv))
                 else:
                     hidden = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask,
                                           past_key_values=self._kv, use_cache=True).last_hidden_state

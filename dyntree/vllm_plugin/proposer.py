@@ -47,11 +47,16 @@ class DynTreeProposer:
 
     # -- vLLM's custom_class contract -------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
-        """Build the drafter over the loaded target (Hydra borrows its embeddings and LM head)."""
+        """Build the drafter over the loaded target (Hydra borrows its embeddings and LM head; the
+        quantized self-draft quantizes a copy of its linears)."""
         model_config = self.vllm_config.model_config
         vocab = int(model_config.get_vocab_size())
         drafter, self.drafter_spec = make_engine_drafter(
             self.drafter_spec, lambda: _target_info(target_model, self.vllm_config, vocab))
+        if drafter.needs_self_draft:  # qspec: the target's own layers, quantized, over vLLM's paged KV
+            from dyntree.vllm_plugin.selfdraft import VllmSelfDraft
+
+            drafter.attach(VllmSelfDraft(target_model, self, getattr(drafter, "spec"), vocab))
         self.speculator = Speculator(drafter, self.spec.model_copy(update={"drafter": self.drafter_spec}), vocab_size=vocab,
                                      cost_model=self._measure_cost if self.spec.adaptive else None)
 

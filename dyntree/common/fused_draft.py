@@ -1,0 +1,217 @@
+"""The quantized self-draft's decoder layers as a few fused ops each, for Llama targets (any engine).
+
+Run through Hugging Face's decoder, a draft forward of SmolLM2-135M on a CPU spends about two
+thirds of its time outside the low-bit matmuls: per layer, seven projection calls (each with its
+activation casts), the rotary and RMSNorm written as chains of small ops, ``repeat_kv`` for grouped
+heads, and module-call overhead, which made a draft forward cost ~0.7 of a target forward. This
+module computes the same layer:
+
+    h = x + o(attn(rope(q), rope(k), v))   with q, k, v = split(qkv(rms_norm(x)))
+    y = h + down(silu(gate) * up)          with gate, up = split(gate_up(rms_norm(h)))
+
+with the target's projections stacked and quantized as one weight each (the same codes and scales
+as quantizing them one by one: every output row has its own), torch's fused ``rms_norm`` and
+grouped-query SDPA. It reads the target's norms and rotary, so it is the draft the HF path runs, up
+to float rounding, without the HF path's per-projection copies; :func:`fuse_layers` returns
+``None`` (and the caller keeps the HF path) for any layer that is not exactly that shape, or whose
+stacked projections no kernel serves. An engine whose layers already hold stacked weights (vLLM's
+``qkv_proj`` / ``gate_up_proj``) builds the same layers with :func:`fused_layer`.
+
+An engine's self-draft backend runs these layers (:func:`run_layers`) under :func:`attention_mask`
+against each request's committed prefix KV (read-only, the engine's own cache) plus this step's
+draft tokens' KV (:class:`ScratchKV`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dyntree.common.quant import QSpec, QuantLinear, WeightKernel, quantize_weight
+
+__all__ = ["LM_HEAD_SPEC", "FusedLayer", "fused_layer", "quantized_linear", "fuse_layers", "hf_rope", "run_layers", "attention_mask", "ScratchKV", "Rope"]
+
+#: The draft's LM head: per-channel int8 (its top-1 barely moves).
+LM_HEAD_SPEC = QSpec(weight_bits=8, group_size=None)
+
+#: ``rope(q, k) -> (q, k)`` on ``[b, heads, w, head_dim]`` queries and keys at this forward's positions.
+Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+_MODEL_TYPES = ("llama",)
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    """One decoder layer's weights in fused form (the norms' tensors are the target's own)."""
+
+    attn_norm: torch.Tensor
+    attn_eps: float
+    qkv: QuantLinear
+    o: QuantLinear
+    mlp_norm: torch.Tensor
+    mlp_eps: float
+    gate_up: QuantLinear
+    down: QuantLinear
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+def _norm(module: nn.Module) -> tuple[torch.Tensor, float] | None:
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and isinstance(eps, float):
+        return weight, eps
+    return None
+
+
+def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, spec: QSpec, kernel: WeightKernel) -> QuantLinear:
+    """``x @ weight.T + bias`` quantized as ``spec`` says (weights only), served by ``kernel``."""
+    assert spec.weight_bits is not None  # only quantizing specs are fused
+    qw = quantize_weight(weight.detach(), spec.weight_bits, spec.group_size, spec.symmetric)
+    return QuantLinear(qw, None if bias is None else bias.detach(), None, kernel)
+
+
+def _stacked(parts: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias of ``cat([p(x) for p in parts], -1)`` as one linear."""
+    weight = torch.cat([p.weight for p in parts]) if len(parts) > 1 else parts[0].weight
+    bias = None
+    if any(p.bias is not None for p in parts):
+        bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in parts])
+    return weight, bias
+
+
+def fused_layer(
+    attn_norm: tuple[torch.Tensor, float],
+    qkv: tuple[torch.Tensor, torch.Tensor | None],
+    o: tuple[torch.Tensor, torch.Tensor | None],
+    mlp_norm: tuple[torch.Tensor, float],
+    gate_up: tuple[torch.Tensor, torch.Tensor | None],
+    down: tuple[torch.Tensor, torch.Tensor | None],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scaling: float,
+    spec: QSpec,
+    kernel: WeightKernel,
+) -> FusedLayer | None:
+    """One Llama layer from its weights (``(weight, eps)`` norms, ``(weight, bias)`` projections:
+    q/k/v stacked in that order, gate/up stacked), quantized as ``spec`` says; ``None`` when
+    ``kernel`` does not serve a stacked weight."""
+    fused = FusedLayer(attn_norm[0], attn_norm[1], quantized_linear(*qkv, spec, kernel), quantized_linear(*o, spec, kernel),
+                       mlp_norm[0], mlp_norm[1], quantized_linear(*gate_up, spec, kernel), quantized_linear(*down, spec, kernel),
+                       heads, kv_heads, head_dim, scaling)
+    if any(p.kernel is None for p in (fused.qkv, fused.o, fused.gate_up, fused.down)):
+        return None
+    return fused
+
+
+def _fuse(layer: nn.Module, config: Any, spec: QSpec, kernel: WeightKernel) -> FusedLayer | None:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    norms = _norm(getattr(layer, "input_layernorm", None)), _norm(getattr(layer, "post_attention_layernorm", None))
+    names = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+    if attn is None or mlp is None or None in norms or any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
+        return None
+    proj = [getattr(attn, n, None) for n in names[0]] + [getattr(mlp, n, None) for n in names[1]]
+    if not all(isinstance(p, nn.Linear) for p in proj):
+        return None
+    if "SiLU" not in type(getattr(mlp, "act_fn", None)).__name__ or getattr(config, "hidden_act", None) != "silu":
+        return None
+    q, k, v, o, gate, up, down = proj
+    head_dim = int(attn.head_dim)
+    return fused_layer(norms[0], _stacked([q, k, v]), _stacked([o]), norms[1], _stacked([gate, up]), _stacked([down]),
+                       q.out_features // head_dim, k.out_features // head_dim, head_dim, float(attn.scaling), spec, kernel)
+
+
+def fuse_layers(layers: Sequence[nn.Module], config: Any, spec: QSpec,
+                kernel: WeightKernel | None) -> list[FusedLayer] | None:
+    """The target's ``layers`` as fused draft layers quantized as ``spec`` says, or ``None`` when
+    ``spec`` quantizes activations (or nothing), any layer is not a plain Llama layer, or
+    ``kernel`` does not serve the stacked weights (then no fused layer is kept)."""
+    if kernel is None or not spec.quantized or spec.act_bits is not None:
+        return None
+    if getattr(config, "model_type", None) not in _MODEL_TYPES:
+        return None
+    fused = []
+    for layer in layers:
+        f = _fuse(layer, config, spec, kernel)
+        if f is None:
+            return None
+        fused.append(f)
+    return fused
+
+
+def hf_rope(cos: torch.Tensor, sin: torch.Tensor) -> Rope:
+    """The rotation a Hugging Face rotary module's ``cos``/``sin [b, w, head_dim]`` describe."""
+    cos, sin = cos[:, None], sin[:, None]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    return lambda q, k: (rotate(q), rotate(k))
+
+
+def run_layers(layers: Sequence[FusedLayer], hidden: torch.Tensor, rope: Rope, mask: torch.Tensor, kv: Any) -> torch.Tensor:
+    """``hidden [b, w, d]`` through ``layers``; ``rope`` rotates queries and keys at this
+    forward's positions, ``mask [b, 1, w, keys]`` is additive, ``kv.update(k, v, layer_idx)``
+    appends this call's keys/values and returns every key/value the queries may see (the HF cache
+    contract; :class:`ScratchKV`)."""
+    b, w, _ = hidden.shape
+    for i, f in enumerate(layers):
+        x = F.rms_norm(hidden, hidden.shape[-1:], f.attn_norm, f.attn_eps)
+        qkv = f.qkv(x).view(b, w, f.heads + 2 * f.kv_heads, f.head_dim).transpose(1, 2)
+        q, k, v = qkv.split([f.heads, f.kv_heads, f.kv_heads], dim=1)
+        q, k = rope(q, k)
+        keys, values = kv.update(k, v, i)
+        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=f.scaling,
+                                             enable_gqa=f.heads != f.kv_heads)
+        hidden = hidden + f.o(att.transpose(1, 2).reshape(b, w, f.heads * f.head_dim))
+        x = F.rms_norm(hidden, hidden.shape[-1:], f.mlp_norm, f.mlp_eps)
+        gate, up = f.gate_up(x).chunk(2, dim=-1)
+        hidden = hidden + f.down(F.silu(gate) * up)
+    return hidden
+
+
+def attention_mask(kv_lens: torch.Tensor, prefix_len: int, scratch_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, 1, W, prefix_len + S + W]`` additive mask of a draft forward: query ``(b, w)`` sees the
+    first ``kv_lens[b]`` of the ``prefix_len`` prefix columns (its committed KV) and the scratch
+    slots ``scratch_mask [B, W, S + W]`` allows."""
+    b, w, _ = scratch_mask.shape
+    see_prefix = (torch.arange(prefix_len)[None, :] < kv_lens[:, None])[:, None, :].expand(b, w, prefix_len)
+    allowed = torch.cat([see_prefix, scratch_mask], dim=-1)
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+class ScratchKV:
+    """The cache object a draft forward writes to: per layer, the target's prefix KV (read-only,
+    set by the engine for the duration of one forward) followed by this step's draft tokens' KV
+    (scratch, owned)."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.prefix: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
+        self.scratch: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
+        self.peak_transient_bytes = 0
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        old = self.scratch[layer_idx]
+        self.scratch[layer_idx] = (key, value) if old is None else (torch.cat([old[0], key], 2), torch.cat([old[1], value], 2))
+        k, v = self.scratch[layer_idx]
+        pre = self.prefix[layer_idx]
+        if pre is None:
+            return k, v
+        full_k, full_v = torch.cat([pre[0], k], 2), torch.cat([pre[1], v], 2)
+        self.peak_transient_bytes = max(self.peak_transient_bytes, 2 * full_k.numel() * full_k.element_size())
+        return full_k, full_v
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        pre, scr = self.prefix[layer_idx], self.scratch[layer_idx]
+        return (0 if pre is None else pre[0].shape[2]) + (0 if scr is None else scr[0].shape[2])
+
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(2 * s[0].numel() * s[0].element_size() for s in self.scratch if s is not None)
