@@ -30,8 +30,28 @@ from dyntree.vllm_plugin.kv_layout import KVLayout
 __all__ = ["VllmSelfDraft"]
 
 
+def _dense(linear: Any) -> torch.Tensor:
+    """A linear layer's ``[out, in]`` weight. vLLM's CPU backend packs weights for its GEMM at load
+    and drops ``.weight``; the dense weight is then read back through that GEMM from identity
+    rows (exact: every output is one weight times one), a chunk at a time."""
+    w = linear.weight
+    if w.numel() > 0:
+        return w.detach()
+    gemm = getattr(linear, "cpu_linear", None)
+    size = getattr(linear, "input_size_per_partition", None)
+    if gemm is None or size is None:
+        raise QSpecError(f"qspec inside vLLM: {type(linear).__name__} holds no readable weight")
+    rows = []
+    with torch.inference_mode():
+        for start in range(0, size, 1024):
+            eye = torch.zeros(min(1024, size - start), size, dtype=w.dtype)
+            eye[:, start : start + eye.shape[0]] = torch.eye(eye.shape[0], dtype=w.dtype)
+            rows.append(gemm(eye, w, None))
+    return torch.cat(rows).t().contiguous()
+
+
 def _weights(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return linear.weight, getattr(linear, "bias", None)
+    return _dense(linear), getattr(linear, "bias", None)
 
 
 def _fuse(layer: Any, index: int, spec: QSpec, kernel: CpuWeightOnly) -> FusedLayer:
@@ -88,7 +108,7 @@ class VllmSelfDraft:
         self.cos_sin = rope.cos_sin_cache  # [max_position, head_dim]: cos half, then sin half
         self.embed = inner.embed_tokens.weight
         self.norm = (inner.norm.weight, float(inner.norm.variance_epsilon))
-        self.head = quantized_linear(model.lm_head.weight, None, LM_HEAD_SPEC, kernel)
+        self.head = quantized_linear(_dense(model.lm_head), None, LM_HEAD_SPEC, kernel)
         self.quant_layers = [m for f in self.layers for m in (f.qkv, f.o, f.gate_up, f.down)] + [self.head]
         for m in self.quant_layers:  # every call goes through the kernel: its packed copy is enough
             m.release_codes()
