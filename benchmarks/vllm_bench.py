@@ -32,6 +32,7 @@ CONFIGS = {
     "vllm_ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
     "dyntree_ngram": {"method": "dyntree", "drafter": "ngram", "num_speculative_tokens": 16, "max_depth": 6},
     "dyntree_hydra": {"method": "dyntree", "drafter": "hydra", "num_speculative_tokens": 16, "max_depth": 4},
+    "dyntree_qspec": {"method": "dyntree", "drafter": "qspec", "num_speculative_tokens": 16, "max_depth": 6},
     "dyntree_ngram_fixed": {"method": "dyntree", "drafter": "ngram", "num_speculative_tokens": 16, "max_depth": 6,
                             "adaptive": False},
     "dyntree_hydra_fixed": {"method": "dyntree", "drafter": "hydra", "num_speculative_tokens": 16, "max_depth": 4,

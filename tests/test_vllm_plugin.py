@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from dyntree.vllm_plugin.options import OptionsError, parse_options
 from spec_support import chi2_pvalue_ok, spec_bench
@@ -53,6 +54,23 @@ def test_options_name_the_field() -> None:
                        ({"tree_options": {"threshold": 3}}, "threshold")]:
         with pytest.raises(OptionsError, match=field):
             parse_options({"method": "dyntree", **bad})
+
+
+def test_packed_weights_are_read_back_exactly() -> None:
+    """vLLM's CPU backend packs a linear's weight for its GEMM and leaves ``.weight`` empty; the
+    self-draft reads the dense weight back through that GEMM (chunks of 1024 identity rows)."""
+    from types import SimpleNamespace
+
+    from dyntree.common.quant import QSpecError
+    from dyntree.vllm_plugin.selfdraft import _dense
+
+    w = torch.randn(40, 1500, generator=torch.Generator().manual_seed(0))
+    packed = SimpleNamespace(weight=torch.empty(0), input_size_per_partition=1500,
+                             cpu_linear=lambda x, weight, bias: torch.nn.functional.linear(x, w))
+    assert torch.equal(_dense(packed), w)
+    assert torch.equal(_dense(SimpleNamespace(weight=w)), w)  # an unpacked weight is used as it is
+    with pytest.raises(QSpecError, match="no readable weight"):
+        _dense(SimpleNamespace(weight=torch.empty(0)))
 
 
 def test_unsupported_vllm_versions_are_refused() -> None:
