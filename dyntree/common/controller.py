@@ -9,9 +9,10 @@
   of planned nodes the drafter actually drafted: n-gram lookup often finds nothing); the best
   depth is chosen per ``n``; a verify is priced as wide as planned only with the chance that
   some planned tree arrives, else as plain decoding. ``g`` is fitted online from how often later
-  siblings catch the token a first child missed. A request that keeps being accepted gets deep, large trees; one that
-  keeps failing gets a short chain or nothing (each draft node must be worth ``min_node_value``
-  accepted tokens), and drifts back toward the prior while idle so it is retried now and then.
+  siblings catch the token a first child missed. A request that keeps being accepted gets deep,
+  large trees; one that keeps failing gets a short chain or nothing (each draft node must be
+  worth ``min_node_value`` accepted tokens), and drifts back toward the prior (and full delivery)
+  while idle so it is retried now and then.
 * Per batch, a :class:`CostModel` (ms of one target forward vs. its number of query tokens,
   piecewise linear, seeded from start-up timings and refined online) prices the verify forward.
   Every request's node increments, ordered by expected accepted tokens per added query token
@@ -280,7 +281,8 @@ class SpeculationController:
             nodes, widest = nodes + hi - lo, max(widest, hi)
             expected += float(tables[r][0][hi] - tables[r][0][lo])
             max_depth = max(max_depth, int(tables[r][1][hi]))
-            no_tree *= 1.0 - keys[r][1] if lo == 0 else 1.0
+            if lo == 0:  # this request's first segment: its tree arrives with its delivery ratio
+                no_tree *= 1.0 - keys[r][1]
             forward = (1.0 - no_tree) * self.cost(tokens) + no_tree * plain_ms
             rate = expected / (forward + self.draft_cost(max_depth, nodes))
             if rate > best_rate:
