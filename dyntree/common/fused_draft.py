@@ -31,9 +31,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dyntree.common.quant import QSpec, QuantLinear, WeightKernel, quantize_weight
+from dyntree.common.quant import QSpec, QuantLinear, WeightKernel
 
-__all__ = ["LM_HEAD_SPEC", "FusedLayer", "fused_layer", "quantized_linear", "fuse_layers", "hf_rope", "run_layers", "attention_mask", "ScratchKV", "Rope"]
+__all__ = ["LM_HEAD_SPEC", "FusedLayer", "fused_layer", "fuse_layers", "hf_rope", "run_layers", "attention_mask",
+           "ScratchKV", "Rope"]
 
 #: The draft's LM head: per-channel int8 (its top-1 barely moves).
 LM_HEAD_SPEC = QSpec(weight_bits=8, group_size=None)
@@ -69,13 +70,6 @@ def _norm(module: nn.Module) -> tuple[torch.Tensor, float] | None:
     return None
 
 
-def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, spec: QSpec, kernel: WeightKernel) -> QuantLinear:
-    """``x @ weight.T + bias`` quantized as ``spec`` says (weights only), served by ``kernel``."""
-    assert spec.weight_bits is not None  # only quantizing specs are fused
-    qw = quantize_weight(weight.detach(), spec.weight_bits, spec.group_size, spec.symmetric)
-    return QuantLinear(qw, None if bias is None else bias.detach(), None, kernel)
-
-
 def _stacked(parts: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weight and bias of ``cat([p(x) for p in parts], -1)`` as one linear."""
     weight = torch.cat([p.weight for p in parts]) if len(parts) > 1 else parts[0].weight
@@ -102,9 +96,12 @@ def fused_layer(
     """One Llama layer from its weights (``(weight, eps)`` norms, ``(weight, bias)`` projections:
     q/k/v stacked in that order, gate/up stacked), quantized as ``spec`` says; ``None`` when
     ``kernel`` does not serve a stacked weight."""
-    fused = FusedLayer(attn_norm[0], attn_norm[1], quantized_linear(*qkv, spec, kernel), quantized_linear(*o, spec, kernel),
-                       mlp_norm[0], mlp_norm[1], quantized_linear(*gate_up, spec, kernel), quantized_linear(*down, spec, kernel),
-                       heads, kv_heads, head_dim, scaling)
+
+    def quantized(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear:
+        return QuantLinear.from_weight(weight, bias, spec, kernel=kernel)
+
+    fused = FusedLayer(attn_norm[0], attn_norm[1], quantized(*qkv), quantized(*o), mlp_norm[0], mlp_norm[1],
+                       quantized(*gate_up), quantized(*down), heads, kv_heads, head_dim, scaling)
     if any(p.kernel is None for p in (fused.qkv, fused.o, fused.gate_up, fused.down)):
         return None
     return fused

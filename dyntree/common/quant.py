@@ -391,10 +391,23 @@ class QuantLinear(nn.Module):
         kernel: WeightKernel | None = None,
     ) -> "QuantLinear":
         """Quantize ``linear`` as ``spec`` says (``spec`` must quantize)."""
+        return cls.from_weight(linear.weight, linear.bias, spec, scale_dtype, kernel)
+
+    @classmethod
+    def from_weight(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: QSpec,
+        scale_dtype: torch.dtype = torch.float16,
+        kernel: WeightKernel | None = None,
+    ) -> "QuantLinear":
+        """``x @ weight.T + bias`` quantized as ``spec`` says (``spec`` must quantize); for weights
+        that no ``nn.Linear`` holds (stacked projections, an engine's packed layers)."""
         if spec.weight_bits is None:
-            raise ValueError("QuantLinear.from_linear: spec 'none' does not quantize")
-        qw = quantize_weight(linear.weight, spec.weight_bits, spec.group_size, spec.symmetric, scale_dtype)
-        return cls(qw, linear.bias, spec.act_bits, kernel)
+            raise ValueError("QuantLinear: spec 'none' does not quantize")
+        qw = quantize_weight(weight.detach(), spec.weight_bits, spec.group_size, spec.symmetric, scale_dtype)
+        return cls(qw, bias, spec.act_bits, kernel)
 
     @property
     def quantized_weight(self) -> QuantizedWeight:

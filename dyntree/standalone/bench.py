@@ -283,8 +283,9 @@ def run_bench(
     ``drafter``: one drafter spec or several; every speculative mode runs with each of them, and
     all share the one plain (``none``) and transformers runs. ``repeats``: the whole list of runs
     is repeated round by round (each round starting one run later than the last, so no mode
-    always runs first), and a slow phase of the machine hits every mode alike; each mode then reports its median run, the tokens/s of every
-    round, and as ``speedup`` the median over rounds of its tokens/s over that round's plain run."""
+    always runs first, and a slow phase of the machine hits every mode alike); each mode then
+    reports its median run, the tokens/s of every round, and as ``speedup`` the median over
+    rounds of its tokens/s over that round's plain run."""
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")

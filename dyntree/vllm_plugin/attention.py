@@ -45,23 +45,19 @@ def plan_tree_attention(step: TreeStep, layout: KVLayout, block_table: torch.Ten
     b = len(step.rows)
     t = max(m.shape[0] for m in step.masks)
     length = max(m.shape[1] for m in step.masks)
-    width = layout.key_offsets.shape[1]
-    keys = torch.zeros(b, length, width, dtype=torch.int64)
-    values = torch.zeros(b, length, width, dtype=torch.int64)
+    key_index, value_index = layout.prefix_index([block_table[row].cpu() for row in step.rows],
+                                                 [m.shape[1] for m in step.masks])
     mask = torch.zeros(b, 1, t, length, dtype=torch.bool)
     mask[:, :, :, 0] = True  # padded query rows see one slot (no NaN); their output is dropped
     rows, slots = [], []
-    for i, (row, start, m) in enumerate(zip(step.rows, step.starts, step.masks)):
+    for i, (start, m) in enumerate(zip(step.starts, step.masks)):
         n, ln = m.shape
-        k, v = layout.index(block_table[row].cpu(), torch.arange(ln))
-        keys[i, :ln], values[i, :ln] = k, v
         mask[i, 0, :n] = False
         mask[i, 0, :n, :ln] = m
         rows.append(torch.arange(start, start + n))
         slots.append(torch.arange(i * t, i * t + n))
     bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
-    return TreeAttentionPlan(keys.reshape(-1), values.reshape(-1), torch.cat(rows), torch.cat(slots), bias,
-                             (b, t, length))
+    return TreeAttentionPlan(key_index, value_index, torch.cat(rows), torch.cat(slots), bias, (b, t, length))
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -82,16 +78,13 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if plan is None:
             plan = plan_tree_attention(step, layout, attn_metadata.block_table, query.dtype)
             step.derived[("attention", id(layout))] = plan
-        b, t, length = plan.shape
-        flat = kv_cache.view(-1)
-        hkv, d = layout.num_kv_heads, layout.head_size
-        k = flat.index_select(0, plan.key_index).view(b, length, hkv, d).transpose(1, 2)
-        v = flat.index_select(0, plan.value_index).view(b, length, hkv, d).transpose(1, 2)
+        b, t, _ = plan.shape
+        k, v = layout.gather(kv_cache, plan.key_index, b), layout.gather(kv_cache, plan.value_index, b)
         q = query.new_zeros(b * t, *query.shape[1:])
         q[plan.slots] = query[plan.rows]
-        q = q.view(b, t, self.num_heads, d).transpose(1, 2).to(k.dtype)
+        q = q.view(b, t, self.num_heads, layout.head_size).transpose(1, 2).to(k.dtype)
         res = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.bias, scale=self.scale,
-                                             enable_gqa=self.num_heads != hkv)  # [B, Hq, T, D]
+                                             enable_gqa=self.num_heads != layout.num_kv_heads)  # [B, Hq, T, D]
         res = res.transpose(1, 2).reshape(b * t, -1)[plan.slots]
         out[plan.rows] = res.reshape(out[plan.rows].shape).to(out.dtype)
         step.derived["tree_ms"] = step.derived.get("tree_ms", 0.0) + (time.perf_counter() - started) * 1e3

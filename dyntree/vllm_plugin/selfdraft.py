@@ -21,9 +21,8 @@ from torch.nn import functional as F
 
 from dyntree.common.drafter import DraftRequest
 from dyntree.common.drafters.qspec import kept_layers
-from dyntree.common.fused_draft import (LM_HEAD_SPEC, FusedLayer, ScratchKV, attention_mask, fused_layer, hf_rope,
-                                        quantized_linear, run_layers)
-from dyntree.common.quant import QSpec, QSpecError
+from dyntree.common.fused_draft import LM_HEAD_SPEC, FusedLayer, ScratchKV, attention_mask, fused_layer, hf_rope, run_layers
+from dyntree.common.quant import QSpec, QSpecError, QuantLinear
 from dyntree.kernels.cpu_weight_only import CpuWeightOnly
 from dyntree.vllm_plugin.kv_layout import KVLayout
 
@@ -108,7 +107,7 @@ class VllmSelfDraft:
         self.cos_sin = rope.cos_sin_cache  # [max_position, head_dim]: cos half, then sin half
         self.embed = inner.embed_tokens.weight
         self.norm = (inner.norm.weight, float(inner.norm.variance_epsilon))
-        self.head = quantized_linear(_dense(model.lm_head), None, LM_HEAD_SPEC, kernel)
+        self.head = QuantLinear.from_weight(_dense(model.lm_head), None, LM_HEAD_SPEC, kernel=kernel)
         self.quant_layers = [m for f in self.layers for m in (f.qkv, f.o, f.gate_up, f.down)] + [self.head]
         for m in self.quant_layers:  # every call goes through the kernel: its packed copy is enough
             m.release_codes()
@@ -130,29 +129,21 @@ class VllmSelfDraft:
         if runner is None:
             raise RuntimeError("dyntree qspec: the model runner is not known yet (the runner patch did not run)")
         row_of = {rid: i for i, rid in enumerate(self.proposer.req_ids)}
-        rows = [row_of[r.request_id] for r in requests]
-        self._kv_lens = torch.tensor([r.kv_len for r in requests])
-        length = int(self._kv_lens.max()) if requests else 0
         block_tables = runner.input_batch.block_table[0].block_table.cpu
+        block_rows = [block_tables[row_of[r.request_id]] for r in requests]
+        lengths = [r.kv_len for r in requests]
+        self._kv_lens = torch.tensor(lengths)
         context = runner.compilation_config.static_forward_context
-        plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per cache layout, shared by its layers
         self._prefix = []
         for name in self.layer_names:
             layer = context[name]
             kv = layer.kv_cache[0] if isinstance(layer.kv_cache, (list, tuple)) else layer.kv_cache
             layout = KVLayout.of(kv, layer.isa)
             if id(layout) not in plans:
-                width = layout.key_offsets.shape[1]
-                keys = torch.zeros(len(rows), length, width, dtype=torch.int64)  # padding: index 0, masked out
-                values = torch.zeros_like(keys)
-                for b, (row, r) in enumerate(zip(rows, requests)):
-                    keys[b, : r.kv_len], values[b, : r.kv_len] = layout.index(block_tables[row], torch.arange(r.kv_len))
-                plans[id(layout)] = (keys.reshape(-1), values.reshape(-1))
-            key_index, value_index = plans[id(layout)]
-            flat = kv.view(-1)
-            shape = (len(rows), length, layout.num_kv_heads, layout.head_size)
-            self._prefix.append(tuple(flat.index_select(0, i).view(shape).transpose(1, 2).to(self.dtype)
-                                      for i in (key_index, value_index)))  # type: ignore[arg-type]
+                plans[id(layout)] = layout.prefix_index(block_rows, lengths)
+            self._prefix.append(tuple(layout.gather(kv, index, len(requests)).to(self.dtype)
+                                      for index in plans[id(layout)]))  # type: ignore[arg-type]
         self._kv = ScratchKV(len(self.layers))
 
     def release(self) -> None:
