@@ -7,7 +7,10 @@ token pool (``req_to_token`` slot ids -> per-layer ``k_buffer``/``v_buffer``), h
 SGLang's tree-capable attention backends honour in ``TARGET_VERIFY``: ``spec_info.positions``,
 ``batch.out_cache_loc`` for the window's KV, and ``spec_info.custom_mask`` (FULL_MASK or
 QLEN_ONLY layout). Slots are handed out in shuffled order, so an indexing bug cannot hide
-behind contiguous storage.
+behind contiguous storage. The model the worker sees (``model_runner.model``) has SGLang's Llama
+layout (:func:`sglang_llama`: stacked ``qkv_proj`` / ``gate_up_proj``, a ``cos_sin_cache`` rotary,
+``attn.layer_id``) over SmolLM2's tensors, so the quantized self-draft reads the weights and the
+token pool exactly as it would in SGLang.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
+from torch import nn
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -34,7 +38,7 @@ class TokenPoolTarget:
         self.v_buffer = [torch.zeros(pool_size, self.hkv, self.hd) for _ in range(layers)]
         self.req_to_token = torch.zeros(max_reqs, max_context, dtype=torch.int32)
         self.free = torch.randperm(pool_size - 1, generator=torch.Generator().manual_seed(seed)).add(1).tolist()
-        self.model_runner = SimpleNamespace(device="cpu", model=model,
+        self.model_runner = SimpleNamespace(device="cpu", model=sglang_llama(model),
                                             model_config=SimpleNamespace(vocab_size=cfg.vocab_size))
         self.req_to_token_pool = SimpleNamespace(req_to_token=self.req_to_token)
         pool = SimpleNamespace(k_buffer=self.k_buffer, v_buffer=self.v_buffer)
@@ -111,6 +115,41 @@ class TokenPoolTarget:
             x = x + attn.o_proj(out.reshape(t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return m.norm(x)
+
+
+class _Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None
+
+
+def _module(**parts: Any) -> nn.Module:
+    m = nn.Module()
+    for name, part in parts.items():
+        setattr(m, name, part)
+    return m
+
+
+def sglang_llama(model: nn.Module) -> nn.Module:
+    """SGLang's ``LlamaForCausalLM`` module layout over a HF Llama's tensors (q/k/v and gate/up
+    stacked as SGLang's loader stacks them; norms, embeddings and LM head shared)."""
+    cfg, inner = model.config, model.model
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inner.rotary_emb.inv_freq.float())
+    rope = SimpleNamespace(cos_sin_cache=torch.cat([freqs.cos(), freqs.sin()], -1), is_neox_style=True, rotary_dim=hd,
+                           head_size=hd)
+    layers = []
+    for i, layer in enumerate(inner.layers):
+        a, m = layer.self_attn, layer.mlp
+        attn = _module(qkv_proj=_Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])), o_proj=a.o_proj,
+                       rotary_emb=rope, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                       head_dim=hd, scaling=float(a.scaling), attn=SimpleNamespace(layer_id=i, sliding_window_size=-1))
+        mlp = _module(gate_up_proj=_Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])), down_proj=m.down_proj)
+        layers.append(_module(self_attn=attn, mlp=mlp, input_layernorm=layer.input_layernorm,
+                              post_attention_layernorm=layer.post_attention_layernorm))
+    decoder = _module(embed_tokens=inner.embed_tokens, layers=nn.ModuleList(layers), norm=inner.norm)
+    return _module(model=decoder, lm_head=model.lm_head)
 
 
 def _split_mask(mask: torch.Tensor, seq_lens: list[int], n: int) -> list[torch.Tensor]:

@@ -71,6 +71,17 @@ class CostModel:
         self.ys = [float(ms) for _, ms in items]
         self._monotone()
         self.lr = lr
+        self._unseen = False  # set by :meth:`online`: the first observation sets every knot
+
+    @classmethod
+    def online(cls, sizes: Sequence[int], lr: float = 0.2) -> "CostModel":
+        """A model learned from the engine's own forwards, for engines that cannot time dummy
+        forwards up front: the first observed forward sets every knot (a flat cost: an optimistic
+        start for wide verifies, which the next observations correct), then :meth:`observe` refines
+        the knots near each observed size."""
+        model = cls({int(n): 1.0 for n in sizes}, lr)
+        model._unseen = True
+        return model
 
     @classmethod
     def measure(
@@ -111,6 +122,9 @@ class CostModel:
         """Move the model toward one measured forward (``ms`` for ``n_tokens`` query tokens)."""
         if n_tokens < 1 or not ms > 0:
             raise ValueError(f"observe({n_tokens}, {ms}): n_tokens must be >= 1 and ms > 0")
+        if self._unseen:
+            self.ys, self._unseen = [float(ms)] * len(self.xs), False
+            return
         err = ms - self(n_tokens)
         i, w = self._segment(n_tokens)
         if len(self.xs) == 1:

@@ -9,10 +9,11 @@ the README):
 ``--speculative-num-steps D``              deepest draft node
 ``--speculative-eagle-topk K``             most children of one node (dynamic trees)
 ``--speculative-draft-model-path DIR``     Hydra heads directory (drafter ``hydra:DIR``)
-``--speculative-draft-model-quantization`` the quantized self-draft (refused: not wired yet)
+``--speculative-draft-model-quantization`` the quantized self-draft: an int4 weight-only
+                                           method (``awq``, ``gptq``, ...) -> ``qspec:w4a16,g64``
 ========================================== ==================================================
 
-Everything else (drafter, tree mode, tree options) is a JSON object of
+Everything else (drafter, tree mode, tree and controller options) is a JSON object of
 :class:`~dyntree.common.config.SpecConfig` fields in the file named by ``DYNTREE_SGLANG_CONFIG``,
 validated by the same parser as the vLLM adapter's options. :func:`resolve_server_args` fills the
 flags SGLang leaves unset for a plugin algorithm, then refuses (naming the flag) every setting
@@ -41,6 +42,10 @@ NAME = "DYNTREE"
 ENV = "DYNTREE_SGLANG_CONFIG"
 #: Attention backends whose TARGET_VERIFY reads a custom (tree) mask.
 TREE_MASK_BACKENDS = ("triton", "flashinfer", "fa3", "intel_amx")
+#: SGLang's ``--speculative-draft-model-quantization`` choices that mean int4 weight-only: the
+#: self-draft then quantizes the target's weights as ``qspec:w4a16,g64`` (round-to-nearest, group 64).
+INT4_WEIGHT_ONLY = ("awq", "awq_marlin", "gptq", "gptq_marlin", "moe_wna16")
+INT4_DRAFT = "qspec:w4a16,g64"
 #: Budget-like fields owned by SGLang's flags, never set in the options file.
 _FLAG_FIELDS = {
     "max_nodes": "--speculative-num-draft-tokens",
@@ -84,9 +89,19 @@ def spec_from_server_args(sa: Any) -> SpecConfig:
         tree_options = dict(opts.get("tree_options") or {})
         tree_options["max_children"] = int(k)
         opts["tree_options"] = tree_options
-    if sa.speculative_draft_model_quantization:
-        raise OptionsError(f"--speculative-draft-model-quantization {sa.speculative_draft_model_quantization}: the "
-                           "quantized self-draft does not run inside SGLang yet (use the n-gram or Hydra drafter)")
+    method = _explicit_draft_quantization(sa)
+    if method is not None:
+        drafter = str(opts.get("drafter", "auto"))
+        name = drafter.partition(":")[0].strip().lower()
+        if name not in ("auto", "qspec"):
+            raise OptionsError(f"--speculative-draft-model-quantization {method} selects the quantized self-draft, but "
+                               f"the options file sets drafter {drafter!r}; drop one of them")
+        if name == "auto":
+            if method not in INT4_WEIGHT_ONLY:
+                raise OptionsError(f"--speculative-draft-model-quantization {method}: DYNTREE's self-draft quantizes the "
+                                   f"target's weights to int4 for {', '.join(INT4_WEIGHT_ONLY)}; other precisions go in "
+                                   "the options file (drafter \"qspec:w8a16\", ...)")
+            opts["drafter"] = INT4_DRAFT
     path = sa.speculative_draft_model_path
     if path:
         drafter = str(opts.get("drafter", "auto"))
@@ -94,13 +109,25 @@ def spec_from_server_args(sa: Any) -> SpecConfig:
             raise OptionsError(f"--speculative-draft-model-path {path} names Hydra heads, but the options file sets "
                                f"drafter {drafter!r}; drop one of them")
         opts["drafter"] = f"hydra:{path}"
-    spec = parse_spec_options(opts, where, "SGLang")
+    spec = parse_spec_options(opts, where, "SGLang", adaptive=True, self_draft=True)
     if spec.max_nodes < 1:
         raise OptionsError("dyntree options: max_nodes must be >= 1")
     if spec.max_depth > spec.max_nodes:
         raise OptionsError(f"--speculative-num-steps {spec.max_depth}: deeper than the node budget "
                            f"(--speculative-num-draft-tokens {spec.max_nodes + 1} = root + {spec.max_nodes})")
     return spec
+
+
+def _explicit_draft_quantization(sa: Any) -> str | None:
+    """``--speculative-draft-model-quantization`` when the user set it (SGLang copies the target's
+    ``--quantization`` into it when unset, which says nothing about DYNTREE's draft)."""
+    method = sa.speculative_draft_model_quantization
+    explicit = getattr(sa, "_speculative_draft_quantization_explicitly_set", None)
+    if not method or method == "unquant" or explicit is False:
+        return None
+    if explicit is None and method == getattr(sa, "quantization", None):
+        return None
+    return str(method)
 
 
 def resolve_server_args(sa: Any) -> SpecConfig:

@@ -7,12 +7,20 @@ state and the :class:`~dyntree.common.speculator.Speculator`:
 * **prefill** (extend): the target's own forward and sampling; the hidden states of the new
   prompt positions go to the speculator when the drafter reads them (Hydra);
 * **decode**: ``speculator.propose`` over every request (committed tokens = prompt + outputs, the
-  last one is the root), the trees in SGLang's verify layout (:mod:`~dyntree.sglang_plugin.layout`),
-  ONE target forward in ``TARGET_VERIFY`` mode over window ``[seq_len, seq_len + N)``,
-  ``speculator.accept`` on its logits (greedy or lossless tree sampling), the accepted nodes' KV
-  moved to the front of the window (``kv_compact_sglang``: Triton on GPU, torch reference
-  elsewhere), their hidden states pushed back, and a ``GenerationBatchResult`` whose row ``b``
-  holds the ``accept_lens[b]`` committed tokens.
+  last one is the root; the adaptive controller plans each request's tree for this live batch),
+  the trees in SGLang's verify layout (:mod:`~dyntree.sglang_plugin.layout`) as wide as this
+  step's widest tree ``w`` (at most ``N``; ``w = 1`` when the controller plans no speculation),
+  ONE target forward in ``TARGET_VERIFY`` mode over window ``[seq_len, seq_len + w)`` (timed: it
+  refines the controller's cost model), ``speculator.accept`` on its logits (greedy or lossless
+  tree sampling), the accepted nodes' KV moved to the front of the window
+  (``kv_compact_sglang``: Triton on GPU, torch reference elsewhere), their hidden states pushed
+  back, and a ``GenerationBatchResult`` whose row ``b`` holds the ``accept_lens[b]`` committed
+  tokens (stride ``N``, as SGLang sized the reserve).
+
+Drafters: n-gram, Hydra heads (hidden states captured from the target's forwards) and the
+quantized self-draft (:class:`~dyntree.sglang_plugin.selfdraft.SglangSelfDraft`, over the token
+pool). SGLang has no dummy forward to time up front, so the controller's cost model is learned
+from the verify forwards themselves (:meth:`~dyntree.common.controller.CostModel.online`).
 
 Requests that leave the decode batch (finished, aborted, retracted) are released from the
 speculator. Requests asking for what tree verification does not apply (penalties, ``min_p``,
@@ -27,6 +35,7 @@ from typing import Any, Hashable
 
 import torch
 
+from dyntree.common.controller import CostModel
 from dyntree.common.drafter import TargetInfo
 from dyntree.common.drafters import make_engine_drafter
 from dyntree.common.speculator import SpecRequest, Speculator
@@ -70,9 +79,23 @@ class DynTreeWorker(BaseSpecWorker):
         self.ablate: frozenset[str] = frozenset()
         self.generator = torch.Generator().manual_seed(int(getattr(server_args, "random_seed", 0) or 0))
         vocab = int(self.model_runner.model_config.vocab_size)
-        drafter, resolved = make_engine_drafter(self.spec.drafter, lambda: _target_info(self.model_runner.model, server_args, vocab))
-        self.speculator = Speculator(drafter, self.spec.model_copy(update={"drafter": resolved}), vocab_size=vocab)
+        model = self.model_runner.model
+        drafter, resolved = make_engine_drafter(self.spec.drafter, lambda: _target_info(model, server_args, vocab))
+        self.pool_rows: dict[Hashable, int] = {}  # this step's request id -> req_pool_index (the self-draft reads it)
+        self.req_to_token: torch.Tensor | None = None
+        if drafter.needs_self_draft:  # qspec: the target's own layers, quantized, over SGLang's token pool
+            from dyntree.sglang_plugin.selfdraft import SglangSelfDraft
+
+            drafter.attach(SglangSelfDraft(model, getattr(drafter, "spec"), vocab, self))
+        cost = None
+        if self.spec.adaptive:
+            most = int(getattr(server_args, "max_running_requests", None) or 48) * self.width
+            sizes = [1 << i for i in range(max(1, most - 1).bit_length() + 1)]
+            cost = CostModel.online(sizes, lr=self.spec.controller.cost_lr)
+        self.speculator = Speculator(drafter, self.spec.model_copy(update={"drafter": resolved}), vocab_size=vocab,
+                                     cost_model=cost, padded=True)
         self._decoding: set[Hashable] = set()
+        self.widths: list[int] = []  # verify width of every decode step (what the controller chose)
 
     @property
     def draft_worker(self) -> None:
@@ -134,7 +157,7 @@ class DynTreeWorker(BaseSpecWorker):
         )  # fmt: skip
 
     def _decode(self, batch: Any) -> GenerationBatchResult:
-        reqs, n, dev = batch.reqs, self.width, self.device
+        reqs, dev = batch.reqs, self.device
         rids = [req.rid for req in reqs]
         for gone in self._decoding - set(rids):
             self.speculator.release(gone)
@@ -146,8 +169,12 @@ class DynTreeWorker(BaseSpecWorker):
             if len(tokens) != seq_len + 1:
                 raise RuntimeError(f"DYNTREE: request {req.rid} has {len(tokens)} tokens but {seq_len} in the KV cache "
                                    "(expected one more: the root)")
-            spec_reqs.append(SpecRequest(req.rid, tokens, request_sampling(req.sampling_params), max_nodes=n - 1))
+            spec_reqs.append(SpecRequest(req.rid, tokens, request_sampling(req.sampling_params), max_nodes=self.width - 1))
+        self.pool_rows = dict(zip(rids, batch.req_pool_indices.tolist()))
+        self.req_to_token = batch.req_to_token_pool.req_to_token
         drafts = self.speculator.propose(spec_reqs, self.generator)
+        n = max(tree.size for tree in drafts.trees)  # this step's verify width: the widest tree
+        self.widths.append(n)
         layout = verify_layout(drafts, seq_lens, n, self.ablate)
         draft_token = layout.draft_token.to(dev)
 
@@ -165,6 +192,8 @@ class DynTreeWorker(BaseSpecWorker):
         )  # fmt: skip
         t = time.perf_counter()
         out = self._target_worker.forward_batch_generation(batch, is_verify=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # the accept reads the logits next anyway: the time is the forward's
         logits_output = out.logits_output
         logits = logits_output.next_token_logits[layout.valid_rows.to(dev)]
         result = self.speculator.accept(drafts, logits, self.generator, forward_ms=(time.perf_counter() - t) * 1e3)
@@ -178,15 +207,15 @@ class DynTreeWorker(BaseSpecWorker):
             hidden = logits_output.hidden_states
             for b, rid in enumerate(rids):
                 self.speculator.observe_hidden(rid, hidden[b * n + torch.tensor(result.accepted(b), device=dev)])
-        accept_tokens, accept_lens = (x.to(dev) for x in commit_arrays(result, n))
+        accept_tokens, accept_lens = (x.to(dev) for x in commit_arrays(result, self.width))
         new_seq_lens = batch.seq_lens + accept_lens
         batch.forward_mode = ForwardMode.DECODE
         return GenerationBatchResult(
             logits_output=logits_output, next_token_ids=accept_tokens, can_run_cuda_graph=out.can_run_cuda_graph,
             accept_lens=accept_lens, new_seq_lens=new_seq_lens,
-            next_draft_input=NgramVerifyInput(draft_token_num=n, new_seq_lens=new_seq_lens, accept_tokens=accept_tokens,
-                                              accept_lens=accept_lens),
-            speculative_num_draft_tokens=n,
+            next_draft_input=NgramVerifyInput(draft_token_num=self.width, new_seq_lens=new_seq_lens,
+                                              accept_tokens=accept_tokens, accept_lens=accept_lens),
+            speculative_num_draft_tokens=self.width,
         )  # fmt: skip
 
 
