@@ -30,8 +30,8 @@ from types import SimpleNamespace
 import pytest
 
 from dyntree.common.drafters.hydra import SHIPPED_HEADS
-from dyntree.sglang_plugin.options import (ENV, OptionsError, request_sampling, resolve_server_args, spec_from_server_args,
-                                           unsupported_request)
+from dyntree.sglang_plugin.options import (ENV, INT4_DRAFT, OptionsError, request_sampling, resolve_server_args,
+                                           spec_from_server_args, unsupported_request)
 from spec_support import chi2_pvalue_ok, spec_bench
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -110,8 +110,8 @@ def test_each_refusal_names_its_flag(flags, names, monkeypatch) -> None:
     ('{"bogus": 1}', "bogus"),
     ('{"tree": "bushy"}', "tree"),
     ('{"drafter": "medusa"}', "drafter"),
-    ('{"adaptive": true}', "adaptive"),
-    ('{"drafter": "qspec"}', "qspec"),
+    ('{"controller": {"min_gain": 0.5}}', "min_gain"),
+    ('{"drafter": "qspec:w8a8"}', "weight-only"),
 ])  # fmt: skip
 def test_options_file_errors_name_the_field(content, names, tmp_path, monkeypatch) -> None:
     path = tmp_path / "opts.json"
@@ -128,6 +128,28 @@ def test_draft_model_path_conflicting_with_the_file_is_refused(tmp_path, monkeyp
     monkeypatch.setenv(ENV, str(path))
     with pytest.raises(OptionsError, match="--speculative-draft-model-path"):
         spec_from_server_args(server_args(speculative_draft_model_path="/heads"))
+
+
+def test_controller_and_self_draft_options(tmp_path, monkeypatch) -> None:
+    """The adaptive controller is on by default; the self-draft comes from the options file or from
+    an int4 weight-only ``--speculative-draft-model-quantization`` the user set (SGLang's copy of the
+    target's ``--quantization`` into it is not a request for it)."""
+    monkeypatch.delenv(ENV, raising=False)
+    assert resolve_server_args(server_args()).adaptive
+    spec = spec_from_server_args(server_args(speculative_draft_model_quantization="awq"))
+    assert spec.drafter == INT4_DRAFT
+    inherited = server_args(quantization="fp8", speculative_draft_model_quantization="fp8")
+    assert spec_from_server_args(inherited).drafter == "auto"
+    assert spec_from_server_args(server_args(speculative_draft_model_quantization="fp8",
+                                             _speculative_draft_quantization_explicitly_set=False)).drafter == "auto"
+    path = tmp_path / "opts.json"
+    path.write_text('{"drafter": "qspec:w4a16,g32", "adaptive": false}')
+    monkeypatch.setenv(ENV, str(path))
+    spec = spec_from_server_args(server_args(speculative_draft_model_quantization="gptq"))
+    assert spec.drafter == "qspec:w4a16,g32" and not spec.adaptive
+    path.write_text('{"drafter": "ngram"}')
+    with pytest.raises(OptionsError, match="--speculative-draft-model-quantization awq selects"):
+        spec_from_server_args(server_args(speculative_draft_model_quantization="awq"))
 
 
 def test_request_sampling_and_refusals() -> None:
@@ -261,16 +283,23 @@ def worker_runs(tmp_path_factory) -> dict:
     rows = spec_bench(8, stride=60)
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
                                             return_dict=True)["input_ids"]) for r in rows]
+    fixed = {"adaptive": False}  # every step verifies a full tree (controls and the sampling check)
     runs = [
         {"name": "ngram", "options": {"drafter": "ngram"}, "flags": SLOTS},
         {"name": "hydra", "options": {"drafter": "hydra", "tree": "dyntree"}, "flags": SLOTS},
-        {"name": "hydra_full_chunked", "options": {"drafter": "hydra"}, "mask_mode": "full", "chunked": True,
+        {"name": "qspec", "options": {"drafter": "qspec"}, "flags": SLOTS},
+        {"name": "qspec_flag", "flags": {**SLOTS, "speculative_draft_model_quantization": "awq"}, "limit": 4},
+        {"name": "hydra_full_chunked", "options": {"drafter": "hydra", **fixed}, "mask_mode": "full", "chunked": True,
          "flags": {"speculative_num_draft_tokens": 9, "speculative_eagle_topk": 2}},
-        {"name": "sampled", "options": {"drafter": "hydra", "tree": "dyntree"}, "flags": SLOTS,
+        {"name": "no_speculation", "options": {"drafter": "hydra", "controller": {"min_gain": 50}}, "flags": SLOTS,
+         "limit": 4},
+        {"name": "sampled", "options": {"drafter": "hydra", "tree": "dyntree", **fixed}, "flags": SLOTS,
          "prompts": [tok("The best programming language is")["input_ids"]], "copies": 256, "max_new": 2,
          "sampling": {"temperature": TEMP, "top_k": 1 << 30, "top_p": TOP_P}, "pool_size": 12288},
-        *[{"name": f"ablate_{a}", "options": {"drafter": "hydra"}, "ablate": [a], "flags": SLOTS, "limit": 4, "max_new": 16}
-          for a in ("mask", "positions", "compaction")],
+        *[{"name": f"ablate_{a}", "options": {"drafter": "hydra", **fixed}, "ablate": [a], "flags": SLOTS, "limit": 4,
+           "max_new": 16} for a in ("mask", "positions", "compaction")],
+        {"name": "ablate_compaction_qspec", "options": {"drafter": "qspec", **fixed}, "ablate": ["compaction"],
+         "flags": SLOTS, "limit": 4, "max_new": 16},
     ]  # fmt: skip
     work = tmp_path_factory.mktemp("sglang")
     (work / "cases.json").write_text(json.dumps({"prompts": prompts, "max_new": 32, "runs": runs}))
@@ -282,12 +311,30 @@ def worker_runs(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["ngram", "hydra", "hydra_full_chunked"])
+@pytest.mark.parametrize("run", ["ngram", "hydra", "qspec", "qspec_flag", "hydra_full_chunked"])
 def test_worker_greedy_is_token_identical_to_plain_decoding(worker_runs, run) -> None:
-    plain, out = worker_runs["plain"]["tokens"], worker_runs[run]
-    assert len(plain) == 8 and all(len(t) == 32 for t in plain)
+    out = worker_runs[run]
+    plain = worker_runs["plain"]["tokens"][: len(out["tokens"])]
+    assert len(plain) in (4, 8) and all(len(t) == 32 for t in plain)
     assert out["tokens"] == plain
     assert out["accepted"] > 0 and out["steps"] < 32  # trees were verified and some drafts accepted
+    assert out["adaptive"] == (run != "hydra_full_chunked")  # the controller is on unless the options turn it off
+    assert 1 <= min(out["widths"]) and max(out["widths"]) <= out["width"]
+
+
+@pytest.mark.slow
+def test_worker_runs_the_quantized_self_draft(worker_runs) -> None:
+    assert worker_runs["qspec"]["drafter"] == worker_runs["qspec_flag"]["drafter"] == "qspec"
+    assert worker_runs["qspec"]["accepted"] > worker_runs["hydra"]["accepted"]  # the target's own weights draft best
+
+
+@pytest.mark.slow
+def test_controller_falls_back_to_plain_decoding_inside_the_worker(worker_runs) -> None:
+    """When speculation cannot pay (here: a 50x gain demanded), every step verifies the root only
+    (a width-1 TARGET_VERIFY) and outputs stay those of plain decoding."""
+    out = worker_runs["no_speculation"]
+    assert out["tokens"] == worker_runs["plain"]["tokens"][:4]
+    assert set(out["widths"]) == {1} and out["accepted"] == 0 and out["steps"] == 31
 
 
 @pytest.mark.slow
@@ -297,7 +344,7 @@ def test_worker_uses_the_shipped_heads_and_the_flag_width(worker_runs) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ablation", ["mask", "positions", "compaction"])
+@pytest.mark.parametrize("ablation", ["mask", "positions", "compaction", "compaction_qspec"])
 def test_each_worker_ablation_diverges(worker_runs, ablation) -> None:
     plain = [t[:16] for t in worker_runs["plain"]["tokens"][:4]]
     assert len(worker_runs[f"ablate_{ablation}"]["tokens"]) == 4

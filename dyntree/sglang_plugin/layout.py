@@ -1,7 +1,7 @@
-"""The core's draft trees in SGLang's fixed-width verify layout, and its verdict back (torch only).
+"""The core's draft trees in SGLang's verify layout, and its verdict back (torch only).
 
-SGLang verifies ``N`` slots per request (``--speculative-num-draft-tokens``), flat
-``[bs * N]``: request ``b``'s slot ``i`` is its tree's node ``i`` (root first, tree order) and its
+SGLang verifies ``N`` slots per request, flat ``[bs * N]`` (the worker picks ``N`` per step: the
+widest tree, at most ``--speculative-num-draft-tokens``): request ``b``'s slot ``i`` is its tree's node ``i`` (root first, tree order) and its
 KV goes to logical position ``seq_len[b] + i`` (SGLang's spec-v2 ``seq_lens`` exclude the verify
 window). A tree smaller than ``N`` is padded with unlinked nodes (the root's token, the root's
 position, attending to the prefix and themselves) that nothing can accept.
@@ -11,7 +11,7 @@ position, attending to the prefix and themselves) that nothing can accept.
 layout, and the ``retrieve_*`` links of SGLang's tree kernels (first child = smallest index,
 siblings ascending). :func:`commit_arrays` turns the speculator's
 :class:`~dyntree.common.speculator.AcceptResult` into what SGLang's result processor reads: the
-committed tokens ``[bs * N]`` (row ``b`` holds its ``accept_lens[b]`` tokens first) and
+committed tokens ``[bs * stride]`` (``stride``: the flag's width) (row ``b`` holds its ``accept_lens[b]`` tokens first) and
 ``accept_lens`` (accepted drafts + bonus).
 
 ``ablate`` removes one piece of tree verification for the tests' controls (outputs must then
