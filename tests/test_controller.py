@@ -42,6 +42,17 @@ def test_cost_model_measure_times_the_forward() -> None:
     assert calls == [1, 1, 1, 1, 8, 8, 8, 8] and cm.xs == [1, 8] and all(y > 0 for y in cm.ys)
 
 
+def test_online_cost_model_starts_flat_at_the_first_forward_then_learns() -> None:
+    model = CostModel.online([1, 2, 4, 8, 16], lr=0.5)
+    model.observe(16, 20.0)  # the first verify sets every knot: wide verifies look free until seen
+    assert [model(n) for n in (1, 4, 16, 32)] == [20.0] * 4
+    for _ in range(20):
+        model.observe(1, 10.0)
+        model.observe(16, 30.0)
+    assert model(1) == pytest.approx(10.0, abs=0.5) and model(16) == pytest.approx(30.0, abs=0.5)
+    assert model(4) <= model(8) <= model(16)
+
+
 def test_compute_bound_forward_means_plain_decoding() -> None:
     # Cost proportional to tokens: each draft token costs as much as a whole decode step, and
     # is accepted with probability < 1, so speculation can never pay, even at batch 1.
