@@ -84,7 +84,7 @@ def main(cases_path: str, out_path: str) -> None:
         out = run_scheduler(worker, target, some, run.get("max_new", max_new), chunked=run.get("chunked", False),
                             sampling=run.get("sampling"))
         out.update(seconds=time.time() - t, drafter=worker.speculator.drafter.name, width=worker.width,
-                   widths=worker.widths, adaptive=worker.speculator.controller is not None)
+                   widths=sorted(worker.widths.elements()), adaptive=worker.speculator.controller is not None)
         if run.get("sampling"):
             out["next_token_logits"] = next_token_logits(model, some[0]).tolist()
         results[run["name"]] = out

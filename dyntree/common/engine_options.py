@@ -24,17 +24,14 @@ class OptionsError(ValueError):
     """Engine options that cannot work (the message names the field, flag or feature)."""
 
 
-def parse_spec_options(options: Mapping[str, Any], where: str, engine: str, *, adaptive: bool = False,
-                       self_draft: bool = False) -> SpecConfig:
+def parse_spec_options(options: Mapping[str, Any], where: str, engine: str) -> SpecConfig:
     """Validate ``options`` (SpecConfig fields; ``-`` and ``_`` alike) for an engine adapter.
 
     ``where`` prefixes every message (``speculative_config``, the options file, ...); ``engine``
-    names the adapter in refusals of what it does not run yet. ``adaptive``: the engine runs the
-    adaptive controller, and it is on unless the options turn it off; otherwise it is refused.
-    ``self_draft``: the engine runs the quantized self-draft with weight-only quantization (CPU
-    low-bit kernels); otherwise ``qspec`` is refused."""
-    if adaptive:
-        options = {"adaptive": True, **options}
+    names the adapter. The adaptive controller is on unless the options turn it off; the quantized
+    self-draft runs weight-only quantization inside an engine (activation-quantized specs are
+    refused)."""
+    options = {"adaptive": True, **options}
     opts = {k.replace("-", "_"): v for k, v in options.items()}
     auto = opts.get("drafter", "auto") == "auto"
     if auto:
@@ -47,14 +44,8 @@ def parse_spec_options(options: Mapping[str, Any], where: str, engine: str, *, a
         check_drafter_spec(spec.drafter)
     except ValueError as exc:
         raise OptionsError(f"{where}.drafter: {exc}") from None
-    if spec.adaptive and not adaptive:
-        raise OptionsError(f"{where}.adaptive: the adaptive controller is not wired into the {engine} adapter yet; "
-                           "leave adaptive false")
     name, _, qopts = spec.drafter.partition(":")
     if name.strip().lower() == "qspec":
-        if not self_draft:
-            raise OptionsError(f"{where}.drafter 'qspec': the quantized self-draft does not run inside {engine} yet "
-                               "(use ngram or hydra)")
         q = parse_qspec(qopts or None)
         if q.act_bits is not None or not q.quantized:
             raise OptionsError(f"{where}.drafter {spec.drafter!r}: inside {engine} the self-draft runs weight-only "

@@ -109,7 +109,7 @@ def spec_from_server_args(sa: Any) -> SpecConfig:
             raise OptionsError(f"--speculative-draft-model-path {path} names Hydra heads, but the options file sets "
                                f"drafter {drafter!r}; drop one of them")
         opts["drafter"] = f"hydra:{path}"
-    spec = parse_spec_options(opts, where, "SGLang", adaptive=True, self_draft=True)
+    spec = parse_spec_options(opts, where, "SGLang")
     if spec.max_nodes < 1:
         raise OptionsError("dyntree options: max_nodes must be >= 1")
     if spec.max_depth > spec.max_nodes:

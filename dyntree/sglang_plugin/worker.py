@@ -30,6 +30,7 @@ logit bias, grammars, logprobs) are finished at prefill with an error naming the
 from __future__ import annotations
 
 import time
+from collections import Counter
 from http import HTTPStatus
 from typing import Any, Hashable
 
@@ -95,7 +96,7 @@ class DynTreeWorker(BaseSpecWorker):
         self.speculator = Speculator(drafter, self.spec.model_copy(update={"drafter": resolved}), vocab_size=vocab,
                                      cost_model=cost, padded=True)
         self._decoding: set[Hashable] = set()
-        self.widths: list[int] = []  # verify width of every decode step (what the controller chose)
+        self.widths: Counter[int] = Counter()  # decode steps per verify width (what the controller chose)
 
     @property
     def draft_worker(self) -> None:
@@ -174,7 +175,7 @@ class DynTreeWorker(BaseSpecWorker):
         self.req_to_token = batch.req_to_token_pool.req_to_token
         drafts = self.speculator.propose(spec_reqs, self.generator)
         n = max(tree.size for tree in drafts.trees)  # this step's verify width: the widest tree
-        self.widths.append(n)
+        self.widths[n] += 1
         layout = verify_layout(drafts, seq_lens, n, self.ablate)
         draft_token = layout.draft_token.to(dev)
 

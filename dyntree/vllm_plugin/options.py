@@ -32,7 +32,7 @@ def parse_options(config: Mapping[str, Any]) -> SpecConfig:
                 "(num_speculative_tokens is the node budget; give one of them)"
             )
         opts["max_nodes"] = n
-    spec = parse_spec_options(opts, "speculative_config", "vLLM", adaptive=True, self_draft=True)
+    spec = parse_spec_options(opts, "speculative_config", "vLLM")
     if spec.max_nodes < 1 or spec.max_nodes > 128:
         raise OptionsError(f"speculative_config.max_nodes={spec.max_nodes}: vLLM verifies 1..128 draft tokens per step")
     return spec
