@@ -16,6 +16,7 @@ KV lives in a :class:`~dyntree.common.fused_draft.ScratchKV` for one speculation
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, Callable, Sequence
 
 import torch
@@ -36,7 +37,7 @@ def _plain_weight(linear: Any) -> torch.Tensor:
     return linear.weight.detach()
 
 
-class StackedSelfDraft:
+class StackedSelfDraft(ABC):
     """Fused quantized draft layers over an engine's stacked-projection Llama (module docstring).
 
     Args:
@@ -108,8 +109,9 @@ class StackedSelfDraft:
         """Memory the draft adds to the target: its quantized weights (packed by the kernel)."""
         return sum(m.nbytes for m in self.quant_layers)
 
-    def reset(self, requests: Sequence[DraftRequest]) -> None:  # pragma: no cover - engine subclasses
-        raise NotImplementedError
+    @abstractmethod
+    def reset(self, requests: Sequence[DraftRequest]) -> None:
+        """Gather the requests' committed prefix KV out of the engine's cache; call :meth:`set_prefix`."""
 
     def set_prefix(self, prefix: list[tuple[torch.Tensor, torch.Tensor]], kv_lens: Sequence[int]) -> None:
         """This step's committed prefix KV: per draft layer ``[B, kv_heads, L, head_dim]`` keys and

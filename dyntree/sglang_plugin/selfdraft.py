@@ -45,7 +45,7 @@ class SglangSelfDraft(StackedSelfDraft):
         spec: what to quantize (weight-only).
         vocab: the real vocabulary.
         worker: the :class:`~dyntree.sglang_plugin.worker.DynTreeWorker`; its ``kv_pool`` and this
-            step's ``pool_rows`` (request id -> ``req_pool_index``) and ``req_to_token`` are read.
+            step's decode ``batch`` (requests, ``req_pool_indices``, ``req_to_token``) are read.
     """
 
     def __init__(self, model: torch.nn.Module, spec: QSpec, vocab: int, worker: Any) -> None:
@@ -56,7 +56,9 @@ class SglangSelfDraft(StackedSelfDraft):
 
     def reset(self, requests: Sequence[DraftRequest]) -> None:
         """Gather each request's committed prefix KV (every draft layer) out of the token pool."""
-        pool, req_to_token, rows = self.worker.kv_pool, self.worker.req_to_token, self.worker.pool_rows
+        pool, batch = self.worker.kv_pool, self.worker.batch
+        req_to_token = batch.req_to_token_pool.req_to_token
+        rows = dict(zip((req.rid for req in batch.reqs), batch.req_pool_indices.tolist()))
         lengths = [r.kv_len for r in requests]
         longest = max(lengths, default=0)
         slots = torch.zeros(len(requests), longest, dtype=torch.int64, device=req_to_token.device)

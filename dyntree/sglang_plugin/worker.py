@@ -82,8 +82,7 @@ class DynTreeWorker(BaseSpecWorker):
         vocab = int(self.model_runner.model_config.vocab_size)
         model = self.model_runner.model
         drafter, resolved = make_engine_drafter(self.spec.drafter, lambda: _target_info(model, server_args, vocab))
-        self.pool_rows: dict[Hashable, int] = {}  # this step's request id -> req_pool_index (the self-draft reads it)
-        self.req_to_token: torch.Tensor | None = None
+        self.batch: Any = None  # the decode batch of this step (the self-draft reads its token pool rows)
         if drafter.needs_self_draft:  # qspec: the target's own layers, quantized, over SGLang's token pool
             from dyntree.sglang_plugin.selfdraft import SglangSelfDraft
 
@@ -171,8 +170,7 @@ class DynTreeWorker(BaseSpecWorker):
                 raise RuntimeError(f"DYNTREE: request {req.rid} has {len(tokens)} tokens but {seq_len} in the KV cache "
                                    "(expected one more: the root)")
             spec_reqs.append(SpecRequest(req.rid, tokens, request_sampling(req.sampling_params), max_nodes=self.width - 1))
-        self.pool_rows = dict(zip(rids, batch.req_pool_indices.tolist()))
-        self.req_to_token = batch.req_to_token_pool.req_to_token
+        self.batch = batch
         drafts = self.speculator.propose(spec_reqs, self.generator)
         n = max(tree.size for tree in drafts.trees)  # this step's verify width: the widest tree
         self.widths[n] += 1
