@@ -103,6 +103,35 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     assert torch.allclose(half(h, toks), heads(h, toks), atol=0.05 * heads(h, toks).abs().max().item())
 
 
+def test_wide_layers_round_trip_and_old_configs(tmp_path: Path) -> None:
+    """``layer_width`` > 1 heads (``z + W_down silu(W_up z)``) save and load; a config written
+    before the field existed reads as width 1; a checkpoint of another width is refused by name."""
+    embed, lm_head = _target()
+    cfg = HydraConfig(num_heads=2, num_layers=2, hidden_size=D, target=IDENT, layer_width=3)
+    wide = HydraHeads(cfg, embed, lm_head)
+    assert wide.heads[0].layers[0].up.weight.shape == (3 * D, D)
+    h, toks = torch.randn(4, D), torch.randint(0, VOCAB, (4, 2))
+    # at init the wide branches are zero: head k reads h_t through the identity projection
+    assert torch.allclose(wide.heads[0](torch.cat([h, embed[toks[:, 0]]], 1)), h, atol=0.1)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in wide.parameters():
+            p.normal_(0.0, 0.3)
+    save_heads(wide, tmp_path / "wide", dtype=torch.float32)
+    back = load_heads(tmp_path / "wide", IDENT, embed, lm_head)
+    assert back.config.layer_width == 3 and torch.equal(back(h, toks), wide(h, toks))
+    save_heads(_heads(), tmp_path / "old", dtype=torch.float32)
+    old = json.loads((tmp_path / "old" / "config.json").read_text())
+    del old["layer_width"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(old))
+    assert load_heads(tmp_path / "old", IDENT, embed, lm_head).config.layer_width == 1
+    (tmp_path / "old" / "config.json").write_text(json.dumps({**old, "layer_width": 2}))
+    with pytest.raises(HydraMismatchError, match="missing"):  # width-1 weights under a width-2 config
+        load_heads(tmp_path / "old", IDENT, embed, lm_head)
+    with pytest.raises(HydraMismatchError, match="layer_width must be a positive int"):
+        HydraConfig(num_heads=1, num_layers=1, hidden_size=D, target=IDENT, layer_width=0)
+
+
 @pytest.mark.parametrize(
     "field,value,message",
     [("hidden_size", D + 8, "hidden size mismatch"), ("vocab_size", VOCAB + 1, "vocabulary mismatch"),

@@ -114,6 +114,9 @@ class HydraConfig:
     Attributes:
         num_heads: K, the number of heads (= the deepest draft).
         num_layers: residual layers per head.
+        layer_width: inner width of each residual layer as a multiple of ``hidden_size``: 1 is
+            ``z + silu(W z)`` (Medusa's block), ``m > 1`` is ``z + W_down silu(W_up z)`` with
+            ``W_up`` of ``m * hidden_size`` rows (absent in older checkpoints: 1).
         hidden_size: d, the target's hidden size.
         independent: True for the Medusa-style ablation (no drafted tokens as input).
         prefix_attention: True for Hydra++ prefix attention (one decoder layer over the target's
@@ -136,9 +139,10 @@ class HydraConfig:
     training: dict[str, Any] = field(default_factory=dict)
     prefix_attention: bool = False
     prefix_heads: int = 0
+    layer_width: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_heads", "num_layers", "hidden_size"):
+        for name in ("num_heads", "num_layers", "hidden_size", "layer_width"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise HydraMismatchError(f"HydraConfig.{name} must be a positive int, got {getattr(self, name)!r}")
         if self.reduced_vocab < 0 or self.reduced_vocab > self.target.vocab_size:
@@ -298,25 +302,44 @@ class PrefixAttention(nn.Module):
         return out, PrefixKV(keys, values, torch.cat([past.mask, new_mask], dim=1))
 
 
-class _Head(nn.Module):
-    """One head: an input projection from the concatenated inputs, then residual SiLU layers."""
+class _WideLayer(nn.Module):
+    """A residual layer's branch of inner width ``width * hidden``: ``W_down silu(W_up z)``."""
 
-    def __init__(self, num_inputs: int, hidden: int, num_layers: int) -> None:
+    def __init__(self, hidden: int, width: int) -> None:
         super().__init__()
+        self.up = nn.Linear(hidden, width * hidden)
+        self.down = nn.Linear(width * hidden, hidden, bias=False)
+        with torch.no_grad():  # the branch starts at zero, like the width-1 layer
+            self.down.weight.zero_()
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.up(z)))
+
+
+class _Head(nn.Module):
+    """One head: an input projection from the concatenated inputs, then residual SiLU layers
+    (``z + silu(W z)`` at width 1, ``z + W_down silu(W_up z)`` when wider)."""
+
+    def __init__(self, num_inputs: int, hidden: int, num_layers: int, width: int = 1) -> None:
+        super().__init__()
+        self.width = width
         self.proj = nn.Linear(num_inputs * hidden, hidden, bias=False)
-        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(num_layers))
+        self.layers = nn.ModuleList(
+            nn.Linear(hidden, hidden) if width == 1 else _WideLayer(hidden, width) for _ in range(num_layers)
+        )
         with torch.no_grad():  # start as "the target's own next-token head": z = h_t
             self.proj.weight.zero_()
             self.proj.weight[:, :hidden].copy_(torch.eye(hidden))
             self.proj.weight[:, hidden:].normal_(0.0, 0.02 / num_inputs)
-            for layer in self.layers:
-                layer.weight.zero_()
-                layer.bias.zero_()
+            if width == 1:
+                for layer in self.layers:
+                    layer.weight.zero_()
+                    layer.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = self.proj(x)
         for layer in self.layers:
-            z = z + F.silu(layer(z))
+            z = z + (F.silu(layer(z)) if self.width == 1 else layer(z))
         return z
 
 
@@ -363,7 +386,8 @@ class HydraHeads(nn.Module):
             raise HydraMismatchError("token_map given but config.reduced_vocab is 0 (full vocabulary)")
         self.config = config
         self.heads = nn.ModuleList(
-            _Head(2 if config.independent else k + 1, d, config.num_layers) for k in range(1, config.num_heads + 1)
+            _Head(2 if config.independent else k + 1, d, config.num_layers, config.layer_width)
+            for k in range(1, config.num_heads + 1)
         )
         self.prefix = PrefixAttention(d, config.prefix_heads) if config.prefix_attention else None
         self.register_buffer("embed", embed.detach(), persistent=False)

@@ -31,6 +31,9 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--heads", type=int, default=4, help="number of heads K (default 4)")
     p.add_argument("--layers", type=int, default=1, help="residual layers per head (default 1)")
+    p.add_argument("--layer-width", type=int, default=1,
+                   help="inner width of each residual layer in multiples of the hidden size: 1 = "
+                   "z + silu(W z) (default), m > 1 = z + W_down silu(W_up z) with m * hidden rows")
     p.add_argument("--vocab-size", type=int, default=8192,
                    help="reduced output vocabulary (most frequent tokens of the data); 0 = full LM head")
     p.add_argument("--independent", action="store_true",
@@ -106,7 +109,8 @@ def run_train_heads(args: argparse.Namespace) -> int:
     prefix_heads = (args.prefix_heads or default_prefix_heads(identity.hidden_size)) if args.prefix_attention else 0
     arch = {"num_heads": args.heads, "num_layers": args.layers, "hidden_size": identity.hidden_size,
             "target": identity, "independent": args.independent, "reduced_vocab": args.vocab_size,
-            "prefix_attention": args.prefix_attention, "prefix_heads": prefix_heads}
+            "prefix_attention": args.prefix_attention, "prefix_heads": prefix_heads,
+            "layer_width": args.layer_width}
     try:
         planned = HydraConfig(**arch)  # refuse a bad architecture before generating data
     except HydraMismatchError as exc:

@@ -246,7 +246,7 @@ def check_init(src: HydraConfig, mine: HydraConfig, ckpt_dir: str | Path) -> Non
     """Refuse to start a run configured as ``mine`` from the checkpoint ``src`` (read from
     ``ckpt_dir``) when architectures or targets differ, naming what differs. A checkpoint without
     a prefix layer may seed a run with one."""
-    for name in ("num_heads", "num_layers", "hidden_size", "independent", "reduced_vocab"):
+    for name in ("num_heads", "num_layers", "layer_width", "hidden_size", "independent", "reduced_vocab"):
         if getattr(src, name) != getattr(mine, name):
             raise HydraMismatchError(f"{ckpt_dir}: {name} is {getattr(src, name)}, this run's is {getattr(mine, name)}")
     check_target(src, mine.target)
