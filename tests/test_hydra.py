@@ -31,6 +31,7 @@ from dyntree.training.trainer import (
     reduced_token_map,
     train,
 )
+from dyntree.training.data import HiddenCache
 from spec_support import synthetic_head_cache
 
 D, VOCAB = 16, 97
@@ -323,6 +324,37 @@ def test_tiny_training_run_reduces_loss(tmp_path: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), heads.state_dict().values()))
     with pytest.raises(ValueError, match="another training config"):
         train(again, data, TrainConfig(steps=61), tmp_path / "run")
+
+
+def test_prompt_positions(tmp_path: Path) -> None:
+    """``prompt_positions`` adds each training sequence's prompt positions after the shared
+    template header; held-out sequences keep their response positions only; a cache without the
+    prompts' states is refused."""
+    lens, plens = [20, 14, 25, 18, 22], [9, 6, 11, 7, 8]
+    synthetic_head_cache(tmp_path / "c", VOCAB, D, lens, prompt_lens=plens)
+    tokens = np.load(tmp_path / "c" / "tokens.npy")
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    for s in starts:  # a 4-token "chat template" header shared by every sequence
+        tokens[s:s + 4] = [70, 71, 72, 73]
+    tokens[starts[2] + 4] = tokens[starts[0] + 4]  # one sequence sharing more is not the header
+    np.save(tmp_path / "c" / "tokens.npy", tokens)
+    cache = HiddenCache(tmp_path / "c")
+    assert cache.template_len == 4
+    pos, valid = cache.positions(3, prompt=True)
+    expected = np.concatenate([np.arange(s + 4, s + n - 2) for s, n in zip(starts, lens)])
+    assert np.array_equal(pos, expected) and int(valid.max()) == 3
+    plain = HeadData(cache, 3, val_fraction=0.2, seed=0, device=torch.device("cpu"))
+    more = HeadData(cache, 3, val_fraction=0.2, seed=0, device=torch.device("cpu"), prompt_positions=True)
+    assert torch.equal(more.val_pos, plain.val_pos)  # held out: responses only, either way
+    held = set(more.val_start.tolist())
+    prompt_rows = {int(s) + 4 + i for s, p in zip(starts, plens) if int(s) not in held for i in range(p - 5)}
+    assert set(more.train_pos.tolist()) == set(plain.train_pos.tolist()) | prompt_rows
+    b = more.batch(more.train_pos[:8], more.train_valid[:8])  # prompt rows: the prompt's own tokens
+    assert torch.equal(b["tokens"][:, 0], more.tokens[more.train_pos[:8] + 1])
+    synthetic_head_cache(tmp_path / "old", VOCAB, D, lens)  # only the last prompt token cached
+    with pytest.raises(ValueError, match="no prompt hidden states"):
+        HeadData(HiddenCache(tmp_path / "old"), 3, val_fraction=0.2, seed=0, device=torch.device("cpu"),
+                 prompt_positions=True)
 
 
 def test_measured_acceptance_table(tmp_path: Path) -> None:

@@ -46,6 +46,10 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--window", type=int, default=64,
                    help="with --prefix-attention: positions per training window (a batch holds "
                    "--batch-size / --window windows)")
+    p.add_argument("--prompt-positions", action="store_true",
+                   help="also train on the prompts' positions (the target's distribution over the prompt "
+                   "text, after the chat template's fixed header): ~2x the positions of the same cache; "
+                   "held-out scores stay on responses")
     p.add_argument("--init-from", default=None,
                    help="start from a trained checkpoint's weights (same heads, layers and data; e.g. add "
                    "--prefix-attention to trained heads)")
@@ -87,6 +91,9 @@ def run_train_heads(args: argparse.Namespace) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.prefix_heads and not args.prefix_attention:
         raise SystemExit("--prefix-heads needs --prefix-attention")
+    if args.prompt_positions and args.prefix_attention:
+        raise SystemExit("--prompt-positions does not combine with --prefix-attention (its windows are scored "
+                         "on responses only)")
     init = None
     if args.init_from:
         try:
@@ -143,6 +150,7 @@ def run_train_heads(args: argparse.Namespace) -> int:
                   "generation": cache.meta["settings"] | {"dtype": args.gen_dtype}, "steps": args.steps,
                   "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
                   **({"window": args.window} if args.prefix_attention else {}),
+                  **({"prompt_positions": True} if args.prompt_positions else {}),
                   **({"init_from": args.init_from} if args.init_from else {})},
     )
     heads = HydraHeads(cfg, embed.float().to(device), lm_head.float().to(device),
@@ -153,7 +161,8 @@ def run_train_heads(args: argparse.Namespace) -> int:
         except HydraMismatchError as exc:
             raise SystemExit(f"--init-from: {exc}") from None
     del model
-    data = HeadData(cache, args.heads, val_fraction=0.02, seed=args.seed, device=device)
+    data = HeadData(cache, args.heads, val_fraction=0.02, seed=args.seed, device=device,
+                    prompt_positions=args.prompt_positions)
     tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, window=args.window)
     result = train(heads, data, tcfg, work)
     heads.config.training.update({"val": result["val"], "wall_s": round(time.time() - t0, 1)})

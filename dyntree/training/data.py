@@ -209,7 +209,8 @@ class HiddenCache:
         self.tokens = np.load(self.path / "tokens.npy")
         self.offsets = np.load(self.path / "offsets.npy")
         plens = self.path / "prompt_lens.npy"
-        self.prompt_lens = np.load(plens) if plens.exists() else np.ones(self.offsets.size - 1, np.int64)
+        self.has_prompts = plens.exists()  # sequences start with the whole prompt
+        self.prompt_lens = np.load(plens) if self.has_prompts else np.ones(self.offsets.size - 1, np.int64)
         self.hidden = np.load(self.path / "hidden.npy", mmap_mode="r")
 
     @property
@@ -225,15 +226,33 @@ class HiddenCache:
         """Per sequence, the row of the last prompt token: the first training position."""
         return self.offsets[:-1] + self.prompt_lens - 1
 
-    def positions(self, num_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    @property
+    def template_len(self) -> int:
+        """Rows every cached sequence starts with (the chat template's fixed header: the same tokens,
+        so the same hidden states, in every sequence); 0 for a single sequence."""
+        if self.offsets.size < 3:
+            return 0
+        starts, lens = self.offsets[:-1], np.diff(self.offsets)
+        width = int(min(lens.min(), self.prompt_lens.min()))
+        heads = self.tokens[starts[:, None] + np.arange(width)[None, :]]
+        same = (heads == heads[:1]).all(0)
+        return int(width if same.all() else np.argmin(same))
+
+    def positions(self, num_heads: int, prompt: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Training positions ``g`` and how many heads have a target there (1..K).
 
         At ``g`` head ``k`` reads ``hidden[g]`` and tokens ``g+1..g+k`` and learns from the
         target's distribution at ``hidden[g+k]``; it needs ``g + k <= end - 2`` (``end`` = the
         sequence's exclusive end: the last row's hidden state produced nothing). Positions start at
-        the last prompt token: the heads learn the target's own responses.
+        the last prompt token: the heads learn the target's own responses. With ``prompt`` they
+        start after the shared template header (:attr:`template_len`) instead: the heads also learn
+        the target's distribution over the prompt's (human-written) text, teacher-forced with the
+        prompt's own tokens; caches without the prompt's hidden states are refused.
         """
-        starts, ends = self.response_starts, self.offsets[1:]
+        if prompt and not self.has_prompts:
+            raise ValueError(f"{self.path} holds no prompt hidden states (cache written before they were kept)")
+        starts = self.offsets[:-1] + np.minimum(self.template_len, self.prompt_lens - 1) if prompt else self.response_starts
+        ends = self.offsets[1:]
         pos, valid = [], []
         for s, e in zip(starts, ends):
             g = np.arange(s, e - 2)

@@ -79,29 +79,34 @@ class HeadData:
 
     ``train_pos`` / ``val_pos`` are the training positions (cache rows), ``*_valid`` how many heads
     have a target there, ``*_start`` / ``*_end`` the bounds (first row, exclusive end) of the
-    cached sequence each position lies in, ``*_rstart`` the first training position of that
-    sequence (its last prompt token).
+    cached sequence each position lies in, ``*_rstart`` the first response position of that
+    sequence (its last prompt token). With ``prompt_positions`` the training positions also cover
+    the prompts (after the shared template header: :meth:`HiddenCache.positions`); held-out
+    sequences are scored on their responses either way.
     """
 
-    def __init__(self, cache: HiddenCache, num_heads: int, val_fraction: float, seed: int, device: torch.device):
+    def __init__(self, cache: HiddenCache, num_heads: int, val_fraction: float, seed: int, device: torch.device,
+                 prompt_positions: bool = False):
         self.num_heads = num_heads
         self.device = device
         self.hidden = torch.from_numpy(np.array(cache.hidden)).to(device)
         self.tokens = torch.from_numpy(cache.tokens.astype(np.int64)).to(device)
-        pos, valid = cache.positions(num_heads)
         n_seq = cache.offsets.size - 1
         n_val = max(1, int(round(n_seq * val_fraction))) if val_fraction > 0 and n_seq > 1 else 0  # >= 1 held out
         val_seqs = np.random.default_rng(seed).permutation(n_seq)[:n_val]
-        seq_of = np.searchsorted(cache.offsets, pos, side="right") - 1
-        is_val = np.isin(seq_of, val_seqs)
-        start, end = cache.offsets[seq_of], cache.offsets[seq_of + 1]
-        rstart = cache.response_starts[seq_of]
         as_t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(device)  # noqa: E731
-        self.train_pos, self.train_valid = as_t(pos[~is_val]), as_t(valid[~is_val])
-        self.train_start, self.train_end = as_t(start[~is_val]), as_t(end[~is_val])
-        self.train_rstart, self.val_rstart = as_t(rstart[~is_val]), as_t(rstart[is_val])
-        self.val_pos, self.val_valid = as_t(pos[is_val]), as_t(valid[is_val])
-        self.val_start, self.val_end = as_t(start[is_val]), as_t(end[is_val])
+
+        def split(prompt: bool, held_out: bool) -> tuple[torch.Tensor, ...]:
+            pos, valid = cache.positions(num_heads, prompt=prompt)
+            seq_of = np.searchsorted(cache.offsets, pos, side="right") - 1
+            keep = np.isin(seq_of, val_seqs) == held_out
+            seq_of = seq_of[keep]
+            return (as_t(pos[keep]), as_t(valid[keep]), as_t(cache.offsets[seq_of]), as_t(cache.offsets[seq_of + 1]),
+                    as_t(cache.response_starts[seq_of]))
+
+        # held-out sequences are always scored on their responses: comparable with and without prompts
+        self.train_pos, self.train_valid, self.train_start, self.train_end, self.train_rstart = split(prompt_positions, False)
+        self.val_pos, self.val_valid, self.val_start, self.val_end, self.val_rstart = split(False, True)
         if self.train_pos.numel() == 0:
             raise ValueError("the cache has no training positions (responses too short?)")
 
