@@ -459,6 +459,9 @@ def test_train_heads_cli_with_prefix_attention_end_to_end(tmp_path: Path, tok) -
     assert main(wide) == 0
     cfg = json.loads((tmp_path / "wide" / "config.json").read_text())
     assert cfg["layer_width"] == 2 and cfg["training"]["prompt_positions"] is True
+    wide_drafter = make_hf_drafter(f"hydra:{tmp_path / 'wide'},width=3", model, tok)
+    spec = SpecEngine(model, tok, wide_drafter, SpecConfig(max_nodes=6, max_depth=2)).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
 
 
 def test_warm_start_adds_a_prefix_layer_to_trained_heads(tmp_path: Path) -> None:
