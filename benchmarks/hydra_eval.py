@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from heads_compare import score  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
 
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafters.hydra import SHIPPED_HEADS
@@ -89,28 +90,17 @@ def _summary(spec: str, outs: list, walls: list, prompts: list, timing: dict) ->
 
 @torch.no_grad()
 def _agreement(model, tok, heads: HydraHeads, prompts: list, outputs: dict) -> dict[str, Any]:
-    """Per-head top-1/top-5 agreement with the target's own greedy tokens (teacher-forced)."""
-    k_max = heads.num_heads
-    hit1, hit5, n = torch.zeros(k_max), torch.zeros(k_max), torch.zeros(k_max)
+    """Per-head top-1/top-5 agreement with the target's own greedy tokens (teacher-forced), plus
+    the chain tau that follows (:func:`heads_compare.score`)."""
+    seqs = []
     for p in prompts:
         prompt = encode_prompt(tok, p.text, chat=True)
         seq = prompt + outputs[p.id]
         hidden = model(torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0].float()
         if heads.prefix is not None:  # Hydra++: the heads read the prefix layer's causal output
             hidden = heads.prefix_forward(hidden[None], torch.arange(len(seq))[None])[0][0]
-        ids = torch.tensor(seq)
-        # position t (the state that produced x_{t+1}); the output starts at len(prompt)
-        for t in range(len(prompt) - 1, len(seq) - 2):
-            for k in range(1, k_max + 1):
-                if t + k + 1 >= len(seq):
-                    break
-                logits = heads.head_logits(k, hidden[t:t + 1], ids[t + 1:t + k + 1][None])
-                top5 = heads.to_full_ids(logits.topk(5, dim=-1).indices[0])
-                hit1[k - 1] += float(top5[0] == ids[t + k + 1])
-                hit5[k - 1] += float((top5 == ids[t + k + 1]).any())
-                n[k - 1] += 1
-    return {"positions": n.int().tolist(), "top1": [round(x, 4) for x in (hit1 / n).tolist()],
-            "top5": [round(x, 4) for x in (hit5 / n).tolist()]}
+        seqs.append((len(prompt), torch.tensor(seq), hidden))
+    return score(heads, seqs)
 
 
 def _vocab_tradeoff(heads: HydraHeads, lm_head: torch.Tensor, plain_outs: list) -> dict[str, Any]:
