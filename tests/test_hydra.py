@@ -26,6 +26,8 @@ from dyntree.training.trainer import (
     HeadData,
     TrainConfig,
     _losses,
+    _teacher,
+    loss_top_k,
     evaluate,
     measure_acceptance,
     reduced_token_map,
@@ -324,6 +326,36 @@ def test_tiny_training_run_reduces_loss(tmp_path: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), heads.state_dict().values()))
     with pytest.raises(ValueError, match="another training config"):
         train(again, data, TrainConfig(steps=61), tmp_path / "run")
+
+
+def test_distillation_losses(tmp_path: Path) -> None:
+    """``hard`` learns the teacher's top-1 token only, ``topK`` its K best renormalised, ``soft`` the
+    whole softmax; each trains the heads; a bad name is refused naming the forms."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    assert torch.allclose(_teacher(logits, 0), torch.softmax(logits, -1))
+    assert _teacher(logits, 1).tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    two = _teacher(logits, 2)
+    assert torch.allclose(two[0, :2], torch.softmax(logits[0, :2], -1)) and two[0, 2:].abs().sum() == 0
+    assert torch.allclose(_teacher(logits, 9), torch.softmax(logits, -1))  # K past the vocabulary: all of it
+    assert [loss_top_k(x) for x in ("soft", "hard", "top8")] == [0, 1, 8]
+    for bad in ("top0", "kl", "top-2", "Top8"):
+        with pytest.raises(ValueError, match="loss must be soft, hard or topK"):
+            TrainConfig(loss=bad)
+    cache = _synthetic_cache(tmp_path / "cache")
+    embed, lm_head = _target()
+    token_map = reduced_token_map(cache.token_counts(VOCAB), 64)
+    cfg = HydraConfig(num_heads=2, num_layers=1, hidden_size=D, target=IDENT, reduced_vocab=64)
+    data = HeadData(cache, 2, val_fraction=0.2, seed=0, device=torch.device("cpu"))
+    fixed = data.batch(data.train_pos[:256], data.train_valid[:256])
+    trained = {}
+    for loss in ("hard", "top4"):
+        heads = HydraHeads(cfg, embed, lm_head, token_map)
+        before = _losses(heads, fixed, loss_top_k(loss))[0]
+        train(heads, data, TrainConfig(steps=60, batch_size=64, lr=1e-2, warmup=5, loss=loss), tmp_path / loss)
+        after = _losses(heads, fixed, loss_top_k(loss))[0]
+        assert bool((after < 0.7 * before).all()), (loss, before, after)  # every head learned its labels
+        trained[loss] = heads.state_dict()
+    assert not all(torch.equal(a, b) for a, b in zip(trained["hard"].values(), trained["top4"].values()))
 
 
 def test_prompt_positions(tmp_path: Path) -> None:

@@ -53,6 +53,9 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--init-from", default=None,
                    help="start from a trained checkpoint's weights (same heads, layers and data; e.g. add "
                    "--prefix-attention to trained heads)")
+    p.add_argument("--loss", default="soft",
+                   help="distillation labels: soft (the target's whole softmax, default), hard (its top-1 "
+                        "token), topK (its K most likely tokens renormalised, e.g. top8)")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -83,8 +86,8 @@ def run_train_heads(args: argparse.Namespace) -> int:
     from dyntree.training.data import generate_cache, read_prompts
     from dyntree.common.hydra import TargetIdentity
     from dyntree.standalone.target import hf_target
-    from dyntree.training.trainer import (HeadData, TrainConfig, check_init, measure_acceptance, reduced_token_map,
-                                          train, warm_start)
+    from dyntree.training.trainer import (HeadData, TrainConfig, check_init, loss_top_k, measure_acceptance,
+                                          reduced_token_map, train, warm_start)
 
     for name in ("heads", "layers", "steps", "batch_size", "prompts", "max_new_tokens", "gen_batch_size", "window"):
         if getattr(args, name) < 1:
@@ -94,6 +97,10 @@ def run_train_heads(args: argparse.Namespace) -> int:
     if args.prompt_positions and args.prefix_attention:
         raise SystemExit("--prompt-positions does not combine with --prefix-attention (its windows are scored "
                          "on responses only)")
+    try:
+        loss_top_k(args.loss)
+    except ValueError as exc:
+        raise SystemExit(f"--{exc}") from None
     init = None
     if args.init_from:
         try:
@@ -151,6 +158,7 @@ def run_train_heads(args: argparse.Namespace) -> int:
                   "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
                   **({"window": args.window} if args.prefix_attention else {}),
                   **({"prompt_positions": True} if args.prompt_positions else {}),
+                  **({"loss": args.loss} if args.loss != "soft" else {}),
                   **({"init_from": args.init_from} if args.init_from else {})},
     )
     heads = HydraHeads(cfg, embed.float().to(device), lm_head.float().to(device),
@@ -163,7 +171,8 @@ def run_train_heads(args: argparse.Namespace) -> int:
     del model
     data = HeadData(cache, args.heads, val_fraction=0.02, seed=args.seed, device=device,
                     prompt_positions=args.prompt_positions)
-    tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, window=args.window)
+    tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, window=args.window,
+                       loss=args.loss)
     result = train(heads, data, tcfg, work)
     heads.config.training.update({"val": result["val"], "wall_s": round(time.time() - t0, 1)})
     save_heads(heads, out, torch.float16)

@@ -3,7 +3,10 @@
 Head ``k`` at cached position ``g`` reads ``hidden[g]`` and tokens ``g+1..g+k`` (teacher-forced on
 the target's own greedy output) and is trained with cross-entropy against the target's softmax at
 ``hidden[g+k]`` through the same (full or reduced) output rows: pure teacher distillation, the
-target frozen. A batch is ``batch_size`` positions drawn at random.
+target frozen (``TrainConfig.loss``: ``soft``, the whole softmax, whose gradient is that of
+KL(teacher || head); ``hard``, the teacher's top-1 token only; ``topK``, the teacher's K most likely
+tokens, renormalised). Held-out loss is always the soft one. A batch is ``batch_size`` positions
+drawn at random.
 
 Heads with prefix attention read the prefix layer's output at ``g`` instead of ``hidden[g]``, so
 they train on windows: a batch is ``max(1, batch_size // window)`` windows (the same position
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,7 +43,7 @@ from dyntree.common.calibration import AcceptanceTable
 from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, check_target, read_config
 from dyntree.training.data import HiddenCache
 
-__all__ = ["TrainConfig", "HeadData", "train", "evaluate", "measure_acceptance", "reduced_token_map", "check_init", "warm_start"]
+__all__ = ["TrainConfig", "loss_top_k", "HeadData", "train", "evaluate", "measure_acceptance", "reduced_token_map", "check_init", "warm_start"]
 
 
 @dataclass(frozen=True)
@@ -54,16 +58,39 @@ class TrainConfig:
     log_every: int = 25
     val_fraction: float = 0.02
     window: int = 64  # positions per window (heads with a prefix layer)
+    loss: str = "soft"  # soft | hard | topK: what of the teacher's softmax the heads learn
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        loss_top_k(self.loss)
 
     @property
     def windows_per_batch(self) -> int:
         """Windows per step for heads with a prefix layer: ``batch_size`` position slots."""
         return max(1, self.batch_size // self.window)
+
+
+def loss_top_k(loss: str) -> int:
+    """How many of the teacher's most likely tokens a ``loss`` name keeps: 0 = all (``soft``),
+    1 (``hard``), K (``topK``, K >= 1); anything else is refused naming the accepted forms."""
+    if loss == "soft":
+        return 0
+    if loss == "hard":
+        return 1
+    m = re.fullmatch(r"top([0-9]+)", loss)
+    if m is None or int(m.group(1)) < 1:
+        raise ValueError(f"loss must be soft, hard or topK with K >= 1 (e.g. top8), got {loss!r}")
+    return int(m.group(1))
+
+
+def _teacher(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The label distribution: the teacher's softmax, or its ``top_k`` most likely tokens renormalised."""
+    if top_k == 0 or top_k >= logits.shape[-1]:
+        return torch.softmax(logits, dim=-1)
+    vals, idx = logits.topk(top_k, dim=-1)
+    return torch.zeros_like(logits).scatter_(-1, idx, torch.softmax(vals, dim=-1))
 
 
 def reduced_token_map(counts: np.ndarray, size: int) -> torch.Tensor:
@@ -159,15 +186,17 @@ class HeadData:
         return first, last, end, score_from
 
 
-def _losses(heads: HydraHeads, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-head mean CE, top-1 and top-5 accuracy (``[K]`` each) and the total loss. A batch of
-    windows (``hidden`` ``[B, W, d]``) goes through the prefix layer first, causally per window."""
+def _losses(heads: HydraHeads, b: dict[str, torch.Tensor], top_k: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head mean CE against the teacher's labels (:func:`_teacher` with ``top_k``), top-1 and
+    top-5 accuracy (``[K]`` each) and the total loss. A batch of windows (``hidden`` ``[B, W, d]``)
+    goes through the prefix layer first, causally per window."""
     hidden = b["hidden"]
     if hidden.dim() == 3:
         hidden = heads.prefix_forward(hidden, b["positions"])[0].flatten(0, 1)
     logits = heads(hidden, b["tokens"])  # [N, K, V']
     with torch.no_grad():
-        teacher = torch.softmax(b["teacher"] @ heads.out_weight.T, dim=-1)
+        teacher = _teacher(b["teacher"] @ heads.out_weight.T, top_k)
     ce = -(teacher * torch.log_softmax(logits, dim=-1)).sum(-1)  # [B, K]
     mask = b["mask"].float()
     per_head = (ce * mask).sum(0) / mask.sum(0).clamp(min=1)
@@ -292,10 +321,11 @@ def train(heads: HydraHeads, data: HeadData, cfg: TrainConfig, out_dir: str | Pa
         frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
         return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
+    top_k = loss_top_k(cfg.loss)
     start = 0
     if state_path.exists():
         state = torch.load(state_path, map_location=data.device, weights_only=False)
-        if state["config"] != asdict(cfg):
+        if asdict(TrainConfig()) | state["config"] != asdict(cfg):  # fields newer than the state: defaults
             raise ValueError(f"{state_path} was written with another training config; use another --out")
         heads.load_state_dict(state["heads"])
         opt.load_state_dict(state["optimizer"])
@@ -314,7 +344,7 @@ def train(heads: HydraHeads, data: HeadData, cfg: TrainConfig, out_dir: str | Pa
             b = data.train_windows(idx, cfg.window)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        per_head, acc1, _, total = _losses(heads, b)
+        per_head, acc1, _, total = _losses(heads, b, top_k)
         per_head = per_head.detach()
         opt.zero_grad(set_to_none=True)
         total.backward()
