@@ -109,7 +109,8 @@ def main() -> int:
         row = {"heads": path, "num_layers": cfg["num_layers"], "layer_width": cfg.get("layer_width", 1),
                "prefix_attention": cfg.get("prefix_attention", False),
                "training": {k: training.get(k) for k in ("command", "steps", "batch_size", "lr", "tokens",
-                                                         "prompt_positions")},
+                                                         "prompt_positions")}
+                           | {"loss": training.get("loss", "soft")},
                "held_out_training_split": training.get("val"),
                **{name: score(heads, s) for name, s in seqs.items()}}
         results.append(row)
