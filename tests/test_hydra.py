@@ -358,6 +358,25 @@ def test_distillation_losses(tmp_path: Path) -> None:
     assert not all(torch.equal(a, b) for a, b in zip(trained["hard"].values(), trained["top4"].values()))
 
 
+def test_train_fraction_subsets_training_sequences_only(tmp_path: Path) -> None:
+    """``train_fraction`` keeps a seeded share of the training sequences (whole sequences, a subset
+    of the full set) and leaves the held-out set as it is; 1 is the full set; 0 or > 1 is refused."""
+    cache = _synthetic_cache(tmp_path / "cache")  # 24 sequences, 5 held out at 0.2
+    full = HeadData(cache, 3, val_fraction=0.2, seed=0, device=torch.device("cpu"))
+    half = HeadData(cache, 3, val_fraction=0.2, seed=0, device=torch.device("cpu"), train_fraction=0.5)
+    assert torch.equal(half.val_pos, full.val_pos)
+    seqs = lambda d: set(d.train_start.tolist())  # noqa: E731
+    assert len(seqs(half)) == 10 and seqs(half) < seqs(full) and len(seqs(full)) == 19
+    rows = set(half.train_pos.tolist())
+    assert rows < set(full.train_pos.tolist())
+    assert rows == {p for p, st in zip(full.train_pos.tolist(), full.train_start.tolist()) if st in seqs(half)}
+    other = HeadData(cache, 3, val_fraction=0.2, seed=1, device=torch.device("cpu"), train_fraction=0.5)
+    assert seqs(other) != seqs(half)  # seeded
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="train_fraction must be in"):
+            HeadData(cache, 3, val_fraction=0.2, seed=0, device=torch.device("cpu"), train_fraction=bad)
+
+
 def test_prompt_positions(tmp_path: Path) -> None:
     """``prompt_positions`` adds each training sequence's prompt positions after the shared
     template header; held-out sequences keep their response positions only; a cache without the

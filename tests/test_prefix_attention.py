@@ -451,17 +451,21 @@ def test_train_heads_cli_with_prefix_attention_end_to_end(tmp_path: Path, tok) -
         main([*argv, "--init-from", str(out), "--layers", "2", "--work-dir", str(tmp_path / "work3"),
               "--out", str(tmp_path / "t4")])
     assert not (tmp_path / "work3").exists()
+    with pytest.raises(SystemExit, match="--train-fraction must be in"):  # before any data
+        main([*argv, "--train-fraction", "0", "--work-dir", str(tmp_path / "work7"), "--out", str(tmp_path / "t7")])
     with pytest.raises(SystemExit, match="--loss must be soft, hard or topK"):  # before any data
         main([*argv, "--loss", "kl", "--work-dir", str(tmp_path / "work7"), "--out", str(tmp_path / "t7")])
     assert not (tmp_path / "work7").exists()
     with pytest.raises(SystemExit, match="--prompt-positions does not combine with --prefix-attention"):
         main([*argv, "--prompt-positions", "--out", str(tmp_path / "t5")])
     # the plain heads' options on the same cache: wider layers, prompt positions too
-    wide = [*argv[:-1], "--layer-width", "2", "--prompt-positions", "--loss", "top8", "--steps", "2", "--cache-dir",
+    wide = [*argv[:-1], "--layer-width", "2", "--prompt-positions", "--loss", "top8", "--train-fraction", "0.5",
+            "--steps", "2", "--cache-dir",
             str(tmp_path / "work" / "cache"), "--work-dir", str(tmp_path / "work6"), "--out", str(tmp_path / "wide")]
     assert main(wide) == 0
     cfg = json.loads((tmp_path / "wide" / "config.json").read_text())
     assert cfg["layer_width"] == 2 and cfg["training"]["prompt_positions"] is True and cfg["training"]["loss"] == "top8"
+    assert cfg["training"]["train_fraction"] == 0.5
     wide_drafter = make_hf_drafter(f"hydra:{tmp_path / 'wide'},width=3", model, tok)
     spec = SpecEngine(model, tok, wide_drafter, SpecConfig(max_nodes=6, max_depth=2)).generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]

@@ -53,6 +53,9 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--init-from", default=None,
                    help="start from a trained checkpoint's weights (same heads, layers and data; e.g. add "
                    "--prefix-attention to trained heads)")
+    p.add_argument("--train-fraction", type=float, default=1.0,
+                   help="train on a seeded random share (0-1] of the cached training sequences, for data-scaling "
+                        "studies (held-out sequences unchanged; default 1)")
     p.add_argument("--loss", default="soft",
                    help="distillation labels: soft (the target's whole softmax, default), hard (its top-1 "
                         "token), topK (its K most likely tokens renormalised, e.g. top8)")
@@ -97,6 +100,8 @@ def run_train_heads(args: argparse.Namespace) -> int:
     if args.prompt_positions and args.prefix_attention:
         raise SystemExit("--prompt-positions does not combine with --prefix-attention (its windows are scored "
                          "on responses only)")
+    if not 0 < args.train_fraction <= 1:
+        raise SystemExit(f"--train-fraction must be in (0, 1], got {args.train_fraction}")
     try:
         loss_top_k(args.loss)
     except ValueError as exc:
@@ -159,6 +164,7 @@ def run_train_heads(args: argparse.Namespace) -> int:
                   **({"window": args.window} if args.prefix_attention else {}),
                   **({"prompt_positions": True} if args.prompt_positions else {}),
                   **({"loss": args.loss} if args.loss != "soft" else {}),
+                  **({"train_fraction": args.train_fraction} if args.train_fraction < 1 else {}),
                   **({"init_from": args.init_from} if args.init_from else {})},
     )
     heads = HydraHeads(cfg, embed.float().to(device), lm_head.float().to(device),
@@ -170,7 +176,7 @@ def run_train_heads(args: argparse.Namespace) -> int:
             raise SystemExit(f"--init-from: {exc}") from None
     del model
     data = HeadData(cache, args.heads, val_fraction=0.02, seed=args.seed, device=device,
-                    prompt_positions=args.prompt_positions)
+                    prompt_positions=args.prompt_positions, train_fraction=args.train_fraction)
     tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, window=args.window,
                        loss=args.loss)
     result = train(heads, data, tcfg, work)

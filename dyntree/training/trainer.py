@@ -109,24 +109,29 @@ class HeadData:
     cached sequence each position lies in, ``*_rstart`` the first response position of that
     sequence (its last prompt token). With ``prompt_positions`` the training positions also cover
     the prompts (after the shared template header: :meth:`HiddenCache.positions`); held-out
-    sequences are scored on their responses either way.
+    sequences are scored on their responses either way. ``train_fraction`` < 1 trains on a seeded
+    random share of the non-held-out sequences (data-scaling studies; the held-out set is unchanged).
     """
 
     def __init__(self, cache: HiddenCache, num_heads: int, val_fraction: float, seed: int, device: torch.device,
-                 prompt_positions: bool = False):
+                 prompt_positions: bool = False, train_fraction: float = 1.0):
+        if not 0 < train_fraction <= 1:
+            raise ValueError(f"train_fraction must be in (0, 1], got {train_fraction}")
         self.num_heads = num_heads
         self.device = device
         self.hidden = torch.from_numpy(np.array(cache.hidden)).to(device)
         self.tokens = torch.from_numpy(cache.tokens.astype(np.int64)).to(device)
         n_seq = cache.offsets.size - 1
         n_val = max(1, int(round(n_seq * val_fraction))) if val_fraction > 0 and n_seq > 1 else 0  # >= 1 held out
-        val_seqs = np.random.default_rng(seed).permutation(n_seq)[:n_val]
+        perm = np.random.default_rng(seed).permutation(n_seq)
+        val_seqs = perm[:n_val]
+        train_seqs = perm[n_val:n_val + max(1, int(round((n_seq - n_val) * train_fraction)))]
         as_t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(device)  # noqa: E731
 
         def split(prompt: bool, held_out: bool) -> tuple[torch.Tensor, ...]:
             pos, valid = cache.positions(num_heads, prompt=prompt)
             seq_of = np.searchsorted(cache.offsets, pos, side="right") - 1
-            keep = np.isin(seq_of, val_seqs) == held_out
+            keep = np.isin(seq_of, val_seqs if held_out else train_seqs)
             seq_of = seq_of[keep]
             return (as_t(pos[keep]), as_t(valid[keep]), as_t(cache.offsets[seq_of]), as_t(cache.offsets[seq_of + 1]),
                     as_t(cache.response_starts[seq_of]))
