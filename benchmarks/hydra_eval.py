@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from heads_compare import score  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
+from heads_compare import score  # benchmarks/ is on sys.path when run as a script
 
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafters.hydra import SHIPPED_HEADS
