@@ -38,19 +38,39 @@ def test_ngram_expand_distribution_follows_earlier_continuations() -> None:
     tokens = [5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 9, 3, 5, 6]
     root = PartialTree([6], [-1], [0])
     probs, ent = _cands(drafter, tokens, [0], root)
-    # suffix (5, 6) matched 3 times with weight 2, suffix (6,) adds nothing new (same positions)
-    assert probs == pytest.approx({7: 2 / 3, 9: 1 / 3})
+    # suffix (5, 6) matched 3 times, each 2 tokens long (the token before differs: 1, 2 vs 3);
+    # suffix (6,) adds nothing new (same positions). Shares 2/3, 1/3, scaled by L/(L+1) = 2/3
+    assert probs == pytest.approx({7: 2 / 3 * 2 / 3, 9: 1 / 3 * 2 / 3})
     assert ent == pytest.approx(-(2 / 3) * math.log(2 / 3) - (1 / 3) * math.log(1 / 3), rel=1e-5)
-    assert _cands(drafter, tokens, [0], root, k=1)[0] == pytest.approx({7: 2 / 3})  # top-k: most likely first
+    assert _cands(drafter, tokens, [0], root, k=1)[0] == pytest.approx({7: 4 / 9})  # top-k: most likely first
     # sampling shapes the shares like logits: temperature 0.5 squares them before renormalising
     hot, _ = _cands(drafter, tokens, [0], root, shaping=SamplingParams(temperature=0.5))
-    assert hot == pytest.approx({7: 0.8, 9: 0.2})
+    assert hot == pytest.approx({7: 0.8 * 2 / 3, 9: 0.2 * 2 / 3})
     # after drafting 7 the context ends "6 7": followed by 1 and 2
     grown = PartialTree([6, 7], [-1, 0], [0, 1])
     assert set(_cands(drafter, tokens, [1], grown)[0]) == {1, 2}
     # an unseen context gives no candidates: no children
     lost = PartialTree([6, 11], [-1, 0], [0, 1])
     assert _cands(drafter, tokens, [1], lost) == ({}, 0.0)
+
+
+def test_ngram_weights_by_match_length() -> None:
+    drafter = make_drafter("ngram:min_n=1,max_n=2")
+    # the context ends "1 2 3 4": an old passage "1 2 3 4 -> 8" agrees 4 tokens back, a recent
+    # "3 4 -> 9" only 2 (the key length): weights 4 and 2
+    tokens = [1, 2, 3, 4, 8, 0, 7, 3, 4, 9, 0, 1, 2, 3, 4]
+    root = PartialTree([4], [-1], [0])
+    probs, _ = _cands(drafter, tokens, [0], root)
+    assert probs == pytest.approx({8: 4 / 6 * 4 / 5, 9: 2 / 6 * 4 / 5})
+    # drafting along the copied passage keeps its full length: after "8" only it continues, 5 long
+    grown = PartialTree([4, 8], [-1, 0], [0, 1])
+    assert _cands(drafter, tokens, [1], grown)[0] == pytest.approx({0: 5 / 6})
+    # a single continuation after a one-token match is less sure than after a long one
+    short, _ = _cands(drafter, [5, 6, 1, 5], [0], PartialTree([5], [-1], [0]))
+    assert short == pytest.approx({6: 1 / 2})
+    # the own trie ranks by the same weights: the copied passage's branch comes first
+    tree = drafter.propose([DraftRequest("t", tokens, max_nodes=1, max_depth=1)])[0]
+    assert tree.tokens.tolist() == [4, 8]
 
 
 def test_ngram_expand_drives_every_builder_mode() -> None:

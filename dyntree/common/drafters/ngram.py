@@ -2,15 +2,22 @@
 
 No training, no second model: the request's own tokens are the draft source. For the current
 suffix (the last ``n`` committed tokens, longest ``n`` first) every earlier occurrence proposes
-the tokens that followed it. The continuations are merged into a token trie, so different
-continuations become sibling branches of one tree; a node's draft probability is the share of
-continuations (weighted by match length) that pass through it. The tree keeps the
+the tokens that followed it, weighted by its match length: how far back it agrees with the
+context (found through an ``n <= max_n`` key, then extended back up to ``MAX_MATCH`` tokens), so a
+passage being copied outweighs a stray short match. The continuations are merged into a token trie,
+so different continuations become sibling branches of one tree; a node's draft probability is the
+(match-length weighted) share of continuations that pass through it. The tree keeps the
 ``max_nodes`` nodes with the highest path probability.
 
 For the tree builder (``chain`` / ``static`` / ``dyntree`` / ``beam`` modes) the same index gives a
 draft distribution after any path: committed tokens plus the path's drafted tokens form the
-context whose suffix is looked up. It is sparse by nature (a handful of continuations), so the
-candidates come straight from the counts: no vocabulary-sized tensor is ever made.
+context whose suffix is looked up, so a source that kept matching the drafted tokens keeps its
+growing weight. It is sparse by nature (a handful of continuations), so the candidates come
+straight from the counts: no vocabulary-sized tensor is ever made. A row's shares are scaled by
+``L / (L + 1)`` for its longest match ``L``: the chance that the text goes on as it did before
+grows with the evidence, so a single continuation after a one-token match is not as sure as one
+after a copied sentence (both have share 1). That is the confidence the dynamic tree's
+calibration bins and corrects online; sampling renormalises a row, so its proposal is the shares.
 """
 
 from __future__ import annotations
@@ -31,7 +38,10 @@ if TYPE_CHECKING:
     from dyntree.common.builder import PartialTree
     from dyntree.common.config import SamplingParams
 
-__all__ = ["NgramOptions", "NgramDrafter", "parse_ngram_options"]
+__all__ = ["NgramOptions", "NgramDrafter", "parse_ngram_options", "MAX_MATCH"]
+
+#: longest match length counted when weighting a continuation (longer agreement adds no weight)
+MAX_MATCH = 32
 
 
 class NgramOptions(BaseModel):
@@ -88,7 +98,8 @@ class NgramDrafter(Drafter):
 
     def expand(self, requests: Sequence[DraftRequest], frontiers: Sequence[Sequence[int]],
                partials: Sequence["PartialTree"], k: int, shaping: "SamplingParams | None") -> Candidates:
-        """The top-``k`` continuations after each frontier node, by (match-length weighted) share.
+        """The top-``k`` continuations after each frontier node, by (match-length weighted) share,
+        scaled by ``L / (L + 1)`` for the row's longest match ``L`` (see the module docstring).
 
         Sampling shapes the share like the target's logits (its log is the logit)."""
         rows = sum(len(f) for f in frontiers)
@@ -101,14 +112,16 @@ class NgramDrafter(Drafter):
             for node in front:
                 drafted = part.path_tokens(node)[1:]  # the root is the last committed token
                 counts: dict[int, float] = defaultdict(float)
-                for weight, c in self._matches(index, index.tokens + drafted):
+                matches = self._matches(index, index.tokens + drafted)
+                for weight, c in matches:
                     counts[index.tokens[c]] += weight
                 if counts:
                     dist = self._shape(counts, shaping)
                     ents[row] = -sum(p * math.log(p) for p in dist.values() if p > 0)
+                    longest = max(w for w, _ in matches)
                     top = sorted(dist.items(), key=lambda t: -t[1])[:k]
                     ids[row, : len(top)] = torch.tensor([t for t, _ in top])
-                    probs[row, : len(top)] = torch.tensor([p for _, p in top])
+                    probs[row, : len(top)] = torch.tensor([p for _, p in top]) * (longest / (longest + 1))
                 row += 1
         return Candidates(ids, probs, ents)
 
@@ -134,7 +147,8 @@ class NgramDrafter(Drafter):
 
     def _matches(self, index: _Index, context: Sequence[int]) -> list[tuple[float, int]]:
         """Earlier occurrences of ``context``'s suffix as ``(weight, c)``: ``index.tokens[c]``
-        followed the suffix; longest suffix first (weight = its length), most recent first."""
+        followed the suffix; found longest key first, most recent first; weight = the match
+        length, extended back past the key up to ``MAX_MATCH`` tokens."""
         opt, toks = self.options, index.tokens
         seen: set[int] = set()
         found: list[tuple[float, int]] = []
@@ -143,7 +157,10 @@ class NgramDrafter(Drafter):
                 if c >= len(toks) or c in seen:
                     continue
                 seen.add(c)
-                found.append((float(n), c))
+                length = n
+                while length < min(MAX_MATCH, c, len(context)) and toks[c - length - 1] == context[-length - 1]:
+                    length += 1
+                found.append((float(length), c))
                 if len(found) >= opt.max_matches:
                     return found
         return found
