@@ -288,6 +288,21 @@ def test_dyntree_width_follows_the_acceptance_table() -> None:
     assert plain.ks[0] == 2 and 3 not in untabled.ranks.tolist()
 
 
+def test_candidates_per_node_lets_the_values_choose_the_width() -> None:
+    """A confident node gets one child under the entropy rule; offered every candidate (a drafter
+    whose candidates are few, like n-gram matches) it keeps each one the values allow."""
+    opts = TreeOptions(max_children=4, entropy_low=0.3, entropy_high=2.0, threshold=0.05)
+    rule = ToyDrafter(32, 6.0, seed=1)
+    narrow = TreeBuilder(opts).build(0, rule, max_nodes=16, max_depth=1)
+    offered = ToyDrafter(32, 6.0, seed=1)
+    wide = TreeBuilder(opts, candidates_per_node=6).build(0, offered, max_nodes=16, max_depth=1)
+    p = offered.dist([0]).sort(descending=True).values
+    assert entropy(p) < 0.3 + (2.0 - 0.3) / 6 and len(narrow.children(0)) == 1  # k(H) = 1
+    assert offered.ks == [6] and len(wide.children(0)) == int((p[:6] >= 0.05).sum()) > 1
+    with pytest.raises(ValueError, match="candidates_per_node must be >= 1"):
+        TreeBuilder(opts, candidates_per_node=0)
+
+
 def test_calibrator_observe_judges_only_reached_nodes() -> None:
     tree = TreeBuilder(TreeOptions(threshold=0.0, max_children=3)).build(
         0, ToyDrafter(8, 0.5, seed=1), max_nodes=10, max_depth=3

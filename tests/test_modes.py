@@ -17,6 +17,7 @@ from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.controller import CostModel
 from dyntree.common.drafter import DraftRequest
 from dyntree.common.drafters import make_drafter
+from dyntree.common.speculator import Speculator
 from dyntree.standalone.engine import SpecEngine
 from dyntree.standalone.target import make_hf_drafter
 
@@ -81,6 +82,10 @@ def test_ngram_expand_drives_every_builder_mode() -> None:
     def expand(frontiers, partials, k):
         return drafter.expand([req], frontiers, partials, k, None).split([len(f) for f in frontiers])
 
+    # every match is offered to the dynamic tree: the speculator's builder gets the drafter's limit
+    assert drafter.candidates_per_node == 8
+    sp = Speculator(make_drafter("ngram:max_matches=5"), SpecConfig(tree="dyntree"), vocab_size=16)
+    assert sp.builder.candidates_per_node == 5
     for mode in ("chain", "static", "dyntree", "beam"):
         tree = TreeBuilder().build_batch([2], expand, budgets=[(6, 4)], mode=mode, vocab_size=16)[0]
         assert tree.tokens[1].item() == 3  # "1 2" is always followed by 3

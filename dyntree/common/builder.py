@@ -17,7 +17,9 @@ from the root, depth by depth:
   accepted) reaches ``threshold``. When the calibration holds the drafter's measured
   :class:`~dyntree.common.calibration.AcceptanceTable`, the values already say what entropy and
   rank are worth: every node offers as many candidates as the table has ranks, and the values
-  alone choose (the width follows the measured acceptance). Greedy trees are then trimmed to the ``max_nodes`` best nodes
+  alone choose (the width follows the measured acceptance). So do drafters whose candidates are
+  few and each backed by evidence (``candidates_per_node``: n-gram matches), where the entropy rule
+  would only drop candidates worth having. Greedy trees are then trimmed to the ``max_nodes`` best nodes
   by path value: values never grow along a path, so the kept set is ancestor-closed and its total
   value (the expected number of accepted tokens) is the largest possible for the candidates seen.
 * ``beam``: best-first by draft probability: every frontier node offers its top-``beam_topk``
@@ -191,11 +193,19 @@ class TreeBuilder:
     Args:
         options: tree shape options (defaults work out of the box).
         calibrator: shared acceptance calibration (a new identity map by default).
+        candidates_per_node: ``dyntree`` offers this many candidates of every node and lets the
+            values choose, instead of the entropy rule's ``k(H)`` (the drafter's
+            :attr:`~dyntree.common.drafter.Drafter.candidates_per_node`; an acceptance table's
+            ranks take precedence).
     """
 
-    def __init__(self, options: TreeOptions | None = None, calibrator: Calibrator | None = None) -> None:
+    def __init__(self, options: TreeOptions | None = None, calibrator: Calibrator | None = None,
+                 candidates_per_node: int | None = None) -> None:
+        if candidates_per_node is not None and candidates_per_node < 1:
+            raise ValueError(f"candidates_per_node must be >= 1, got {candidates_per_node}")
         self.options = options or TreeOptions()
         self.calibrator = calibrator or Calibrator(self.options.calibration)
+        self.candidates_per_node = candidates_per_node
 
     # -- public API -----------------------------------------------------------------------------
     def build(
@@ -312,8 +322,12 @@ class TreeBuilder:
             return max((p[-1] + 1 for p in shape), default=1)
         if mode == "beam":
             return max((self._beam(g, beam)[1] for g in growths), default=1)
+        return self._offered() or self.options.max_children
+
+    def _offered(self) -> int | None:
+        """Candidates every dyntree node offers when the values alone choose (``None``: k(H))."""
         table = self.calibrator.table
-        return table.ranks if table is not None else self.options.max_children
+        return table.ranks if table is not None else self.candidates_per_node
 
     @staticmethod
     def _beam(g: _Growth, beam: tuple[int | None, int | None]) -> tuple[int, int]:
@@ -411,8 +425,8 @@ class TreeBuilder:
     def _grow_dyntree(self, g: _Growth, ids: torch.Tensor, probs: torch.Tensor, ents: torch.Tensor,
                       sampling: bool, gen: torch.Generator | None) -> None:
         o = self.options
-        table = self.calibrator.table
-        k = torch.full_like(ents, table.ranks, dtype=torch.int64) if table is not None else self._max_children(ents)
+        offered = self._offered()
+        k = torch.full_like(ents, offered, dtype=torch.int64) if offered is not None else self._max_children(ents)
         k = torch.minimum(k, (probs > 0).sum(-1))  # draws without replacement need that many tokens with mass
         kmax = min(int(k.max()) if k.numel() else 0, probs.shape[1])
         if kmax == 0:

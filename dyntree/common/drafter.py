@@ -208,6 +208,9 @@ class Drafter:
         acceptance_table: the measured acceptance of this drafter's candidates per depth, rank and
             confidence (:class:`~dyntree.common.calibration.AcceptanceTable`), the tree builder's
             starting calibration (``None``: the confidences are taken at face value).
+        candidates_per_node: the most candidates :meth:`expand` gives one node when they are few
+            and each backed by evidence (n-gram matches): the dynamic tree then offers all of them
+            and lets the calibrated values choose, instead of its entropy rule (``None``).
     """
 
     name: ClassVar[str] = ""
@@ -218,6 +221,7 @@ class Drafter:
     beam_topk: int | None = None
     acceptance_prior: float | None = None
     acceptance_table: AcceptanceTable | None = None
+    candidates_per_node: int | None = None
 
     @property
     def drafts_with_builder(self) -> bool:

@@ -171,7 +171,8 @@ class Speculator:
         self.own_mode: TreeMode | None = None if drafter.has_own_trees else "beam"
         uses_builder = spec.tree is not None or self.own_mode is not None
         options = spec.builder_options()
-        self.builder = TreeBuilder(options, Calibrator(options.calibration, drafter.acceptance_table)) if uses_builder else None
+        self.builder = TreeBuilder(options, Calibrator(options.calibration, drafter.acceptance_table),
+                                   drafter.candidates_per_node) if uses_builder else None
         self._cost = cost_model
         self._padded = padded
         self.controller: SpeculationController | None = None

@@ -18,6 +18,8 @@ straight from the counts: no vocabulary-sized tensor is ever made. A row's share
 grows with the evidence, so a single continuation after a one-token match is not as sure as one
 after a copied sentence (both have share 1). That is the confidence the dynamic tree's
 calibration bins and corrects online; sampling renormalises a row, so its proposal is the shares.
+Every candidate is offered to the dynamic tree (``candidates_per_node``): there are at most
+``max_matches`` per node, and its values, not an entropy rule, decide which are worth a node.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class NgramDrafter(Drafter):
 
     def __init__(self, options: NgramOptions | None = None) -> None:
         self.options = options or NgramOptions()
+        self.candidates_per_node = self.options.max_matches  # each match adds at most one token
         self._index: dict[Hashable, _Index] = {}
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
