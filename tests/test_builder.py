@@ -55,17 +55,18 @@ def _path_tokens(tree: DraftTree, i: int) -> list[int]:
     max_children=st.integers(1, 6),
     threshold=st.sampled_from([0.0, 0.01, 0.1, 0.5]),
     max_frontier=st.integers(1, 12),
+    offered=st.sampled_from([None, 1, 3, 8]),
 )
 def test_builder_invariants(
     vocab: int, sharpness: float, seed: int, mode: str, sampling: bool, iid: bool, max_nodes: int,
-    max_depth: int, max_children: int, threshold: float, max_frontier: int,
+    max_depth: int, max_children: int, threshold: float, max_frontier: int, offered: int | None,
 ) -> None:
     opts = TreeOptions(
         max_children=max_children, threshold=threshold, max_frontier=max_frontier,
         sampling_scheme="iid" if iid else "without_replacement",
     )
     drafter = ToyDrafter(vocab, sharpness, seed)
-    tree = TreeBuilder(opts).build(
+    tree = TreeBuilder(opts, candidates_per_node=offered).build(
         5, drafter, max_nodes=max_nodes, max_depth=max_depth, mode=mode,  # type: ignore[arg-type]
         sampling=sampling, generator=torch.Generator().manual_seed(seed), vocab_size=vocab,
     )
@@ -78,7 +79,8 @@ def test_builder_invariants(
         assert call and set(call) == {depth}  # ... over that depth's frontier only
     assert (tree.draft_dists is not None) == (sampling and bool(drafter.calls))
     # the builder never asks for the whole vocabulary: the most candidates the mode can use
-    want_k = {"chain": 1, "static": 10, "dyntree": max_children, "beam": 1024}[mode]
+    width = max_children if offered is None else offered  # dyntree's most children of one node
+    want_k = {"chain": 1, "static": 10, "dyntree": width, "beam": 1024}[mode]
     if sampling:
         want_k = max(want_k, opts.sampling_support)
     assert all(k <= want_k for k in drafter.ks)
@@ -97,7 +99,7 @@ def test_builder_invariants(
         if not (sampling and iid):
             assert len(set(toks)) == len(toks), "siblings repeat a token"
         if mode == "dyntree":
-            assert len(toks) <= max_children
+            assert len(toks) <= width
         if mode == "dyntree" and not sampling:
             q = drafter.dist(_path_tokens(tree, i)) if toks else None
             if toks:  # greedy children are the most likely tokens, in rank order
