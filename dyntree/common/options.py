@@ -59,7 +59,11 @@ class TreeOptions(BaseModel):
     max_nodes: int = Field(32, ge=0, le=1024, description="draft nodes per tree (root not counted)")
     max_depth: int = Field(8, ge=0, le=128, description="deepest draft node (root depth 0)")
     threshold: float = Field(0.02, ge=0, le=1, description="stop a branch whose path value is below this")
-    max_children: int = Field(4, ge=1, le=64, description="most children of one node in dyntree mode")
+    max_children: int = Field(
+        4, ge=1, le=64,
+        description="most children of one node in dyntree mode under the entropy rule (a drafter with an "
+        "acceptance table or candidates_per_node offers its candidates and the values choose)",
+    )
     entropy_low: float = Field(0.3, ge=0, description="at or below this draft entropy (nats): one child")
     entropy_high: float = Field(2.0, ge=0, description="at or above this draft entropy (nats): max_children")
     max_frontier: int = Field(
