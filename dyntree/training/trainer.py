@@ -5,7 +5,8 @@ the target's own greedy output) and is trained with cross-entropy against the ta
 ``hidden[g+k]`` through the same (full or reduced) output rows: pure teacher distillation, the
 target frozen (``TrainConfig.loss``: ``soft``, the whole softmax, whose gradient is that of
 KL(teacher || head); ``hard``, the teacher's top-1 token only; ``topK``, the teacher's K most likely
-tokens, renormalised; with a reduced vocabulary the top tokens are taken among its rows). Held-out loss is always the soft one. A batch is ``batch_size`` positions
+tokens, renormalised; with a reduced vocabulary the top tokens are taken among its rows).
+Held-out loss is always the soft one. A batch is ``batch_size`` positions
 drawn at random.
 
 Heads with prefix attention read the prefix layer's output at ``g`` instead of ``hidden[g]``, so
