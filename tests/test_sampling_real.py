@@ -33,7 +33,9 @@ pytestmark = pytest.mark.slow
 
 TEXT = "the cat sat on the mat. the dog ran to the park. the cat ran to the mat. the"
 TEMP, TOP_K = 0.8, 20
-SPEC = SpecConfig(drafter="ngram", max_nodes=4, max_depth=2, tree="dyntree")
+# two siblings drawn from the n-gram's four candidates (cat, mat, dog, park): the target puts ~98% on
+# " dog", so a tree that drew it is accepted (~80% of rows) and one that left it out is rejected
+SPEC = SpecConfig(drafter="ngram", max_nodes=2, max_depth=1, tree="dyntree")
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +64,8 @@ def test_engine_first_token_matches_plain_sampling(smol, setup) -> None:
         assert all(o.draft_nodes >= 2 for o in outs)  # sibling drafts for the first token
     ok, stat, crit = chi2_pvalue_ok(counts, p)
     assert ok, f"engine first-token distribution differs from plain sampling: chi2 {stat:.1f} > {crit:.1f}"
-    # both paths: drafts accepted (most of the time: four siblings cover much of the mass) and
-    # every sibling rejected, the token then drawn from the residual
-    assert accepted >= 0.1 * draws and draws - accepted >= 5, f"accepted a draft in {accepted}/{draws} draws"
+    # both paths: a sibling accepted, and every sibling rejected (the token then drawn from the residual)
+    assert accepted >= 0.1 * draws and draws - accepted >= 0.1 * draws, f"accepted a draft in {accepted}/{draws} draws"
     plain = SpecEngine(model, tok, make_drafter("none"))
     outs = plain.generate([prompt] * 96, SamplingParams(max_new_tokens=1, temperature=TEMP, top_k=TOP_K, seed=9))
     plain_counts = torch.bincount(torch.tensor([o.token_ids[0] for o in outs]), minlength=p.numel())
