@@ -276,6 +276,31 @@ def test_generate_cache_is_consistent(tmp_path: Path) -> None:
     assert valid[:7].tolist() == [3, 3, 3, 3, 3, 2, 1]
 
 
+def test_grouped_attention_equals_sdpa() -> None:
+    """The generation-time attention (K/V shared by query groups, no repeat) gives sdpa's logits on a
+    left-padded GQA batch, over the prefill and over cached decode steps."""
+    import dyntree.training.data  # noqa: F401  (registers the attention)
+
+    from spec_support import tiny_llama
+
+    model = tiny_llama(seed=5)
+    ids = torch.randint(3, 1000, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    mask[2, :2] = 0
+    out = {}
+    for impl in ("sdpa", "dyntree_grouped"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            first = model(ids, attention_mask=mask, use_cache=True)
+            nxt = first.logits[:, -1:].argmax(-1)
+            step = model(nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1),
+                         past_key_values=first.past_key_values, use_cache=True)
+        out[impl] = (first.logits[mask.bool()], step.logits)
+    for a, b in zip(out["sdpa"], out["dyntree_grouped"]):
+        assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+
+
 def _synthetic_cache(path: Path, seed: int = 0):
     return synthetic_head_cache(path, VOCAB, D, [30] * 24, seed)
 

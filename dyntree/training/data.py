@@ -29,6 +29,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from tqdm import tqdm
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import eager_mask
 
 __all__ = ["HiddenCache", "read_prompts", "generate_cache"]
 
@@ -54,6 +56,27 @@ def read_prompts(files: Sequence[str | Path], limit: int, seed: int) -> list[str
     return prompts[:limit]
 
 
+def _grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                       **_: Any) -> tuple[torch.Tensor, None]:
+    """Eager attention without repeating K/V per query group (Hugging Face's ``repeat_kv`` copies the
+    whole cache every step): the query heads of one KV head become rows of one matmul. 1.3-1.4x faster
+    batched greedy generation than ``eager`` and ~1.8x than ``sdpa`` for SmolLM2 on CPU (bf16, batch 64)."""
+    b, h, q, d = query.shape
+    kv_heads = key.shape[1]
+    groups = h // kv_heads
+    w = torch.matmul(query.reshape(b, kv_heads, groups * q, d), key.transpose(2, 3)) * scaling
+    if attention_mask is not None:  # additive [b, 1, q, L] mask, the same for every head
+        w = (w.view(b, kv_heads, groups, q, -1) + attention_mask[:, :, None]).view(b, kv_heads, groups * q, -1)
+    w = torch.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(w, value).view(b, h, q, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("dyntree_grouped", _grouped_attention)
+AttentionMaskInterface.register("dyntree_grouped", eager_mask)
+
+
 def _encode(tokenizer: Any, prompt: str) -> list[int]:
     enc = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
@@ -76,6 +99,8 @@ def _generate_batch(
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     captured: list[torch.Tensor] = []
+    attention = model.config._attn_implementation
+    model.set_attn_implementation("dyntree_grouped")
     norm = model.get_decoder().norm  # the LM-head input is the final norm's output
     # the first call is the prefill (every prompt position), then one position per step
     handle = norm.register_forward_hook(lambda _m, _i, out: captured.append(out.float().cpu()))
@@ -86,6 +111,7 @@ def _generate_batch(
         ).cpu()
     finally:
         handle.remove()
+        model.set_attn_implementation(attention)
     prefill = captured[0]  # [B, width, d]
     # [B, steps, d]: step s produced response token s (step 0 is the prefill's last position)
     hidden = torch.cat([prefill[:, -1:], *captured[1:]], dim=1)
