@@ -32,7 +32,9 @@ from dyntree.common.speculator import Speculator, SpecRequest
 from dyntree.common.tree import DraftTree
 from dyntree.standalone.engine import SpecEngine
 from dyntree.standalone.target import make_hf_drafter
-from dyntree.training.trainer import HeadData, TrainConfig, _losses, evaluate, reduced_token_map, train, warm_start
+from dyntree.training.data import HiddenCache
+from dyntree.training.trainer import (HeadData, TrainConfig, _losses, checkpoint_token_map, evaluate, reduced_token_map,
+                                      train, warm_start)
 
 D, VOCAB = 16, 97
 IDENT = TargetIdentity("tiny", D, VOCAB, "ab" * 32)
@@ -445,6 +447,18 @@ def test_train_heads_cli_with_prefix_attention_end_to_end(tmp_path: Path, tok) -
              "--work-dir", str(tmp_path / "work2"), "--out", str(tmp_path / "tuned")]
     assert main(tuned) == 0
     assert json.loads((tmp_path / "tuned" / "config.json").read_text())["training"]["init_from"] == str(out)
+    # ... and going on with newly generated data, whose own frequency ranking would give another
+    # reduced vocabulary: the checkpoint's is kept (so its output rows keep their meaning)
+    more = tmp_path / "more.jsonl"
+    more.write_text("".join(json.dumps({"prompt": f"Write {i} lines of code in Rust, please."}) + "\n" for i in range(8)))
+    fresh = [*argv, "--init-from", str(out), "--steps", "2", "--train-dtype", "bf16", "--work-dir",
+             str(tmp_path / "work8"), "--out", str(tmp_path / "fresh")]
+    fresh[fresh.index("--data") + 1] = str(more)
+    assert main(fresh) == 0
+    new_counts = HiddenCache(tmp_path / "work8" / "cache").token_counts(model.config.vocab_size)
+    assert not torch.equal(reduced_token_map(new_counts, 512), checkpoint_token_map(out))
+    assert torch.equal(checkpoint_token_map(tmp_path / "fresh"), checkpoint_token_map(out))
+    assert json.loads((tmp_path / "fresh" / "config.json").read_text())["training"]["train_dtype"] == "bf16"
     with pytest.raises(SystemExit, match="--init-from: .*not a Hydra checkpoint"):
         main([*argv, "--init-from", str(tmp_path / "nope"), "--out", str(tmp_path / "t3")])
     with pytest.raises(SystemExit, match="--init-from: .*num_layers is 1, this run's is 2"):  # before any data

@@ -51,14 +51,18 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
                    "text, after the chat template's fixed header): more positions from the same cache (1.57x "
                    "for the shipped heads' data; it did not help them); held-out scores stay on responses")
     p.add_argument("--init-from", default=None,
-                   help="start from a trained checkpoint's weights (same heads, layers and data; e.g. add "
-                   "--prefix-attention to trained heads)")
+                   help="start from a trained checkpoint's weights and reduced vocabulary (same heads and "
+                   "layers; e.g. add --prefix-attention to trained heads, or go on learning from a new "
+                   "--cache-dir of freshly generated responses)")
     p.add_argument("--train-fraction", type=float, default=1.0,
                    help="train on a seeded random share (0-1] of the cached training sequences, for data-scaling "
                         "studies (held-out sequences unchanged; default 1)")
     p.add_argument("--loss", default="soft",
                    help="distillation labels: soft (the target's whole softmax, default), hard (its top-1 "
                         "token), topK (its K most likely tokens renormalised, e.g. top8)")
+    p.add_argument("--train-dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="bf16: the training forward under autocast (fp32 weights and optimiser; ~Nx faster "
+                        "on a CPU with native bf16); held-out scores and the checkpoint are unaffected")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -89,8 +93,8 @@ def run_train_heads(args: argparse.Namespace) -> int:
     from dyntree.training.data import generate_cache, read_prompts
     from dyntree.common.hydra import TargetIdentity
     from dyntree.standalone.target import hf_target
-    from dyntree.training.trainer import (HeadData, TrainConfig, check_init, loss_top_k, measure_acceptance,
-                                          reduced_token_map, train, warm_start)
+    from dyntree.training.trainer import (HeadData, TrainConfig, check_init, checkpoint_token_map, loss_top_k,
+                                          measure_acceptance, reduced_token_map, train, warm_start)
 
     for name in ("heads", "layers", "steps", "batch_size", "prompts", "max_new_tokens", "gen_batch_size", "window"):
         if getattr(args, name) < 1:
@@ -151,7 +155,10 @@ def run_train_heads(args: argparse.Namespace) -> int:
 
     embed, lm_head = target.embed, target.lm_head
     vocab = identity.vocab_size
-    token_map = reduced_token_map(cache.token_counts(vocab), args.vocab_size) if args.vocab_size else None
+    if args.init_from:  # the checkpoint's reduced vocabulary, also when this cache is new data
+        token_map = checkpoint_token_map(args.init_from)
+    else:
+        token_map = reduced_token_map(cache.token_counts(vocab), args.vocab_size) if args.vocab_size else None
     command = "dyntree train-heads " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("train-heads") + 1:]) \
         if "train-heads" in sys.argv else " ".join(shlex.quote(a) for a in sys.argv)
     cfg = HydraConfig(
@@ -164,6 +171,7 @@ def run_train_heads(args: argparse.Namespace) -> int:
                   **({"window": args.window} if args.prefix_attention else {}),
                   **({"prompt_positions": True} if args.prompt_positions else {}),
                   **({"loss": args.loss} if args.loss != "soft" else {}),
+                  **({"train_dtype": args.train_dtype} if args.train_dtype != "fp32" else {}),
                   **({"train_fraction": args.train_fraction} if args.train_fraction < 1 else {}),
                   **({"init_from": args.init_from} if args.init_from else {})},
     )
@@ -178,7 +186,7 @@ def run_train_heads(args: argparse.Namespace) -> int:
     data = HeadData(cache, args.heads, val_fraction=0.02, seed=args.seed, device=device,
                     prompt_positions=args.prompt_positions, train_fraction=args.train_fraction)
     tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, window=args.window,
-                       loss=args.loss)
+                       loss=args.loss, autocast=args.train_dtype)
     result = train(heads, data, tcfg, work)
     heads.config.training.update({"val": result["val"], "wall_s": round(time.time() - t0, 1)})
     save_heads(heads, out, torch.float16)

@@ -44,7 +44,8 @@ from dyntree.common.calibration import AcceptanceTable
 from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, check_target, read_config
 from dyntree.training.data import HiddenCache
 
-__all__ = ["TrainConfig", "loss_top_k", "HeadData", "train", "evaluate", "measure_acceptance", "reduced_token_map", "check_init", "warm_start"]
+__all__ = ["TrainConfig", "loss_top_k", "HeadData", "train", "evaluate", "measure_acceptance", "reduced_token_map",
+           "check_init", "checkpoint_token_map", "warm_start"]
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,15 @@ class TrainConfig:
     val_fraction: float = 0.02
     window: int = 64  # positions per window (heads with a prefix layer)
     loss: str = "soft"  # soft | hard | topK: what of the teacher's softmax the heads learn
+    autocast: str = "fp32"  # fp32 | bf16: the forward's matmuls under CPU/CUDA autocast (weights stay fp32)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         loss_top_k(self.loss)
+        if self.autocast not in ("fp32", "bf16"):
+            raise ValueError(f"TrainConfig.autocast must be fp32 or bf16, got {self.autocast!r}")
 
     @property
     def windows_per_batch(self) -> int:
@@ -295,6 +299,15 @@ def check_init(src: HydraConfig, mine: HydraConfig, ckpt_dir: str | Path) -> Non
                                  f"{'has ' + str(mine.prefix_heads) if mine.prefix_attention else 'none'}")
 
 
+def checkpoint_token_map(ckpt_dir: str | Path) -> torch.Tensor | None:
+    """The reduced vocabulary (token map) a checkpoint was trained with, or None (full LM head). A
+    warm start keeps it, so trained heads can go on learning from newly generated data."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(ckpt_dir) / "model.safetensors"), framework="pt") as f:
+        return f.get_tensor("token_map").to(torch.int64) if "token_map" in f.keys() else None
+
+
 def warm_start(heads: HydraHeads, ckpt_dir: str | Path) -> list[str]:
     """Copy a trained checkpoint's weights into ``heads`` before training (fine-tuning; e.g. trained
     heads gain a prefix layer, which starts as the identity). Returns the parameters left at their
@@ -350,7 +363,8 @@ def train(heads: HydraHeads, data: HeadData, cfg: TrainConfig, out_dir: str | Pa
             b = data.train_windows(idx, cfg.window)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        per_head, acc1, _, total = _losses(heads, b, top_k)
+        with torch.autocast(data.device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
+            per_head, acc1, _, total = _losses(heads, b, top_k)
         per_head = per_head.detach()
         opt.zero_grad(set_to_none=True)
         total.backward()
