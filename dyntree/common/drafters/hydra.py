@@ -200,6 +200,8 @@ def make_hydra_drafter(options: str | None = None, *, target: TargetInfo | None 
         raise ValueError("hydra drafter needs the target's weights and identity (make_drafter(..., target=TargetInfo))")
     identity = TargetIdentity.of(target)
     device = target.embed.device
-    dtype = torch.float32 if device.type == "cpu" else target.embed.dtype
+    # the target's dtype, except fp16 on a CPU (emulated there): a bf16 target on a CPU means one
+    # with native bf16 (``--dtype auto``) or a user's choice, and fp32 heads would cost ~1/6 of a step
+    dtype = torch.float32 if device.type == "cpu" and target.embed.dtype == torch.float16 else target.embed.dtype
     heads = load_heads(opts.path, identity, target.embed, target.lm_head, dtype=dtype, device=device)
     return HydraDrafter(heads, opts.width, opts.topk, load_acceptance(opts.path) if opts.table else None)
