@@ -483,6 +483,10 @@ def test_measured_acceptance_table(tmp_path: Path) -> None:
     sp = Speculator(make_hydra_drafter(str(tmp_path / "ckpt"), target=target), SpecConfig(tree="dyntree"),
                     vocab_size=VOCAB)
     assert sp.builder is not None and sp.builder.calibrator.table is not None
+    # the heads run in the target's dtype, except fp16 on a CPU (emulated there): fp32
+    for dt, want in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.float32)):
+        t = TargetInfo("tiny", D, embed.to(dt), lm_head.to(dt), "ab" * 32)
+        assert make_hydra_drafter(str(tmp_path / "ckpt"), target=t).heads.out_weight.dtype == want
     cfg2 = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**cfg2, "num_heads": 2}))
     with pytest.raises(HydraMismatchError, match="3 depths, the heads 2"):
