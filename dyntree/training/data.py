@@ -60,8 +60,9 @@ def _grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, valu
                        attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                        **_: Any) -> tuple[torch.Tensor, None]:
     """Eager attention without repeating K/V per query group (Hugging Face's ``repeat_kv`` copies the
-    whole cache every step): the query heads of one KV head become rows of one matmul. 1.3-1.4x faster
-    batched greedy generation than ``eager`` and ~1.8x than ``sdpa`` for SmolLM2 on CPU (bf16, batch 64)."""
+    whole cache every step): the query heads of one KV head become rows of one matmul. Batched greedy
+    generation with SmolLM2 on a 2-core AVX512-BF16 CPU (bf16, batch 64): 295-333 tokens/s against
+    232-256 with ``eager`` and 178-194 with ``sdpa``."""
     b, h, q, d = query.shape
     kv_heads = key.shape[1]
     groups = h // kv_heads
