@@ -77,9 +77,9 @@ def _summary(spec: str, outs: list, walls: list, prompts: list, timing: dict) ->
     for cat in CATEGORIES:
         sel = [o for o, p in zip(outs, prompts) if p.category == cat]
         if sel:
-            by_cat[cat] = round(sum(len(o.token_ids) for o in sel) / sum(o.steps for o in sel), 3)
+            by_cat[cat] = round(sum(o.step_tokens for o in sel) / sum(o.steps for o in sel), 3)
     return {
-        "drafter": spec, "tokens": tokens, "steps": steps, "tau": round(tokens / steps, 4),
+        "drafter": spec, "tokens": tokens, "steps": steps, "tau": round(sum(o.step_tokens for o in outs) / steps, 4),
         "tokens_per_s": round(tokens / wall, 3), "wall_s": round(wall, 2),
         "draft_s": round(timing["draft_s"], 3), "verify_s": round(timing["verify_s"], 3),
         "accepted_per_depth": [round(sum(o.accepted_per_depth[d] for o in outs if d < len(o.accepted_per_depth))

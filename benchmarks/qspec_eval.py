@@ -94,7 +94,7 @@ def _cell(spec: QSpec, cat: str, outs: list[RequestOutput], wall: float, plain: 
         "steps": steps,
         "agreement": round(acc[0] / steps, 4),
         "agreement_all_depths": round(sum(acc) / sum(tried), 4),
-        "tau": round(tokens / steps, 4),
+        "tau": round(sum(o.step_tokens for o in outs) / steps, 4),
         "accepted_per_depth": [round(a / steps, 4) for a in acc],
         "identical": [o.token_ids for o in outs] == [o.token_ids for o in plain],
         "tokens_per_s": round(tokens / wall, 3),
@@ -165,9 +165,10 @@ def report(path: Path) -> str:
         # load-robust estimate: a plain token costs one 1-token forward of the same dense fp32
         # weights, i.e. about one draft forward (materialized, no skipped layers); a step costs
         # depth draft forwards + one verify forward
-        est = (tokens / steps) * draft_fwd / (depth * draft_fwd + verify_fwd)
+        tau = sum(r["tau"] * r["steps"] for r in mine) / steps
+        est = tau * draft_fwd / (depth * draft_fwd + verify_fwd)
         vals = [f"{cell[spec, c]['agreement']:.2f} / {cell[spec, c]['tau']:.2f}" if (spec, c) in cell else "-" for c in cats]
-        vals.append(f"{sum(r['agreement'] * r['steps'] for r in mine) / steps:.2f} / {tokens / steps:.2f}")
+        vals.append(f"{sum(r['agreement'] * r['steps'] for r in mine) / steps:.2f} / {tau:.2f}")
         ident = all(r["identical"] for r in mine)
         lines.append(f"| {spec} | " + " | ".join(vals) + f" | {'yes' if ident else 'NO'} | x{plain_wall / wall:.2f} | "
                      f"x{est:.2f} | {draft_fwd:.2f} / {verify_fwd:.2f} |")

@@ -93,7 +93,7 @@ def profile(engine: SpecEngine, prompts: list[list[int]], batch: int, params: Sa
     return {"steps": steps[0], "step_ms": round(step_ms, 3), "ms_per_step": ms,
             "pct_of_step": {p: round(100 * ms[p] / step_ms, 2) for p in PHASES},
             "non_forward_pct": round(100 * (1 - (ms["forward"] + ms["logits"]) / step_ms), 2),
-            "tau": round(tokens / verified, 3), "tokens_per_s": round(tokens / wall, 3),
+            "tau": round(sum(o.step_tokens for o in outs) / verified, 3), "tokens_per_s": round(tokens / wall, 3),
             "draft_nodes_per_request_step": round(sum(o.draft_nodes for o in outs) / verified, 3)}
 
 

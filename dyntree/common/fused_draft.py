@@ -11,7 +11,7 @@ module computes the same layer:
 
 with the target's projections stacked and quantized as one weight each (the same codes and scales
 as quantizing them one by one: every output row has its own), torch's fused ``rms_norm`` and
-grouped-query SDPA. It reads the target's norms and rotary, so it is the draft the HF path runs, up
+:func:`~dyntree.common.attention.attend` (grouped-query attention, routed like the engine's). It reads the target's norms and rotary, so it is the draft the HF path runs, up
 to float rounding, without the HF path's per-projection copies; :func:`fuse_layers` returns
 ``None`` (and the caller keeps the HF path) for any layer that is not exactly that shape, or whose
 stacked projections no kernel serves. An engine whose layers already hold stacked weights (vLLM's
@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dyntree.common.attention import attend
 from dyntree.common.quant import QSpec, QuantLinear, WeightKernel
 
 __all__ = ["LM_HEAD_SPEC", "FusedLayer", "fused_layer", "fuse_layers", "hf_rope", "run_layers", "attention_mask",
@@ -165,8 +166,7 @@ def run_layers(layers: Sequence[FusedLayer], hidden: torch.Tensor, rope: Rope, m
         q, k, v = qkv.split([f.heads, f.kv_heads, f.kv_heads], dim=1)
         q, k = rope(q, k)
         keys, values = kv.update(k, v, i)
-        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=f.scaling,
-                                             enable_gqa=f.heads != f.kv_heads)
+        att = attend(q, keys, values, mask, f.scaling)
         hidden = hidden + f.o(att.transpose(1, 2).reshape(b, w, f.heads * f.head_dim))
         x = F.rms_norm(hidden, hidden.shape[-1:], f.mlp_norm, f.mlp_eps)
         gate, up = f.gate_up(x).chunk(2, dim=-1)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LinearDispatch", "calibrate", "install", "linear", "CALIBRATION_ROWS"]
+__all__ = ["LinearDispatch", "calibrate", "cpu_name", "install", "linear", "CALIBRATION_ROWS"]
 
 #: Row counts timed by :func:`calibrate`; a call with more rows than the last uses ``F.linear``.
 CALIBRATION_ROWS = (*range(1, 17), 24, 32, 48, 64)
@@ -100,6 +100,11 @@ class LinearDispatch:
         pad = self.pad_rows(x.numel() // x.shape[-1]) if x.dim() >= 2 and x.device.type == "cpu" else 0
         return _transposed(x, weight, bias, pad) if pad else F.linear(x, weight, bias)
 
+    @property
+    def routes(self) -> bool:
+        """Whether any row count takes the transposed product (else this is ``F.linear``)."""
+        return any(self._pad)
+
     def summary(self) -> str:
         routed = {m: p for m, p in enumerate(self._pad, 1) if p}
         return f"(W @ x.T).T for rows {sorted(routed)}" if routed else "F.linear everywhere"
@@ -109,7 +114,8 @@ def _linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if type(m) is nn.Linear]
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU model name (what per-CPU calibration caches are keyed by)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -121,7 +127,7 @@ def _cpu_name() -> str:
 
 def _fingerprint(linears: Sequence[nn.Linear], rows: Sequence[int]) -> str:
     p = linears[0].weight
-    key = json.dumps([_CACHE_VERSION, _cpu_name(), torch.__version__, torch.get_num_threads(), str(p.dtype),
+    key = json.dumps([_CACHE_VERSION, cpu_name(), torch.__version__, torch.get_num_threads(), str(p.dtype),
                       sorted(tuple(m.weight.shape) for m in linears), list(rows)])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 

@@ -272,10 +272,26 @@ class Speculator:
                 the drafting time, as a cost of speculating at all.
         """
         t0 = time.perf_counter()
+        result = self._verify(batch, target, [self._params[rid] for rid in batch.request_ids], generator)
+        self._learn(batch, result, forward_ms, overhead_ms)
+        self.stats.accept_s += time.perf_counter() - t0
+        return result
+
+    def first_tokens(self, requests: Sequence[SpecRequest], target: torch.Tensor,
+                     generator: torch.Generator | None = None) -> list[int]:
+        """The token after each request's last one, from the target's ``[B, V]`` logits at that
+        position (``[B]`` argmax for greedy requests): what verifying a root-only tree picks. For
+        an engine whose prefill also runs the prompt's last token; nothing is counted or learned
+        (the first verify step still starts from :meth:`propose`)."""
+        trees = [DraftTree.root_only(r.token_ids[-1]) for r in requests]
+        batch = DraftBatch.from_trees([r.request_id for r in requests], trees)
+        return [toks[0] for toks in self._verify(batch, target, [r.params for r in requests], generator).tokens]
+
+    def _verify(self, batch: DraftBatch, target: torch.Tensor, params: list[SamplingParams],
+                generator: torch.Generator | None) -> AcceptResult:
         n = batch.num_nodes
         if target.shape[0] != n or target.dim() not in (1, 2):
             raise ValueError(f"accept: target must be [{n}, V] logits or [{n}] argmax, got {tuple(target.shape)}")
-        params = [self._params[rid] for rid in batch.request_ids]
         padded = batch.padded()
         argmax = target if target.dim() == 1 else target.argmax(dim=-1)
         top = torch.zeros(padded.tokens.shape, dtype=torch.int64)
@@ -296,10 +312,7 @@ class Speculator:
             index[b, : len(res.accepted_nodes)] = torch.tensor(res.accepted_nodes)
             length[b] = len(res.accepted_nodes)
             tokens.append(res.tokens)
-        result = AcceptResult(list(batch.request_ids), index, length, tokens)
-        self._learn(batch, result, forward_ms, overhead_ms)
-        self.stats.accept_s += time.perf_counter() - t0
-        return result
+        return AcceptResult(list(batch.request_ids), index, length, tokens)
 
     def observe_forward(self, n_query_tokens: int, ms: float) -> None:
         """A measured target forward the engine did not report to :meth:`accept`: a plain decoding

@@ -121,6 +121,7 @@ def _device() -> str:
 def _summarise(mode: str, drafter: str, outs: list[RequestOutput], wall: float) -> dict[str, Any]:
     steps = sum(o.steps for o in outs)
     tokens = sum(len(o.token_ids) for o in outs)
+    step_tokens = sum(o.step_tokens for o in outs)
     depth = max((len(o.accepted_per_depth) for o in outs), default=0)
     per_depth = [sum(o.accepted_per_depth[d] for o in outs if d < len(o.accepted_per_depth)) / max(steps, 1)
                  for d in range(depth)]
@@ -131,7 +132,7 @@ def _summarise(mode: str, drafter: str, outs: list[RequestOutput], wall: float) 
         "steps": steps,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 3) if wall > 0 else 0.0,
-        "tau": round(tokens / steps, 4) if steps else 0.0,
+        "tau": round(step_tokens / steps, 4) if steps else 0.0,
         "accepted_per_depth": [round(x, 4) for x in per_depth],
         "draft_nodes_per_step": round(sum(o.draft_nodes for o in outs) / max(steps, 1), 3),
         "outputs": [{"id": o.request_id, "token_ids": o.token_ids} for o in outs],
@@ -338,6 +339,7 @@ def run_bench(
         "spec": spec.model_dump(),
         "sampling": params.model_dump(),
         "linear": {"routing": plain.linear.summary(), "ms_by_rows": plain.linear.timings_ms} if plain.linear else None,
+        "attention": plain.attention.summary() if plain.attention else None,
         "cost_model_ms": dict(zip(cost.xs, [round(y, 3) for y in cost.ys])) if cost is not None else None,
         "runs": runs,
     }

@@ -18,15 +18,16 @@ engine the baseline that benchmarks compare against. A ``qspec`` drafter gets th
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from dyntree.common import linear
+from dyntree.common import attention, linear
+from dyntree.common.attention import AttentionDispatch
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.controller import CostModel
 from dyntree.common.drafter import Drafter
@@ -34,6 +35,7 @@ from dyntree.common.speculator import AcceptResult, SpecRequest, Speculator
 from dyntree.common.tree import DraftBatch, TreeBatch
 from dyntree.models import cache_root
 from dyntree.standalone import kv
+from dyntree.standalone.attention import attention_scope
 from dyntree.standalone.selfdraft import HFSelfDraft
 
 __all__ = ["RequestOutput", "SpecEngine", "ABLATIONS", "COST_SIZES", "COST_KV_LEN"]
@@ -46,11 +48,27 @@ COST_SIZES = (1, 2, 4, 8, 16, 64, 256)
 COST_KV_LEN = 256
 
 
-def _cpu_linears(model: torch.nn.Module) -> linear.LinearDispatch:
-    """The model's linear routing, calibrated once per model object (timings cached on disk)."""
-    have = getattr(model, "_dyntree_linear_dispatch", None)
+def _cpu_linears(model: torch.nn.Module) -> linear.LinearDispatch | None:
+    """The model's linear routing, calibrated once per model object (timings cached on disk);
+    ``None`` where ``F.linear`` is the fastest at every row count (the linears stay untouched)."""
+    if not hasattr(model, "_dyntree_linear_dispatch"):
+        dispatch = linear.calibrate(model, cache_dir=cache_root() / "linear")
+        if dispatch.routes:
+            linear.install(model)
+        model._dyntree_linear_dispatch = dispatch if dispatch.routes else None
+    return model._dyntree_linear_dispatch
+
+
+def _cpu_attention(model: torch.nn.Module) -> AttentionDispatch:
+    """The model's attention routing, calibrated once per model object (timings cached on disk)."""
+    have = getattr(model, "_dyntree_attention_dispatch", None)
     if have is None:
-        have = model._dyntree_linear_dispatch = linear.calibrate(linear.install(model), cache_dir=cache_root() / "linear")
+        cfg = model.config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        have = model._dyntree_attention_dispatch = attention.calibrate(
+            heads, getattr(cfg, "num_key_value_heads", None) or heads, head_dim, next(model.parameters()).dtype,
+            cache_dir=cache_root() / "attention")
     return have
 
 
@@ -63,14 +81,19 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = ""
-    steps: int = 0  # target forwards that verified this request (prefill not counted)
+    steps: int = 0  # verify forwards of this request (the prefill, which gives the first token, not counted)
     draft_nodes: int = 0  # draft nodes proposed in total
     accepted_per_depth: list[int] = field(default_factory=list)  # accepted drafts at depth 1, 2, ...
 
     @property
+    def step_tokens(self) -> int:
+        """Tokens the verify steps committed: all but the first, which the prefill gives."""
+        return max(len(self.token_ids) - 1, 0)
+
+    @property
     def tau(self) -> float:
         """Mean tokens committed per verify forward, bonus included (1.0 = plain decoding)."""
-        return len(self.token_ids) / self.steps if self.steps else 0.0
+        return self.step_tokens / self.steps if self.steps else 0.0
 
 
 @dataclass
@@ -95,13 +118,16 @@ class SpecEngine:
         cost_model: CostModel | None = None,
         materialize_draft: bool = False,
         fast_linear: bool = True,
+        fast_attention: bool = True,
     ) -> None:
         """``cost_model`` (ms of one target forward vs. query tokens) is used by the adaptive
         controller; without one it is measured on the first adaptive ``generate`` and kept.
         ``materialize_draft``: a ``qspec`` draft keeps dense copies of its quantized weights
         (same numbers, faster on CPU). ``fast_linear``: on a CPU, the engine's forwards (and the
         drafter's) route linears through a :mod:`~dyntree.common.linear` dispatch calibrated once
-        per model (``model.generate`` outside the engine is untouched)."""
+        per model (``model.generate`` outside the engine is untouched). ``fast_attention``: on a
+        CPU, the engine's forwards attend through a :mod:`~dyntree.common.attention` dispatch
+        calibrated once per model (no per-group K/V copies; the fastest kernel per shape)."""
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec or SpecConfig()
@@ -114,7 +140,9 @@ class SpecEngine:
         self.dtype = next(model.parameters()).dtype
         self.cache = DynamicCache()
         self._live: list[_Live] = []
-        self.linear = _cpu_linears(model) if fast_linear and self.device.type == "cpu" else None
+        cpu = self.device.type == "cpu"
+        self.linear = _cpu_linears(model) if fast_linear and cpu else None
+        self.attention = _cpu_attention(model) if fast_attention and cpu else None
         if drafter.needs_self_draft:
             spec_q = getattr(drafter, "spec")
             drafter.attach(HFSelfDraft(self, spec_q, materialize=materialize_draft))
@@ -149,7 +177,7 @@ class SpecEngine:
         if len(ids) != len(prompts) or len(set(ids)) != len(ids):
             raise ValueError("request_ids must be unique, one per prompt")
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
-        with self.linear_scope():
+        with self.kernel_scope():
             return self._generate(prompts, ids, params, gen, progress, on_commit)
 
     def _generate(self, prompts: Sequence[Sequence[int]], ids: list[Hashable], params: SamplingParams,
@@ -157,28 +185,14 @@ class SpecEngine:
                   on_commit: Callable[[Hashable, list[int]], None] | None) -> list[RequestOutput]:
         self.prepare()
         eos = self.eos_ids(params)
-        self._prefill(prompts, ids)
         done: dict[Hashable, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="requests", disable=not progress, leave=False)
         with torch.inference_mode():
+            self._prefill(prompts, ids, params, gen, eos, on_commit)
+            self._retire(done, bar)
             while self._live:
                 self._step(params, gen, eos, on_commit)
-                keep = []
-                for row, req in enumerate(self._live):
-                    if req.out.finish_reason:
-                        stats = self.speculator.release(req.out.request_id)
-                        req.out.steps, req.out.draft_nodes = stats.steps, stats.proposed
-                        req.out.accepted_per_depth = stats.accepted_per_depth
-                        done[req.out.request_id] = req.out
-                        bar.update(1)
-                    else:
-                        keep.append(row)
-                if len(keep) < len(self._live):
-                    self._live = [self._live[r] for r in keep]
-                    if self._live:
-                        kv.select_rows(self.cache, torch.tensor(keep, device=self.device))
-                if self._live:
-                    kv.crop(self.cache, max(r.kv_len for r in self._live))
+                self._retire(done, bar)
         bar.close()
         self.cache = DynamicCache()
         outs = [done[i] for i in ids]
@@ -186,14 +200,36 @@ class SpecEngine:
             o.text = self._text(o, params)
         return outs
 
+    def _retire(self, done: dict[Hashable, RequestOutput], bar: tqdm) -> None:
+        """Move finished requests to ``done`` and out of the batch (and the cache)."""
+        keep = []
+        for row, req in enumerate(self._live):
+            if req.out.finish_reason:
+                stats = self.speculator.release(req.out.request_id)
+                req.out.steps, req.out.draft_nodes = stats.steps, stats.proposed
+                req.out.accepted_per_depth = stats.accepted_per_depth
+                done[req.out.request_id] = req.out
+                bar.update(1)
+            else:
+                keep.append(row)
+        if len(keep) < len(self._live):
+            self._live = [self._live[r] for r in keep]
+            if self._live:
+                kv.select_rows(self.cache, torch.tensor(keep, device=self.device))
+        if self._live:
+            kv.crop(self.cache, max(r.kv_len for r in self._live))
+
     def prepare(self) -> float:
         """Set up the adaptive controller (timing the cost model unless one was given); returns
         the seconds it took. ``generate`` calls it; call it first to keep that out of timings."""
         return self.speculator.prepare()
 
-    def linear_scope(self) -> ContextManager[None]:
-        """The block in which the model's linears take the calibrated CPU routing."""
-        return self.linear.active() if self.linear is not None else nullcontext()
+    @contextmanager
+    def kernel_scope(self) -> Iterator[None]:
+        """The block in which the model's linears and attention take the calibrated CPU routing."""
+        with self.linear.active() if self.linear is not None else nullcontext():
+            with attention_scope(self.model, self.attention) if self.attention is not None else nullcontext():
+                yield
 
     # -- what the self-draft backend reads -----------------------------------------------------
     def cache_rows(self, request_ids: Sequence[Hashable]) -> list[int]:
@@ -262,7 +298,7 @@ class SpecEngine:
         cache of ``kv_len`` tokens; the cost model the adaptive controller starts from."""
         cache = DynamicCache()
         g = torch.Generator().manual_seed(0)
-        with torch.inference_mode(), self.linear_scope():
+        with torch.inference_mode(), self.kernel_scope():
             dummy = torch.randint(0, self.lm_head.out_features, (1, kv_len), generator=g)
             causal = torch.tril(torch.ones(kv_len, kv_len, dtype=torch.bool))[None]
             self._forward(dummy, torch.arange(kv_len)[None], self._additive(causal), cache)
@@ -282,26 +318,32 @@ class SpecEngine:
             torch.cuda.synchronize(self.device)
 
     # -- prefill and commit ----------------------------------------------------------------------
-    def _prefill(self, prompts: Sequence[Sequence[int]], ids: Sequence[Hashable]) -> None:
-        """Cache every prompt token but the last, which becomes the first tree's root."""
+    def _prefill(self, prompts: Sequence[Sequence[int]], ids: Sequence[Hashable], params: SamplingParams,
+                 gen: torch.Generator, eos: set[int],
+                 on_commit: Callable[[Hashable, list[int]], None] | None) -> None:
+        """Cache every prompt token and commit the first new token from the last one's logits
+        (as plain decoding does); the first verify step then starts from that token."""
         self.cache = DynamicCache()
-        lens = torch.tensor([len(p) - 1 for p in prompts])
+        lens = torch.tensor([len(p) for p in prompts])
         width = int(lens.max())
         self._live = [_Live(RequestOutput(i, list(p)), list(p), int(n)) for i, p, n in zip(ids, prompts, lens)]
-        if width == 0:
-            return
         tokens = torch.zeros(len(prompts), width, dtype=torch.int64)
         for r, p in enumerate(prompts):
-            tokens[r, : len(p) - 1] = torch.tensor(p[:-1])
+            tokens[r, : len(p)] = torch.tensor(p)
         valid = torch.arange(width)[None, :] < lens[:, None]
         causal = torch.tril(torch.ones(width, width, dtype=torch.bool))
         allowed = (causal[None] & valid[:, None, :] & valid[:, :, None]) | torch.eye(width, dtype=torch.bool)
         positions = torch.arange(width).expand(len(prompts), width)
-        with torch.inference_mode():
-            hidden = self._forward(tokens, positions, self._additive(allowed), self.cache)
-        if self.speculator.needs_hidden:
-            for r, req in enumerate(self._live):
+        hidden = self._forward(tokens, positions, self._additive(allowed), self.cache)
+        last = hidden[torch.arange(len(prompts)), lens - 1]
+        firsts = self.speculator.first_tokens([SpecRequest(r.out.request_id, r.tokens, params) for r in self._live],
+                                              self.lm_head(last).float(), gen)
+        for r, (req, tok) in enumerate(zip(self._live, firsts)):
+            if self.speculator.needs_hidden:
                 self.speculator.observe_hidden(req.out.request_id, hidden[r, : req.kv_len])
+            self._commit(req, [tok], params, eos)
+            if on_commit is not None:
+                on_commit(req.out.request_id, [tok])
 
     def _commit(self, req: _Live, tokens: list[int], params: SamplingParams, eos: set[int]) -> None:
         """Append new tokens one at a time, stopping exactly where plain decoding would."""

@@ -1,0 +1,188 @@
+"""Attention for few-query forwards on a CPU, routed by a per-CPU calibration (torch only).
+
+Engines verify trees with an explicit additive mask, and with a mask transformers' ``sdpa`` repeats
+every KV head's cache once per query group before calling ``scaled_dot_product_attention``: two
+copies of the whole cache per layer per step. Worse, on a CPU in bf16 the fused kernel handles one
+or a few query rows far from the memory bound. Measured on a 2-core AVX512-BF16 EPYC (SmolLM2: 9
+query / 3 KV heads, one layer, microseconds): 1 query row against 1000 cached tokens, 554 with
+``sdpa`` vs 125 with two matmuls; batch 8 x 1 row x 450 tokens, 1832 vs 201; yet in fp32, or with
+16 query rows, the fused kernel is often the fastest. So three equivalent ways are kept, none
+copying K/V per group:
+
+* ``gqa``: ``scaled_dot_product_attention(..., enable_gqa=True)`` with the mask;
+* ``rows``: the query heads of one KV head stacked as the rows of one fused call;
+* ``matmul``: the same stacking through two matmuls and a float32 softmax.
+
+:func:`calibrate` times the three at a grid of (batch, query rows, cached tokens) for a head shape
+and dtype (a few seconds once, kept on disk per CPU, torch version, threads, dtype and shape), and
+:class:`AttentionDispatch` picks, per call, the fastest at the nearest grid point (log scale).
+:func:`attend` follows the dispatch active in this thread (:meth:`AttentionDispatch.active`) and is
+``gqa`` anywhere else. The three compute the same attention with a different summation order, like
+any two kernels; fp32 results agree to rounding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from dyntree.common.linear import cpu_name
+
+__all__ = ["AttentionDispatch", "IMPLS", "attend", "calibrate", "grouped_matmul"]
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
+
+#: Grid timed by :func:`calibrate`: batch rows, query rows per sequence, cached tokens.
+GRID_BATCH = (1, 4, 16)
+GRID_QUERY = (1, 4, 16, 64)
+GRID_KV = (64, 256, 1024)
+_CACHE_VERSION = 1
+
+
+def grouped_matmul(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                   scaling: float) -> torch.Tensor:
+    """``[b, h, q, d]`` attention of ``query`` over ``[b, kv_heads, L, d]`` keys and values: the
+    query heads of one KV head become the rows of one matmul; ``mask``: additive ``[b, 1, q, L]``."""
+    b, h, q, d = query.shape
+    kv_heads = key.shape[1]
+    groups = h // kv_heads
+    w = torch.matmul(query.reshape(b, kv_heads, groups * q, d), key.transpose(2, 3)) * scaling
+    if mask is not None:  # the same for every head
+        w = (w.view(b, kv_heads, groups, q, -1) + mask[:, :, None]).view(b, kv_heads, groups * q, -1)
+    w = torch.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(w, value).view(b, h, q, d)
+
+
+def _rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+          scaling: float) -> torch.Tensor:
+    b, h, q, d = query.shape
+    kv_heads = key.shape[1]
+    groups = h // kv_heads
+    if mask is not None:
+        mask = mask[:, :, None].expand(b, 1, groups, q, mask.shape[-1]).reshape(b, 1, groups * q, mask.shape[-1])
+    out = F.scaled_dot_product_attention(query.reshape(b, kv_heads, groups * q, d), key, value, attn_mask=mask,
+                                         scale=scaling)
+    return out.view(b, h, q, d)
+
+
+def _gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+         scaling: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                          enable_gqa=key.shape[1] != query.shape[1])
+
+
+#: The interchangeable implementations, by name: ``[b, h, q, d]`` out, additive mask or none.
+IMPLS: dict[str, Attention] = {"gqa": _gqa, "rows": _rows, "matmul": grouped_matmul}
+
+
+def _nearest(grid: tuple[int, ...], x: int) -> int:
+    return min(grid, key=lambda g: abs(math.log(g) - math.log(max(x, 1))))
+
+
+_ACTIVE = threading.local()
+
+
+class AttentionDispatch:
+    """Picks the fastest implementation for a call's (batch, query rows, cached tokens) from
+    calibrated timings at the nearest grid point (log distance per axis)."""
+
+    def __init__(self, timings_us: Mapping[tuple[int, int, int], Mapping[str, float]]) -> None:
+        if not timings_us:
+            raise ValueError("AttentionDispatch needs timings")
+        unknown = {n for v in timings_us.values() for n in v} - set(IMPLS)
+        if unknown:
+            raise ValueError(f"unknown attention implementation(s) {sorted(unknown)}; known: {sorted(IMPLS)}")
+        self.timings_us = {k: dict(v) for k, v in timings_us.items()}
+        self.batch = tuple(sorted({k[0] for k in timings_us}))
+        self.query = tuple(sorted({k[1] for k in timings_us}))
+        self.kv = tuple(sorted({k[2] for k in timings_us}))
+        self._best = {k: min(v, key=v.__getitem__) for k, v in self.timings_us.items()}
+
+    def pick(self, batch: int, query: int, kv: int) -> str:
+        """The implementation's name for a call of this shape: ``gqa`` (fused, no score matrix in
+        memory) beyond twice the largest calibrated query rows (a prefill), else the fastest at
+        the nearest grid point."""
+        if query > 2 * self.query[-1]:
+            return "gqa"
+        return self._best[(_nearest(self.batch, batch), _nearest(self.query, query), _nearest(self.kv, kv))]
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Within this block (this thread), :func:`attend` uses this routing."""
+        outer = getattr(_ACTIVE, "dispatch", None)
+        _ACTIVE.dispatch = self
+        try:
+            yield
+        finally:
+            _ACTIVE.dispatch = outer
+
+    def summary(self) -> str:
+        names = list(self._best.values())
+        return ", ".join(f"{n} at {names.count(n)} of {len(names)} grid points" for n in sorted(set(names)))
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+           scaling: float) -> torch.Tensor:
+    """``[b, h, q, d]`` attention (additive ``mask`` or none) by the dispatch active in this
+    thread, ``gqa`` without one."""
+    dispatch: AttentionDispatch | None = getattr(_ACTIVE, "dispatch", None)
+    name = dispatch.pick(query.shape[0], query.shape[2], key.shape[2]) if dispatch is not None else "gqa"
+    return IMPLS[name](query, key, value, mask, scaling)
+
+
+Grid = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+def _fingerprint(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, grid: Grid) -> str:
+    key = json.dumps([_CACHE_VERSION, cpu_name(), torch.__version__, torch.get_num_threads(), str(dtype),
+                      heads, kv_heads, head_dim, grid])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def calibrate(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, repeats: int = 3,
+              cache_dir: Path | None = None, grid: Grid = (GRID_BATCH, GRID_QUERY, GRID_KV)) -> AttentionDispatch:
+    """Time every implementation at every ``grid`` point (batch, query rows, cached tokens) on CPU
+    tensors of this head shape and dtype (best of ``repeats`` after a warm-up; a tree-shaped mask).
+    With ``cache_dir``, timings are read from / written to a JSON file there keyed by the CPU,
+    torch, threads, dtype, shape and grid."""
+    path = cache_dir / f"attention-{_fingerprint(heads, kv_heads, head_dim, dtype, grid)}.json" if cache_dir else None
+    if path is not None and path.is_file():
+        try:
+            raw = json.loads(path.read_text())
+            return AttentionDispatch({tuple(int(x) for x in k.split(",")): v for k, v in raw.items()})
+        except (ValueError, TypeError, AttributeError):
+            pass  # a damaged cache file is re-measured and rewritten
+    g = torch.Generator().manual_seed(0)
+    timings: dict[tuple[int, int, int], dict[str, float]] = {}
+    with torch.inference_mode():
+        for b in grid[0]:
+            for q in grid[1]:
+                for kv in grid[2]:
+                    query = torch.randn(b, heads, q, head_dim, generator=g).to(dtype)
+                    key = torch.randn(b, kv_heads, kv + q, head_dim, generator=g).to(dtype)
+                    value = torch.randn(b, kv_heads, kv + q, head_dim, generator=g).to(dtype)
+                    allowed = torch.ones(q, kv + q, dtype=torch.bool).tril(kv)
+                    mask = torch.zeros(b, 1, q, kv + q, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+                    best = {}
+                    for name, fn in IMPLS.items():
+                        fn(query, key, value, mask, head_dim**-0.5)  # warm-up
+                        times = []
+                        for _ in range(repeats):
+                            t = time.perf_counter()
+                            fn(query, key, value, mask, head_dim**-0.5)
+                            times.append(time.perf_counter() - t)
+                        best[name] = round(min(times) * 1e6, 1)
+                    timings[(b, q, kv)] = best
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({",".join(map(str, k)): v for k, v in timings.items()}))
+    return AttentionDispatch(timings)
