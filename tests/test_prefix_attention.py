@@ -335,7 +335,7 @@ def test_engine_hidden_rows_equal_a_plain_forward(tok, alternate: bool) -> None:
     assert any(1 < o.tau < 5 for o in outs)  # partial acceptance happened
     for i, p in enumerate(prompts):
         calls = drafter.calls[i]
-        assert calls[0][0] == len(p) - 1  # the first call: the prompt's rows (none for a 1-token prompt)
+        assert calls[0][0] == len(p)  # the first call: the prompt's rows (the prefill gave the first token)
         for kv_len, rows in calls:
             assert rows == kv_len  # every committed position once, in order, none ahead
         if alternate:
