@@ -72,6 +72,9 @@ def _spec_args(p: argparse.ArgumentParser, several_drafters: bool = False) -> No
     p.add_argument("--fast-linear", action=argparse.BooleanOptionalAction, default=True,
                    help="on a CPU, route the model's linears by row count to the faster of x @ W.T and (W @ x.T).T, "
                    "timed once at start-up (default on; --no-fast-linear runs stock F.linear)")
+    p.add_argument("--fast-attention", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a CPU, attend without per-group K/V copies through the fastest of three forms per "
+                   "shape, timed once per machine (default on; --no-fast-attention runs the model's own attention)")
     p.add_argument("--dtype", default="auto",
                    help="fp32, bf16, fp16 or auto (default): bf16 on a GPU or a CPU with native bf16 "
                    "(AMX or AVX512-BF16), else fp32")
@@ -195,8 +198,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     spec, params, device, dtype, why = _check_before_load(args)
     model, tok = _load(args, device, dtype)
     ids = encode_prompt(tok, args.prompt, args.chat)
-    engine = SpecEngine(model, tok, make_hf_drafter(spec.drafter, model, tok), spec, fast_linear=args.fast_linear)
-    plain = SpecEngine(model, tok, NoDrafter(), SpecConfig(drafter="none"), fast_linear=args.fast_linear)
+    engine = SpecEngine(model, tok, make_hf_drafter(spec.drafter, model, tok), spec, fast_linear=args.fast_linear,
+                        fast_attention=args.fast_attention)
+    plain = SpecEngine(model, tok, NoDrafter(), SpecConfig(drafter="none"), fast_linear=args.fast_linear,
+                       fast_attention=args.fast_attention)
     plain.generate([ids[-16:]], params.model_copy(update={"max_new_tokens": 2, "stop": ()}))  # warm-up
     engine.prepare()  # the adaptive controller's start-up timing stays out of the measurement
 
@@ -250,7 +255,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     model, tok = _load(args, device, dtype)
     print(f"[dyntree] {_dtype_name(dtype)} ({why}), {device.type}", file=sys.stderr)
     result = run_bench(model, tok, prompts, modes, _drafters(args), spec, params, args.batch_size, args.chat,
-                       args.model, _dtype_name(dtype), args.fast_linear, args.repeats)
+                       args.model, _dtype_name(dtype), args.fast_linear, args.repeats,
+                       args.fast_attention)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

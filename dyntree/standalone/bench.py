@@ -145,7 +145,8 @@ def run_hf_mode(model, tokenizer, encoded: Sequence[Sequence[int]], ids: Sequenc
     greedy, with the engine's end-of-sequence tokens. tau and steps are not observable (``None``)."""
     if not params.greedy or params.stop:
         raise ValueError(f"mode {mode!r} runs greedy decoding without stop strings only")
-    eos = sorted(SpecEngine(model, tokenizer, make_drafter("none"), SpecConfig(drafter="none"), fast_linear=False).eos_ids(params))
+    eos = sorted(SpecEngine(model, tokenizer, make_drafter("none"), SpecConfig(drafter="none"), fast_linear=False,
+                          fast_attention=False).eos_ids(params))
     kwargs = dict(do_sample=False, eos_token_id=eos or None, pad_token_id=eos[0] if eos else None, **HF_MODES[mode])
     device = next(model.parameters()).device
 
@@ -187,18 +188,19 @@ def run_mode(
     cost: CostModel | None = None,
     categories: dict[Any, str | None] | None = None,
     fast_linear: bool = True,
+    fast_attention: bool = True,
 ) -> dict[str, Any]:
     """One bench run of ``mode`` over the encoded prompts, in batches of ``batch_size``.
 
     ``cost`` seeds an adaptive engine's cost model (a copy; measured here when ``None``);
-    ``fast_linear`` is the engine's CPU linear routing."""
+    ``fast_linear`` / ``fast_attention`` are the engine's CPU linear and attention routing."""
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     name, cfg = mode_spec(mode, spec)
     name = name or "none"
     seed = CostModel(list(zip(cost.xs, cost.ys)), cost.lr) if cost is not None and cfg.adaptive else None
     engine = SpecEngine(model, tokenizer, make_hf_drafter(name, model, tokenizer), cfg, cost_model=seed,
-                        fast_linear=fast_linear)
+                        fast_linear=fast_linear, fast_attention=fast_attention)
     startup = engine.prepare()
     # Warm-up (CUDA/cuBLAS initialisation, Triton compiles, first-call allocations) outside the timings.
     engine.generate([encoded[0]], params.model_copy(update={"max_new_tokens": WARMUP_TOKENS}), ["warm-up"])
@@ -278,6 +280,7 @@ def run_bench(
     dtype: str,
     fast_linear: bool = True,
     repeats: int = 1,
+    fast_attention: bool = True,
 ) -> dict[str, Any]:
     """Run every mode over ``prompts`` and return the result document.
 
@@ -307,14 +310,16 @@ def run_bench(
     encoded = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
     ids = [p.id for p in prompts]
     category = {p.id: p.category for p in prompts}
-    plain = SpecEngine(model, tokenizer, make_drafter("none"), SpecConfig(drafter="none"), fast_linear=fast_linear)
+    plain = SpecEngine(model, tokenizer, make_drafter("none"), SpecConfig(drafter="none"), fast_linear=fast_linear,
+                       fast_attention=fast_attention)
     cost = plain.measure_cost() if spec.adaptive and any(m != "none" for m in modes) else None
 
     def run(mode: str, d: str | None) -> dict[str, Any]:
         if mode in HF_MODES:
             return run_hf_mode(model, tokenizer, encoded, ids, mode, params)
         s = spec.model_copy(update={"drafter": d or drafters[0]})
-        return run_mode(model, tokenizer, encoded, ids, mode, s, params, batch_size, cost, category, fast_linear)
+        return run_mode(model, tokenizer, encoded, ids, mode, s, params, batch_size, cost, category, fast_linear,
+                        fast_attention)
 
     rounds = []
     for r in tqdm(range(repeats), desc="rounds", disable=repeats == 1, leave=False):

@@ -1,6 +1,8 @@
 """The standalone engine: a Hugging Face transformers causal LM driven by the speculator.
 
-The engine only translates: per step it hands its live requests to
+The prefill caches every prompt token and commits the first new token from the last one's logits
+(:meth:`Speculator.first_tokens <dyntree.common.speculator.Speculator.first_tokens>`), as plain
+decoding does. The engine only translates: per step it hands its live requests to
 :meth:`Speculator.propose <dyntree.common.speculator.Speculator.propose>`, runs ONE target forward
 over every tree of the batch (padded to the widest: tree tokens at positions ``kv_len + depth``,
 each attending to its request's committed KV plus its own ancestors through a 4-D additive mask),
