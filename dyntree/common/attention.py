@@ -28,14 +28,13 @@ import json
 import math
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Callable, ContextManager, Mapping
 
 import torch
 import torch.nn.functional as F
 
-from dyntree.common.linear import cpu_name
+from dyntree.common.linear import cpu_name, thread_scope
 
 __all__ = ["AttentionDispatch", "IMPLS", "attend", "calibrate", "grouped_matmul"]
 
@@ -115,15 +114,9 @@ class AttentionDispatch:
             return "gqa"
         return self._best[(_nearest(self.batch, batch), _nearest(self.query, query), _nearest(self.kv, kv))]
 
-    @contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self) -> ContextManager[None]:
         """Within this block (this thread), :func:`attend` uses this routing."""
-        outer = getattr(_ACTIVE, "dispatch", None)
-        _ACTIVE.dispatch = self
-        try:
-            yield
-        finally:
-            _ACTIVE.dispatch = outer
+        return thread_scope(_ACTIVE, self)
 
     def summary(self) -> str:
         names = list(self._best.values())

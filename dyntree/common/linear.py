@@ -28,13 +28,13 @@ import time
 import types
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import ContextManager, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LinearDispatch", "calibrate", "cpu_name", "install", "linear", "CALIBRATION_ROWS"]
+__all__ = ["LinearDispatch", "calibrate", "cpu_name", "install", "linear", "thread_scope", "CALIBRATION_ROWS"]
 
 #: Row counts timed by :func:`calibrate`; a call with more rows than the last uses ``F.linear``.
 CALIBRATION_ROWS = (*range(1, 17), 24, 32, 48, 64)
@@ -56,6 +56,17 @@ def _transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 _ACTIVE = threading.local()
+
+
+@contextmanager
+def thread_scope(store: threading.local, dispatch: object) -> Iterator[None]:
+    """Within this block (this thread), ``store.dispatch`` is ``dispatch``; the outer one after."""
+    outer = getattr(store, "dispatch", None)
+    store.dispatch = dispatch
+    try:
+        yield
+    finally:
+        store.dispatch = outer
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,15 +93,9 @@ class LinearDispatch:
             best = min(above, key=lambda r: self.timings_ms[r][1])
             self._pad.append(max(best, 2) if self.timings_ms[best][1] < 0.95 * plain else 0)
 
-    @contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self) -> ContextManager[None]:
         """Within this block (this thread), :func:`linear` uses this routing."""
-        outer = getattr(_ACTIVE, "dispatch", None)
-        _ACTIVE.dispatch = self
-        try:
-            yield
-        finally:
-            _ACTIVE.dispatch = outer
+        return thread_scope(_ACTIVE, self)
 
     def pad_rows(self, m: int) -> int:
         """Rows the transposed product pads ``m`` input rows to; 0 means ``F.linear``."""
