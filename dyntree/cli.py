@@ -218,7 +218,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     n = len(out.token_ids)
     depth = ", ".join(f"d{d + 1} {k / out.steps:.2f}" for d, k in enumerate(out.accepted_per_depth)) or "-"
     print(f"[dyntree] {n} tokens in {elapsed:.2f} s = {n / elapsed:.1f} tokens/s | tau {out.tau:.2f} "
-          f"({out.steps} target forwards) | accepted per depth: {depth} | drafter {spec.drafter}, "
+          f"({out.steps} verify forwards after the prefill) | accepted per depth: {depth} | drafter {spec.drafter}, "
           f"tree {spec.tree or 'own'}, adaptive {'on' if spec.adaptive else 'off'}, "
           f"{_dtype_name(dtype)} ({why}), {device.type} | finish: {out.finish_reason}", file=sys.stderr)
     if args.compare:

@@ -4,7 +4,7 @@
 
 Loads SmolLM2-135M-Instruct (fetched from PyPI and converted once), builds a drafter from a
 ``--drafter`` spec (``ngram``, ``hydra``, ``qspec``, ``none``), decodes the prompt and prints the
-text with tau (tokens per target forward) and tokens/s.
+text with tau (tokens per verify forward) and tokens/s.
 """
 
 from __future__ import annotations
