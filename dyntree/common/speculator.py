@@ -324,8 +324,9 @@ class Speculator:
 
     def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         """The target's last-layer hidden states ``[n, d]`` (the LM-head input) of the request's
-        next ``n`` committed positions, in order: after the prefill every prompt token but the
-        last, then after each step the accepted nodes' (root first; not the bonus). ``start``:
+        next ``n`` committed positions, in order: after the prefill the prompt tokens it cached
+        (all of them when it also gave the first token), then after each step the accepted nodes'
+        (root first; not the bonus): every position before the next tree's root. ``start``:
         the position of the first row, when the engine skipped some (a prefix-cache hit); drafters
         that need every position refuse a gap. Ignored unless :attr:`needs_hidden`."""
         if self.drafter.needs_hidden:
