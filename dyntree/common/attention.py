@@ -14,7 +14,8 @@ copying K/V per group:
 * ``matmul``: the same stacking through two matmuls and a float32 softmax.
 
 :func:`calibrate` times the three at a grid of (batch, query rows, cached tokens) for a head shape
-and dtype (a few seconds once, kept on disk per CPU, torch version, threads, dtype and shape), and
+and dtype (1.2-1.3 s once for SmolLM2's heads on a 2-core CPU, kept on disk per CPU, torch version,
+threads, dtype and shape), and
 :class:`AttentionDispatch` picks, per call, the fastest at the nearest grid point (log scale).
 :func:`attend` follows the dispatch active in this thread (:meth:`AttentionDispatch.active`) and is
 ``gqa`` anywhere else. The three compute the same attention with a different summation order, like
@@ -105,14 +106,18 @@ class AttentionDispatch:
         self.query = tuple(sorted({k[1] for k in timings_us}))
         self.kv = tuple(sorted({k[2] for k in timings_us}))
         self._best = {k: min(v, key=v.__getitem__) for k, v in self.timings_us.items()}
+        self._last: tuple[tuple[int, int, int], str] = ((0, 0, 0), "gqa")  # every layer of a forward asks alike
 
     def pick(self, batch: int, query: int, kv: int) -> str:
         """The implementation's name for a call of this shape: ``gqa`` (fused, no score matrix in
         memory) beyond twice the largest calibrated query rows (a prefill), else the fastest at
         the nearest grid point."""
-        if query > 2 * self.query[-1]:
-            return "gqa"
-        return self._best[(_nearest(self.batch, batch), _nearest(self.query, query), _nearest(self.kv, kv))]
+        shape = (batch, query, kv)
+        if shape != self._last[0]:
+            name = "gqa" if query > 2 * self.query[-1] else \
+                self._best[(_nearest(self.batch, batch), _nearest(self.query, query), _nearest(self.kv, kv))]
+            self._last = (shape, name)
+        return self._last[1]
 
     def active(self) -> ContextManager[None]:
         """Within this block (this thread), :func:`attend` uses this routing."""

@@ -11,10 +11,11 @@ module computes the same layer:
 
 with the target's projections stacked and quantized as one weight each (the same codes and scales
 as quantizing them one by one: every output row has its own), torch's fused ``rms_norm`` and
-:func:`~dyntree.common.attention.attend` (grouped-query attention, routed like the engine's). It reads the target's norms and rotary, so it is the draft the HF path runs, up
-to float rounding, without the HF path's per-projection copies; :func:`fuse_layers` returns
-``None`` (and the caller keeps the HF path) for any layer that is not exactly that shape, or whose
-stacked projections no kernel serves. An engine whose layers already hold stacked weights (vLLM's
+:func:`~dyntree.common.attention.attend` (grouped-query attention, routed like the engine's). It
+reads the target's norms and rotary, so it is the draft the HF path runs, up to float rounding,
+without the HF path's per-projection copies; :func:`fuse_layers` returns ``None`` (and the caller
+keeps the HF path) for any layer that is not exactly that shape, or whose stacked projections no
+kernel serves. An engine whose layers already hold stacked weights (vLLM's
 ``qkv_proj`` / ``gate_up_proj``) builds the same layers with :func:`fused_layer`.
 
 An engine's self-draft backend runs these layers (:func:`run_layers`) under :func:`attention_mask`
