@@ -190,7 +190,8 @@ def run_mode(
     fast_linear: bool = True,
     fast_attention: bool = True,
 ) -> dict[str, Any]:
-    """One bench run of ``mode`` over the encoded prompts, in batches of ``batch_size``.
+    """One bench run of ``mode`` over the encoded prompts, at most ``batch_size`` decoding at once
+    (continuous batching: a finished request's slot goes to the next prompt at once).
 
     ``cost`` seeds an adaptive engine's cost model (a copy; measured here when ``None``);
     ``fast_linear`` / ``fast_attention`` are the engine's CPU linear and attention routing."""
@@ -205,10 +206,8 @@ def run_mode(
     # Warm-up (CUDA/cuBLAS initialisation, Triton compiles, first-call allocations) outside the timings.
     engine.generate([encoded[0]], params.model_copy(update={"max_new_tokens": WARMUP_TOKENS}), ["warm-up"])
     engine.speculator.stats.reset()
-    outs: list[RequestOutput] = []
     start = time.perf_counter()
-    for i in tqdm(range(0, len(encoded), batch_size), desc=f"bench {mode}", unit="batch", leave=False):
-        outs += engine.generate(encoded[i : i + batch_size], params, ids[i : i + batch_size])
+    outs = engine.generate(encoded, params, ids, progress=True, max_batch_size=batch_size)
     wall = time.perf_counter() - start
     run = _summarise(mode, name, outs, wall)
     t = engine.speculator.stats

@@ -12,6 +12,10 @@ hidden states to the speculator when the drafter reads them, and commits the new
 so EOS, the token limit and stop strings end a request exactly where plain decoding would, even
 inside an accepted run.
 
+With ``max_batch_size`` a request that finishes leaves its cache row and the next waiting prompt
+is prefilled and joins the batch (continuous batching, as a server runs); without it every prompt
+decodes in one batch until the last finishes.
+
 A request whose tree is just its root is plain decoding; the ``none`` drafter makes the same
 engine the baseline that benchmarks compare against. A ``qspec`` drafter gets the engine's
 :class:`~dyntree.standalone.selfdraft.HFSelfDraft` forward attached.
@@ -165,9 +169,13 @@ class SpecEngine:
         request_ids: Sequence[Hashable] | None = None,
         progress: bool = False,
         on_commit: Callable[[Hashable, list[int]], None] | None = None,
+        max_batch_size: int | None = None,
     ) -> list[RequestOutput]:
-        """Decode a batch of tokenized prompts together; returns outputs in prompt order.
+        """Decode tokenized prompts; returns outputs in prompt order.
 
+        Without ``max_batch_size`` all prompts decode in one batch. With it, at most that many
+        decode at once: the rest wait in prompt order and each joins (prefilled between two steps)
+        as soon as a request finishes, so the batch stays full until the queue is empty.
         ``on_commit(request_id, new_token_ids)`` is called after every step that committed tokens
         to a request (for streaming); a request's last call holds its last token."""
         params = params or SamplingParams()
@@ -175,25 +183,31 @@ class SpecEngine:
             return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         ids = list(request_ids) if request_ids is not None else list(range(len(prompts)))
         if len(ids) != len(prompts) or len(set(ids)) != len(ids):
             raise ValueError("request_ids must be unique, one per prompt")
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
         with self.kernel_scope():
-            return self._generate(prompts, ids, params, gen, progress, on_commit)
+            return self._generate(prompts, ids, params, gen, progress, on_commit, max_batch_size or len(prompts))
 
     def _generate(self, prompts: Sequence[Sequence[int]], ids: list[Hashable], params: SamplingParams,
                   gen: torch.Generator, progress: bool,
-                  on_commit: Callable[[Hashable, list[int]], None] | None) -> list[RequestOutput]:
+                  on_commit: Callable[[Hashable, list[int]], None] | None, max_batch: int) -> list[RequestOutput]:
         self.prepare()
         eos = self.eos_ids(params)
         done: dict[Hashable, RequestOutput] = {}
+        waiting = list(zip(ids, prompts))
         bar = tqdm(total=len(prompts), desc="requests", disable=not progress, leave=False)
+        self.cache, self._live = DynamicCache(), []
         with torch.inference_mode():
-            self._prefill(prompts, ids, params, gen, eos, on_commit)
-            self._retire(done, bar)
-            while self._live:
-                self._step(params, gen, eos, on_commit)
+            while waiting or self._live:
+                if waiting and len(self._live) < max_batch:
+                    join, waiting = waiting[: max_batch - len(self._live)], waiting[max_batch - len(self._live) :]
+                    self._prefill([p for _, p in join], [i for i, _ in join], params, gen, eos, on_commit)
+                else:
+                    self._step(params, gen, eos, on_commit)
                 self._retire(done, bar)
         bar.close()
         self.cache = DynamicCache()
@@ -324,11 +338,12 @@ class SpecEngine:
                  gen: torch.Generator, eos: set[int],
                  on_commit: Callable[[Hashable, list[int]], None] | None) -> None:
         """Cache every prompt token and commit the first new token from the last one's logits
-        (as plain decoding does); the first verify step then starts from that token."""
-        self.cache = DynamicCache()
+        (as plain decoding does); the first verify step then starts from that token. The new
+        requests join the live batch as its last rows (their cache rows appended)."""
+        cache = DynamicCache()
         lens = torch.tensor([len(p) for p in prompts])
         width = int(lens.max())
-        self._live = [_Live(RequestOutput(i, list(p)), list(p), int(n)) for i, p, n in zip(ids, prompts, lens)]
+        joining = [_Live(RequestOutput(i, list(p)), list(p), int(n)) for i, p, n in zip(ids, prompts, lens)]
         tokens = torch.zeros(len(prompts), width, dtype=torch.int64)
         for r, p in enumerate(prompts):
             tokens[r, : len(p)] = torch.tensor(p)
@@ -336,11 +351,16 @@ class SpecEngine:
         causal = torch.tril(torch.ones(width, width, dtype=torch.bool))
         allowed = (causal[None] & valid[:, None, :] & valid[:, :, None]) | torch.eye(width, dtype=torch.bool)
         positions = torch.arange(width).expand(len(prompts), width)
-        hidden = self._forward(tokens, positions, self._additive(allowed), self.cache)
+        hidden = self._forward(tokens, positions, self._additive(allowed), cache)
+        if self._live:
+            kv.append_rows(self.cache, cache)
+        else:
+            self.cache = cache
+        self._live += joining
         last = hidden[torch.arange(len(prompts)), lens - 1]
-        firsts = self.speculator.first_tokens([SpecRequest(r.out.request_id, r.tokens, params) for r in self._live],
+        firsts = self.speculator.first_tokens([SpecRequest(r.out.request_id, r.tokens, params) for r in joining],
                                               self.lm_head(last).float(), gen)
-        for r, (req, tok) in enumerate(zip(self._live, firsts)):
+        for r, (req, tok) in enumerate(zip(joining, firsts)):
             if self.speculator.needs_hidden:
                 self.speculator.observe_hidden(req.out.request_id, hidden[r, : req.kv_len])
             self._commit(req, [tok], params, eos)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-__all__ = ["seq_len", "compact", "crop", "select_rows"]
+__all__ = ["seq_len", "append_rows", "compact", "crop", "select_rows"]
 
 
 def seq_len(cache: DynamicCache) -> int:
@@ -42,3 +42,14 @@ def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
     for layer in cache.layers:
         layer.keys = layer.keys[rows]
         layer.values = layer.values[rows]
+
+
+def append_rows(cache: DynamicCache, new: DynamicCache) -> None:
+    """Append ``new``'s rows after ``cache``'s (requests joining the batch); the shorter side is
+    padded with zero slots, which every row's mask hides (they lie beyond its ``kv_len``)."""
+    for layer, add in zip(cache.layers, new.layers, strict=True):
+        for name in ("keys", "values"):
+            a, b = getattr(layer, name), getattr(add, name)
+            s = max(a.shape[2], b.shape[2])
+            pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, s - t.shape[2]))  # noqa: E731
+            setattr(layer, name, torch.cat([pad(a), pad(b)], dim=0))
