@@ -64,19 +64,39 @@ def test_compute_bound_forward_means_plain_decoding() -> None:
 
 
 def test_draft_cost_starts_at_the_prior_and_learns_the_drafter() -> None:
-    dc = DraftCost((1.0, 0.0, 0.0))
+    dc = DraftCost((1.0, 0.0, 0.0, 0.0))
     assert dc(4, 16) == pytest.approx(1.0) and dc(4, 0) == 0.0
     gen = torch.Generator().manual_seed(0)
-    for _ in range(200):  # true cost: 2 ms + 3 ms per depth + 0.5 ms per node, with noise
+    for _ in range(300):  # true cost: 2 ms + 3 ms per depth + 0.5 ms per node + 4 ms per depth and row
         depth, nodes = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 65, (1,), generator=gen))
-        dc.observe(depth, nodes, 2 + 3 * depth + 0.5 * nodes + float(torch.randn(1, generator=gen)) * 0.1)
-    assert dc(8, 32) == pytest.approx(2 + 24 + 16, rel=0.03)
-    assert dc(1, 4) == pytest.approx(2 + 3 + 2, rel=0.1)
+        rows = int(torch.randint(1, 9, (1,), generator=gen))
+        noise = float(torch.randn(1, generator=gen)) * 0.1
+        dc.observe(depth, nodes, 2 + 3 * depth + 0.5 * nodes + 4 * depth * rows + noise, rows)
+    assert dc(8, 32) == pytest.approx(2 + 24 + 16 + 32, rel=0.03)
+    assert dc(1, 4, 8) == pytest.approx(2 + 3 + 2 + 32, rel=0.05)
     assert bool((dc.coef >= 0).all())
     with pytest.raises(ValueError, match="non-negative"):
-        DraftCost((1.0, -1.0, 0.0))
-    with pytest.raises(ValueError, match="depth, nodes > 0"):
+        DraftCost((1.0, -1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="4 non-negative"):
+        DraftCost((1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="depth, nodes, rows > 0"):
         dc.observe(0, 4, 1.0)
+
+
+def test_padded_batches_get_a_cost_model_per_batch_size() -> None:
+    # The start-up model times one request's forwards; 8 requests x 1 token are measured to cost
+    # twice the model's 8 query tokens. The batch-8 model scales to that at its first forward
+    # (every knot, so its wide verifies too), and the start-up model and batch 1 are untouched.
+    base = CostModel({1: 10.0, 8: 12.0, 64: 40.0})
+    ctrl = SpeculationController(base, padded=True)
+    ctrl.observe_step(8, 24.0, rows=8)
+    assert ctrl.forward_cost(8)(8) == pytest.approx(24.0) and ctrl.forward_cost(8)(64) == pytest.approx(80.0)
+    assert ctrl.forward_cost(1) is base and base(8) == pytest.approx(12.0)
+    ctrl.observe_step(8, 24.0, rows=8)  # later forwards refine as usual: already exact here
+    assert ctrl.forward_cost(8)(8) == pytest.approx(24.0)
+    varlen = SpeculationController(CostModel({1: 10.0, 8: 12.0, 64: 40.0}))
+    varlen.observe_step(8, 24.0, rows=8)  # an engine without padding keeps one model
+    assert varlen.forward_cost(8) is varlen.cost and varlen.cost(8) > 12.0
 
 
 def test_measured_drafting_overhead_turns_speculation_off() -> None:

@@ -20,7 +20,8 @@
   prefix of that list that maximises predicted tokens per millisecond, and speculates only if
   that beats plain decoding by ``min_gain``. An engine that pads every tree of a batch to the
   widest one (the standalone engine; ``padded=True``) pays ``batch x (1 + widest)`` query tokens,
-  and the plan is priced that way. Drafting is priced too: a :class:`DraftCost`
+  and the plan is priced that way, by a cost model per batch size (rescaled from the start-up
+  model by the first forward of that size). Drafting is priced too: a :class:`DraftCost`
   (ms vs. tree depth and batch draft nodes) starts from the ``draft_ms_*`` options and is fitted
   online to the measured drafting time of each step (tree building included), so a drafter
   whose overhead eats the gain is turned down. When a forward's cost grows in proportion to its
@@ -72,6 +73,7 @@ class CostModel:
         self._monotone()
         self.lr = lr
         self._unseen = False  # set by :meth:`online`: the first observation sets every knot
+        self._rescale = False  # set by :meth:`rescaled_copy`: the first observation scales every knot
 
     @classmethod
     def online(cls, sizes: Sequence[int], lr: float = 0.2) -> "CostModel":
@@ -99,6 +101,14 @@ class CostModel:
             points[int(n)] = statistics.median(times)
         return cls(points, lr)
 
+    def rescaled_copy(self) -> "CostModel":
+        """A copy whose first observation scales every knot by measured / predicted, then refines
+        as usual: the shape of this model, the level of the forwards it will see (a batch of
+        several requests costs more than one request's forward of as many query tokens)."""
+        model = CostModel(list(zip(self.xs, self.ys)), self.lr)
+        model._unseen, model._rescale = self._unseen, not self._unseen
+        return model
+
     def _monotone(self) -> None:
         for i in range(1, len(self.ys)):
             self.ys[i] = max(self.ys[i], self.ys[i - 1])
@@ -125,6 +135,10 @@ class CostModel:
         if self._unseen:
             self.ys, self._unseen = [float(ms)] * len(self.xs), False
             return
+        if self._rescale:
+            scale, self._rescale = ms / self(n_tokens), False
+            self.ys = [y * scale for y in self.ys]
+            return
         err = ms - self(n_tokens)
         i, w = self._segment(n_tokens)
         if len(self.xs) == 1:
@@ -138,41 +152,46 @@ class CostModel:
 
 
 class DraftCost:
-    """Milliseconds of one drafting step as ``a + b * depth + c * nodes``, learned online.
+    """Milliseconds of one drafting step as ``a + b * depth + c * nodes + e * depth * rows``,
+    learned online.
 
-    ``depth`` is the deepest tree of the step and ``nodes`` the draft nodes of the whole batch.
-    Exponentially forgetting least squares, regularised toward the prior coefficients (the
-    ``draft_ms_*`` options), so it starts from them and follows the measured drafter (including
-    tree building) as steps are observed; coefficients are kept non-negative.
+    ``depth`` is the deepest tree of the step, ``nodes`` the draft nodes of the whole batch and
+    ``rows`` the requests that draft (a drafter that runs a forward per depth, such as the
+    quantized self-draft, pays per depth for every drafting request: measured ~13 ms per depth
+    for one request and ~54 for four on a 2-core CPU). Exponentially forgetting least squares,
+    regularised toward the prior coefficients (the ``draft_ms_*`` options), so it starts from them
+    and follows the measured drafter (including tree building) as steps are observed;
+    coefficients are kept non-negative.
     """
 
     def __init__(self, prior: Sequence[float], forget: float = 0.98, prior_weight: float = 1.0) -> None:
-        if len(prior) != 3 or any(not c >= 0 for c in prior):
-            raise ValueError(f"DraftCost prior must be 3 non-negative coefficients, got {prior}")
+        if len(prior) != 4 or any(not c >= 0 for c in prior):
+            raise ValueError(f"DraftCost prior must be 4 non-negative coefficients, got {prior}")
         self.prior = torch.tensor(prior, dtype=torch.float64)
         self.forget = forget
-        self.ridge = prior_weight * torch.eye(3, dtype=torch.float64)
-        self._xx = torch.zeros(3, 3, dtype=torch.float64)
-        self._xy = torch.zeros(3, dtype=torch.float64)
+        self.ridge = prior_weight * torch.eye(4, dtype=torch.float64)
+        self._xx = torch.zeros(4, 4, dtype=torch.float64)
+        self._xy = torch.zeros(4, dtype=torch.float64)
         self.coef = self.prior.clone()
-        self._abc = tuple(self.coef.tolist())  # the planner calls this per candidate: plain floats
+        self._abce = tuple(self.coef.tolist())  # the planner calls this per candidate: plain floats
 
-    def __call__(self, depth: int, nodes: int) -> float:
+    def __call__(self, depth: int, nodes: int, rows: int = 1) -> float:
         if nodes <= 0:
             return 0.0
-        a, b, c = self._abc
-        return a + b * depth + c * nodes
+        a, b, c, e = self._abce
+        return a + b * depth + c * nodes + e * depth * rows
 
-    def observe(self, depth: int, nodes: int, ms: float) -> None:
-        """One measured drafting step (``nodes`` > 0)."""
-        if nodes <= 0 or depth <= 0 or not ms >= 0:
-            raise ValueError(f"DraftCost.observe({depth}, {nodes}, {ms}): depth, nodes > 0 and ms >= 0 needed")
-        x = torch.tensor([1.0, depth, nodes], dtype=torch.float64)
+    def observe(self, depth: int, nodes: int, ms: float, rows: int = 1) -> None:
+        """One measured drafting step (``nodes`` > 0, ``rows`` >= 1 requests drafting)."""
+        if nodes <= 0 or depth <= 0 or rows <= 0 or not ms >= 0:
+            raise ValueError(f"DraftCost.observe({depth}, {nodes}, {ms}, {rows}): depth, nodes, rows > 0 and "
+                             "ms >= 0 needed")
+        x = torch.tensor([1.0, depth, nodes, depth * rows], dtype=torch.float64)
         self._xx = self.forget * self._xx + torch.outer(x, x)
         self._xy = self.forget * self._xy + x * ms
         coef = torch.linalg.solve(self._xx + self.ridge, self._xy + self.ridge @ self.prior)
         self.coef = coef.clamp_min(0.0)
-        self._abc = tuple(self.coef.tolist())
+        self._abce = tuple(self.coef.tolist())
 
 
 @dataclass
@@ -189,9 +208,12 @@ class SpeculationController:
     def __init__(self, cost: CostModel, options: ControllerOptions | None = None, padded: bool = False) -> None:
         self.cost = cost
         self.padded = padded
+        # padded engines: one cost model per batch size (rows), each a rescaled copy of ``cost``
+        self._by_rows: dict[int, CostModel] = {}
         self.options = options or ControllerOptions()
         o = self.options
-        self.draft_cost = DraftCost((o.draft_ms_fixed, o.draft_ms_per_depth, o.draft_ms_per_node))
+        self.draft_cost = DraftCost((o.draft_ms_fixed, o.draft_ms_per_depth, o.draft_ms_per_node,
+                                     o.draft_ms_per_depth_row))
         self._requests: dict[Hashable, _RequestState] = {}
         # Population acceptance (decayed hits, trials over every request): where a new request
         # starts, so a drafter that is good (or bad) for this workload is priced as such from a
@@ -283,10 +305,11 @@ class SpeculationController:
         # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
         segments = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
         segments.sort(key=lambda s: (-s[0], s[1], s[2]))
-        plain_ms = self.cost(b)
+        cost = self.forward_cost(b)
+        plain_ms = cost(b)
         plain = b / plain_ms
         best_rate, best_k = plain, 0
-        nodes, widest, expected, max_depth = 0, 0, float(b), 0
+        nodes, widest, expected, max_depth, drafting = 0, 0, float(b), 0, 0
         no_tree = 1.0  # chance that no planned tree is delivered (the forward is then plain)
         for k, (_, r, lo, hi) in enumerate(segments, start=1):
             tokens = self._verify_tokens(b, nodes + hi - lo, max(widest, hi))
@@ -297,8 +320,9 @@ class SpeculationController:
             max_depth = max(max_depth, int(tables[r][1][hi]))
             if lo == 0:  # this request's first segment: its tree arrives with its delivery ratio
                 no_tree *= 1.0 - keys[r][1]
-            forward = (1.0 - no_tree) * self.cost(tokens) + no_tree * plain_ms
-            rate = expected / (forward + self.draft_cost(max_depth, nodes))
+                drafting += 1
+            forward = (1.0 - no_tree) * cost(tokens) + no_tree * plain_ms
+            rate = expected / (forward + self.draft_cost(max_depth, nodes, drafting))
             if rate > best_rate:
                 best_rate, best_k = rate, k
         alloc = [0] * b
@@ -322,6 +346,19 @@ class SpeculationController:
                 d = int(tables[r][1][n])
                 plans.append(Plan("chain" if d == n else "tree", n, d))
         return plans
+
+    def forward_cost(self, rows: int) -> CostModel:
+        """The cost model (ms vs. query tokens) of a verify forward over ``rows`` requests: the
+        start-up model, except that an engine that pads (``padded``) gets one model per batch size,
+        copied from it and rescaled by that batch size's first measured forward (8 requests x 1
+        token cost more than one request's 8 query tokens: 8 KV rows, 8 masks; measured 58 vs 46 ms
+        on a 2-core CPU), then refined by that batch size's forwards alone."""
+        if not self.padded or rows <= 1:
+            return self.cost
+        model = self._by_rows.get(rows)
+        if model is None:
+            model = self._by_rows[rows] = self.cost.rescaled_copy()
+        return model
 
     def _verify_tokens(self, batch: int, nodes: int, widest: int) -> int:
         """Query tokens of the verify forward: roots plus draft nodes, or, for an engine that
@@ -388,14 +425,15 @@ class SpeculationController:
             self._pop_hits = keep * self._pop_hits + (1 - keep) * hits
             self._pop_trials = keep * self._pop_trials + (1 - keep) * trials
 
-    def observe_step(self, n_query_tokens: int, ms: float) -> None:
-        """Refine the cost model with one measured verify forward."""
-        self.cost.observe(n_query_tokens, ms)
+    def observe_step(self, n_query_tokens: int, ms: float, rows: int = 1) -> None:
+        """Refine the cost model with one measured verify forward over ``rows`` requests."""
+        self.forward_cost(rows).observe(n_query_tokens, ms)
 
-    def observe_draft(self, depth: int, nodes: int, ms: float) -> None:
-        """Refine the drafting-cost model with one measured drafting step (skipped without nodes)."""
+    def observe_draft(self, depth: int, nodes: int, ms: float, rows: int = 1) -> None:
+        """Refine the drafting-cost model with one measured drafting step of ``rows`` drafting
+        requests (skipped without nodes)."""
         if nodes > 0 and depth > 0:
-            self.draft_cost.observe(depth, nodes, ms)
+            self.draft_cost.observe(depth, nodes, ms, max(rows, 1))
 
     def release(self, request_id: Hashable) -> None:
         self._requests.pop(request_id, None)
@@ -403,14 +441,16 @@ class SpeculationController:
 
     def predicted_rate(self, request_ids: Sequence[Hashable], plans: Sequence[Plan]) -> float:
         """Predicted committed tokens per millisecond of ``plans`` (for logs and tests)."""
-        nodes, expected, depth, no_tree = 0, float(len(plans)), 0, 1.0
+        nodes, expected, depth, no_tree, drafting = 0, float(len(plans)), 0, 1.0, 0
         for rid, p in zip(request_ids, plans):
             if p.max_nodes:
+                drafting += 1
                 e, _ = self.expected_table(self.alpha(rid), self.delivery(rid))
                 nodes += p.max_nodes
                 expected += float(e[p.max_nodes])
                 depth = max(depth, p.max_depth)
                 no_tree *= 1.0 - self.delivery(rid)
         tokens = self._verify_tokens(len(plans), nodes, max((p.max_nodes for p in plans), default=0))
-        forward = (1.0 - no_tree) * self.cost(tokens) + no_tree * self.cost(len(plans))
-        return expected / (forward + self.draft_cost(depth, nodes))
+        cost = self.forward_cost(len(plans))
+        forward = (1.0 - no_tree) * cost(tokens) + no_tree * cost(len(plans))
+        return expected / (forward + self.draft_cost(depth, nodes, drafting))

@@ -148,6 +148,9 @@ class ControllerOptions(BaseModel):
     draft_ms_fixed: float = Field(0.0, ge=0, description="prior drafter cost per step when any request drafts (refined online)")
     draft_ms_per_depth: float = Field(0.0, ge=0, description="prior drafter cost per tree depth level (refined online)")
     draft_ms_per_node: float = Field(0.0, ge=0, description="prior drafter cost per draft node in the batch (refined online)")
+    draft_ms_per_depth_row: float = Field(
+        0.0, ge=0, description="prior drafter cost per tree depth level and drafting request (refined online)"
+    )
     cost_lr: float = Field(0.2, ge=0, le=1, description="online learning rate of the cost model")
 
     @model_validator(mode="after")

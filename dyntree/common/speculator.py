@@ -181,7 +181,7 @@ class Speculator:
         self.stats = SpecStats()
         self._tokens: dict[Hashable, Sequence[int]] = {}
         self._params: dict[Hashable, SamplingParams] = {}
-        self._draft_ms: tuple[int, int, float] | None = None  # the last propose: (depth, nodes, ms)
+        self._draft_ms: tuple[int, int, float, int] | None = None  # the last propose: (depth, nodes, ms, drafting requests)
 
     @property
     def needs_hidden(self) -> bool:
@@ -246,7 +246,8 @@ class Speculator:
         for r in requests:
             self._tokens[r.request_id], self._params[r.request_id] = r.token_ids, r.params
         draft_ms = (time.perf_counter() - t0) * 1e3
-        self._draft_ms = (int(batch.depths.max()), batch.num_drafts, draft_ms)  # priced at accept
+        drafting = sum(t.size > 1 for t in trees)
+        self._draft_ms = (int(batch.depths.max()), batch.num_drafts, draft_ms, drafting)  # priced at accept
         self.stats.draft_s += draft_ms / 1e3
         self.stats.expand_s += expand_s
         return batch
@@ -379,8 +380,8 @@ class Speculator:
         """Feed the outcome to the drafter, the builder's calibration, the controller and the stats."""
         st = self.stats
         if self.controller is not None and self._draft_ms is not None:
-            depth, nodes, draft_ms = self._draft_ms
-            self.controller.observe_draft(depth, nodes, draft_ms + overhead_ms)
+            depth, nodes, draft_ms, drafting = self._draft_ms
+            self.controller.observe_draft(depth, nodes, draft_ms + overhead_ms, drafting)
         self._draft_ms = None
         st.steps += 1
         for b, (rid, tree) in enumerate(zip(batch.request_ids, batch.trees)):
@@ -402,6 +403,6 @@ class Speculator:
         if self.controller is not None and forward_ms is not None and forward_ms > 0:
             width = max(t.size for t in batch.trees)
             n_query = batch.batch_size * width if self._padded else batch.num_nodes
-            self.controller.observe_step(n_query, forward_ms)
+            self.controller.observe_step(n_query, forward_ms, batch.batch_size)
         if forward_ms is not None:
             st.forward_s += forward_ms / 1e3
