@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import dyntree.common.controller as controller_module
 from dyntree.common.controller import CostModel, DraftCost, Plan, SpeculationController
 from dyntree.common.options import ControllerOptions
 from dyntree.common.tree import DraftTree
@@ -83,20 +84,39 @@ def test_draft_cost_starts_at_the_prior_and_learns_the_drafter() -> None:
         dc.observe(0, 4, 1.0)
 
 
-def test_padded_batches_get_a_cost_model_per_batch_size() -> None:
-    # The start-up model times one request's forwards; 8 requests x 1 token are measured to cost
-    # twice the model's 8 query tokens. The batch-8 model scales to that at its first forward
-    # (every knot, so its wide verifies too), and the start-up model and batch 1 are untouched.
-    base = CostModel({1: 10.0, 8: 12.0, 64: 40.0})
-    ctrl = SpeculationController(base, padded=True)
-    ctrl.observe_step(8, 24.0, rows=8)
-    assert ctrl.forward_cost(8)(8) == pytest.approx(24.0) and ctrl.forward_cost(8)(64) == pytest.approx(80.0)
-    assert ctrl.forward_cost(1) is base and base(8) == pytest.approx(12.0)
-    ctrl.observe_step(8, 24.0, rows=8)  # later forwards refine as usual: already exact here
-    assert ctrl.forward_cost(8)(8) == pytest.approx(24.0)
-    varlen = SpeculationController(CostModel({1: 10.0, 8: 12.0, 64: 40.0}))
-    varlen.observe_step(8, 24.0, rows=8)  # an engine without padding keeps one model
-    assert varlen.forward_cost(8) is varlen.cost and varlen.cost(8) > 12.0
+def test_cost_model_prices_attention_over_the_cached_tokens(monkeypatch) -> None:
+    # Knots measured against 256 cached tokens; 0.002 ms per (query token, cached token) pair.
+    cm = CostModel({1: 10.0, 16: 20.0}, lr=0.5, attn_ms=0.002, kv_ref=256)
+    assert cm(16) == pytest.approx(20.0) and cm(16, 256) == pytest.approx(20.0)
+    assert cm(16, 1256) == pytest.approx(20.0 + 0.002 * 16 * 1000)
+    assert cm(16, 0) == pytest.approx(20.0 - 0.002 * 16 * 256)  # shorter prefixes cost less
+    for _ in range(60):  # measured forwards at a long prefix: the knots learn net of attention
+        cm.observe(16, 20.0 + 32.0 + 5.0, kv=1256)
+    assert cm(16) == pytest.approx(25.0, abs=0.05) and cm.copy()(16, 1256) == pytest.approx(57.0, abs=0.05)
+    with pytest.raises(ValueError, match="attn_ms"):
+        CostModel({1: 1.0}, attn_ms=-1.0)
+    # measure(): the same size against a longer prefix gives the attention term (a fake clock)
+    now = [0.0]
+    monkeypatch.setattr(controller_module.time, "perf_counter", lambda: now[0])
+
+    def forward_at(kv: int):
+        def forward(n: int) -> None:
+            now[0] += (10.0 + n + 0.003 * n * kv) / 1e3
+        return forward
+
+    fitted = CostModel.measure(forward_at(256), [1, 8, 64], repeats=2, long_forward=forward_at(1024), kv_ref=256,
+                               kv_long=1024)
+    assert fitted.attn_ms == pytest.approx(0.003) and fitted(8, 256) == pytest.approx(18.0 + 0.003 * 8 * 256)
+
+
+def test_long_prefixes_make_padded_speculation_dear() -> None:
+    # A verify of a few tokens is nearly free at the measured prefix, so 8 requests whose drafts
+    # are accepted 60% of the time speculate; against 4000 cached tokens each query token's
+    # attention costs 7.5 ms, and a padded batch of 8 x (1 + n) tokens no longer pays.
+    ctrl = SpeculationController(CostModel({1: 10.0, 8: 10.5, 64: 12.0, 512: 40.0}, attn_ms=0.002, kv_ref=256),
+                                 ControllerOptions(alpha_prior=0.6), padded=True)
+    assert any(p.max_nodes > 0 for p in ctrl.plan(list(range(8)), kv=256))
+    assert all(p == Plan("none", 0, 0) for p in ctrl.plan(list(range(8)), kv=4000))
 
 
 def test_measured_drafting_overhead_turns_speculation_off() -> None:

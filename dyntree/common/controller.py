@@ -20,8 +20,8 @@
   prefix of that list that maximises predicted tokens per millisecond, and speculates only if
   that beats plain decoding by ``min_gain``. An engine that pads every tree of a batch to the
   widest one (the standalone engine; ``padded=True``) pays ``batch x (1 + widest)`` query tokens,
-  and the plan is priced that way, by a cost model per batch size (rescaled from the start-up
-  model by the first forward of that size). Drafting is priced too: a :class:`DraftCost`
+  and the plan is priced that way, with attention over the cached tokens (the longest request's
+  in a padded batch) as a term of its own. Drafting is priced too: a :class:`DraftCost`
   (ms vs. tree depth and batch draft nodes) starts from the ``draft_ms_*`` options and is fitted
   online to the measured drafting time of each step (tree building included), so a drafter
   whose overhead eats the gain is turned down. When a forward's cost grows in proportion to its
@@ -55,13 +55,19 @@ class Plan:
 
 
 class CostModel:
-    """Milliseconds of one target forward as a piecewise-linear function of its query tokens.
+    """Milliseconds of one target forward as a piecewise-linear function of its query tokens,
+    plus attention over the cached tokens.
 
     Between measured sizes the cost is interpolated; below the smallest it is that size's cost;
-    above the largest the last segment is extended (with one point: proportional to tokens).
+    above the largest the last segment is extended (with one point: proportional to tokens). The
+    knots hold forwards against ``kv_ref`` cached tokens; a forward against ``kv`` cached tokens
+    per query row adds ``attn_ms * tokens * (kv - kv_ref)`` (attention reads every cached token for
+    every query token: measured ~1.9 us per pair for SmolLM2 on a 2-core CPU, so 13 requests x 4
+    tokens against 800 cached tokens cost 145 ms, not the 85 ms they cost against 256).
     """
 
-    def __init__(self, points: Mapping[int, float] | Sequence[tuple[int, float]], lr: float = 0.2) -> None:
+    def __init__(self, points: Mapping[int, float] | Sequence[tuple[int, float]], lr: float = 0.2,
+                 attn_ms: float = 0.0, kv_ref: int = 0) -> None:
         items = sorted(dict(points).items())
         if not items:
             raise ValueError("CostModel needs at least one (n_tokens, ms) point")
@@ -71,9 +77,11 @@ class CostModel:
         self.xs = [int(n) for n, _ in items]
         self.ys = [float(ms) for _, ms in items]
         self._monotone()
+        if not attn_ms >= 0 or kv_ref < 0:
+            raise ValueError(f"CostModel: attn_ms ({attn_ms}) and kv_ref ({kv_ref}) must be >= 0")
         self.lr = lr
+        self.attn_ms, self.kv_ref = float(attn_ms), int(kv_ref)
         self._unseen = False  # set by :meth:`online`: the first observation sets every knot
-        self._rescale = False  # set by :meth:`rescaled_copy`: the first observation scales every knot
 
     @classmethod
     def online(cls, sizes: Sequence[int], lr: float = 0.2) -> "CostModel":
@@ -87,26 +95,23 @@ class CostModel:
 
     @classmethod
     def measure(
-        cls, forward: Callable[[int], object], sizes: Sequence[int], repeats: int = 5, lr: float = 0.2
+        cls, forward: Callable[[int], object], sizes: Sequence[int], repeats: int = 5, lr: float = 0.2,
+        long_forward: Callable[[int], object] | None = None, kv_ref: int = 0, kv_long: int = 0,
     ) -> "CostModel":
-        """Time ``forward(n)`` (which must block until the forward is done) at each size."""
-        points = {}
-        for n in sizes:
-            forward(n)  # warm-up
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                forward(n)
-                times.append((time.perf_counter() - t0) * 1e3)
-            points[int(n)] = statistics.median(times)
-        return cls(points, lr)
+        """Time ``forward(n)`` (which must block until the forward is done) at each size, against
+        ``kv_ref`` cached tokens; with ``long_forward(n)`` (the same against ``kv_long`` cached
+        tokens) also time the largest size below 64 that way and fit ``attn_ms`` from the two."""
+        points = {int(n): _median_ms(forward, n, repeats) for n in sizes}
+        attn = 0.0
+        if long_forward is not None and kv_long > kv_ref:
+            n = max((m for m in points if m < 64), default=min(points))
+            attn = max(_median_ms(long_forward, n, repeats) - points[n], 0.0) / (n * (kv_long - kv_ref))
+        return cls(points, lr, attn, kv_ref)
 
-    def rescaled_copy(self) -> "CostModel":
-        """A copy whose first observation scales every knot by measured / predicted, then refines
-        as usual: the shape of this model, the level of the forwards it will see (a batch of
-        several requests costs more than one request's forward of as many query tokens)."""
-        model = CostModel(list(zip(self.xs, self.ys)), self.lr)
-        model._unseen, model._rescale = self._unseen, not self._unseen
+    def copy(self) -> "CostModel":
+        """An independent copy (knots, attention term, learning rate)."""
+        model = CostModel(list(zip(self.xs, self.ys)), self.lr, self.attn_ms, self.kv_ref)
+        model._unseen = self._unseen
         return model
 
     def _monotone(self) -> None:
@@ -121,25 +126,32 @@ class CostModel:
         i = min(bisect.bisect_right(xs, n) - 1, len(xs) - 2)
         return i, (n - xs[i]) / (xs[i + 1] - xs[i])
 
-    def __call__(self, n_tokens: float) -> float:
+    def __call__(self, n_tokens: float, kv: int | None = None) -> float:
+        """Predicted ms of a forward of ``n_tokens`` query tokens, each against ``kv`` cached
+        tokens (``None``: ``kv_ref``, the knots' own)."""
         xs, ys = self.xs, self.ys
         if len(xs) == 1:
-            return ys[0] * max(n_tokens, xs[0]) / xs[0]
-        i, w = self._segment(n_tokens)
-        return ys[i] + w * (ys[i + 1] - ys[i])  # w > 1 extends the last segment
+            base = ys[0] * max(n_tokens, xs[0]) / xs[0]
+        else:
+            i, w = self._segment(n_tokens)
+            base = ys[i] + w * (ys[i + 1] - ys[i])  # w > 1 extends the last segment
+        return base + self._attention(n_tokens, kv, base)
 
-    def observe(self, n_tokens: int, ms: float) -> None:
-        """Move the model toward one measured forward (``ms`` for ``n_tokens`` query tokens)."""
+    def _attention(self, n_tokens: float, kv: int | None, base: float) -> float:
+        """The attention term: ms beyond (or, with fewer cached tokens, short of) the knots'."""
+        if kv is None or not self.attn_ms:
+            return 0.0
+        return max(self.attn_ms * n_tokens * (kv - self.kv_ref), -0.5 * base)
+
+    def observe(self, n_tokens: int, ms: float, kv: int | None = None) -> None:
+        """Move the knots toward one measured forward (``ms`` for ``n_tokens`` query tokens
+        against ``kv`` cached tokens each; the attention term is taken as measured)."""
         if n_tokens < 1 or not ms > 0:
             raise ValueError(f"observe({n_tokens}, {ms}): n_tokens must be >= 1 and ms > 0")
         if self._unseen:
             self.ys, self._unseen = [float(ms)] * len(self.xs), False
             return
-        if self._rescale:
-            scale, self._rescale = ms / self(n_tokens), False
-            self.ys = [y * scale for y in self.ys]
-            return
-        err = ms - self(n_tokens)
+        err = ms - self(n_tokens, kv)
         i, w = self._segment(n_tokens)
         if len(self.xs) == 1:
             self.ys[0] += self.lr * err * self.xs[0] / max(n_tokens, self.xs[0])
@@ -149,6 +161,17 @@ class CostModel:
             self.ys[i + 1] += self.lr * w * err
         self.ys = [max(y, 1e-6) for y in self.ys]
         self._monotone()
+
+
+def _median_ms(forward: Callable[[int], object], n: int, repeats: int) -> float:
+    """Median wall-clock ms of ``forward(n)`` over ``repeats`` calls, after one warm-up call."""
+    forward(n)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        forward(n)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 class DraftCost:
@@ -208,8 +231,6 @@ class SpeculationController:
     def __init__(self, cost: CostModel, options: ControllerOptions | None = None, padded: bool = False) -> None:
         self.cost = cost
         self.padded = padded
-        # padded engines: one cost model per batch size (rows), each a rescaled copy of ``cost``
-        self._by_rows: dict[int, CostModel] = {}
         self.options = options or ControllerOptions()
         o = self.options
         self.draft_cost = DraftCost((o.draft_ms_fixed, o.draft_ms_per_depth, o.draft_ms_per_node,
@@ -290,8 +311,10 @@ class SpeculationController:
         return best, depth
 
     # -- planning -------------------------------------------------------------------------------
-    def plan(self, request_ids: Sequence[Hashable]) -> list[Plan]:
-        """One plan per live request for the next verify step."""
+    def plan(self, request_ids: Sequence[Hashable], kv: int | None = None) -> list[Plan]:
+        """One plan per live request for the next verify step; ``kv``: the cached tokens each
+        query row of the verify attends to (a padded engine: the longest request's), priced by
+        the cost model's attention term."""
         o = self.options
         b = len(request_ids)
         if b == 0:
@@ -305,8 +328,8 @@ class SpeculationController:
         # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
         segments = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
         segments.sort(key=lambda s: (-s[0], s[1], s[2]))
-        cost = self.forward_cost(b)
-        plain_ms = cost(b)
+        cost = self.cost
+        plain_ms = cost(b, kv)
         plain = b / plain_ms
         best_rate, best_k = plain, 0
         nodes, widest, expected, max_depth, drafting = 0, 0, float(b), 0, 0
@@ -321,7 +344,7 @@ class SpeculationController:
             if lo == 0:  # this request's first segment: its tree arrives with its delivery ratio
                 no_tree *= 1.0 - keys[r][1]
                 drafting += 1
-            forward = (1.0 - no_tree) * cost(tokens) + no_tree * plain_ms
+            forward = (1.0 - no_tree) * cost(tokens, kv) + no_tree * plain_ms
             rate = expected / (forward + self.draft_cost(max_depth, nodes, drafting))
             if rate > best_rate:
                 best_rate, best_k = rate, k
@@ -346,19 +369,6 @@ class SpeculationController:
                 d = int(tables[r][1][n])
                 plans.append(Plan("chain" if d == n else "tree", n, d))
         return plans
-
-    def forward_cost(self, rows: int) -> CostModel:
-        """The cost model (ms vs. query tokens) of a verify forward over ``rows`` requests: the
-        start-up model, except that an engine that pads (``padded``) gets one model per batch size,
-        copied from it and rescaled by that batch size's first measured forward (8 requests x 1
-        token cost more than one request's 8 query tokens: 8 KV rows, 8 masks; measured 58 vs 46 ms
-        on a 2-core CPU), then refined by that batch size's forwards alone."""
-        if not self.padded or rows <= 1:
-            return self.cost
-        model = self._by_rows.get(rows)
-        if model is None:
-            model = self._by_rows[rows] = self.cost.rescaled_copy()
-        return model
 
     def _verify_tokens(self, batch: int, nodes: int, widest: int) -> int:
         """Query tokens of the verify forward: roots plus draft nodes, or, for an engine that
@@ -425,9 +435,9 @@ class SpeculationController:
             self._pop_hits = keep * self._pop_hits + (1 - keep) * hits
             self._pop_trials = keep * self._pop_trials + (1 - keep) * trials
 
-    def observe_step(self, n_query_tokens: int, ms: float, rows: int = 1) -> None:
-        """Refine the cost model with one measured verify forward over ``rows`` requests."""
-        self.forward_cost(rows).observe(n_query_tokens, ms)
+    def observe_step(self, n_query_tokens: int, ms: float, kv: int | None = None) -> None:
+        """Refine the cost model with one measured verify forward (``kv``: as for :meth:`plan`)."""
+        self.cost.observe(n_query_tokens, ms, kv)
 
     def observe_draft(self, depth: int, nodes: int, ms: float, rows: int = 1) -> None:
         """Refine the drafting-cost model with one measured drafting step of ``rows`` drafting
@@ -439,7 +449,7 @@ class SpeculationController:
         self._requests.pop(request_id, None)
         self._planned.pop(request_id, None)
 
-    def predicted_rate(self, request_ids: Sequence[Hashable], plans: Sequence[Plan]) -> float:
+    def predicted_rate(self, request_ids: Sequence[Hashable], plans: Sequence[Plan], kv: int | None = None) -> float:
         """Predicted committed tokens per millisecond of ``plans`` (for logs and tests)."""
         nodes, expected, depth, no_tree, drafting = 0, float(len(plans)), 0, 1.0, 0
         for rid, p in zip(request_ids, plans):
@@ -451,6 +461,5 @@ class SpeculationController:
                 depth = max(depth, p.max_depth)
                 no_tree *= 1.0 - self.delivery(rid)
         tokens = self._verify_tokens(len(plans), nodes, max((p.max_nodes for p in plans), default=0))
-        cost = self.forward_cost(len(plans))
-        forward = (1.0 - no_tree) * cost(tokens) + no_tree * cost(len(plans))
+        forward = (1.0 - no_tree) * self.cost(tokens, kv) + no_tree * self.cost(len(plans), kv)
         return expected / (forward + self.draft_cost(depth, nodes, drafting))

@@ -181,6 +181,7 @@ class Speculator:
         self.stats = SpecStats()
         self._tokens: dict[Hashable, Sequence[int]] = {}
         self._params: dict[Hashable, SamplingParams] = {}
+        self._kv: int | None = None  # the last propose's cached tokens per verify row (the cost model's kv)
         self._draft_ms: tuple[int, int, float, int] | None = None  # the last propose: (depth, nodes, ms, drafting requests)
 
     @property
@@ -213,7 +214,10 @@ class Speculator:
         t0 = time.perf_counter()
         expand_s = 0.0
         ids = [r.request_id for r in requests]
-        plans = self.controller.plan(ids) if self.controller is not None else None
+        kv_lens = [len(r.token_ids) - 1 for r in requests]
+        # the cached tokens a verify row attends to: a padded batch's longest prefix, else the mean
+        self._kv = max(kv_lens) if self._padded else round(sum(kv_lens) / len(kv_lens))
+        plans = self.controller.plan(ids, self._kv) if self.controller is not None else None
         drafts = [self._draft_request(r, plans[i] if plans else None) for i, r in enumerate(requests)]
         trees: list[DraftTree] = [DraftTree.root_only(d.root) for d in drafts]
         # one builder run per tree mode and draft shaping (greedy, or temperature / top-k / top-p)
@@ -403,6 +407,6 @@ class Speculator:
         if self.controller is not None and forward_ms is not None and forward_ms > 0:
             width = max(t.size for t in batch.trees)
             n_query = batch.batch_size * width if self._padded else batch.num_nodes
-            self.controller.observe_step(n_query, forward_ms, batch.batch_size)
+            self.controller.observe_step(n_query, forward_ms, self._kv)
         if forward_ms is not None:
             st.forward_s += forward_ms / 1e3

@@ -199,7 +199,7 @@ def run_mode(
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     name, cfg = mode_spec(mode, spec)
     name = name or "none"
-    seed = CostModel(list(zip(cost.xs, cost.ys)), cost.lr) if cost is not None and cfg.adaptive else None
+    seed = cost.copy() if cost is not None and cfg.adaptive else None
     engine = SpecEngine(model, tokenizer, make_hf_drafter(name, model, tokenizer), cfg, cost_model=seed,
                         fast_linear=fast_linear, fast_attention=fast_attention)
     startup = engine.prepare()
@@ -345,5 +345,6 @@ def run_bench(
         "linear": {"routing": plain.linear.summary(), "ms_by_rows": plain.linear.timings_ms} if plain.linear else None,
         "attention": plain.attention.summary() if plain.attention else None,
         "cost_model_ms": dict(zip(cost.xs, [round(y, 3) for y in cost.ys])) if cost is not None else None,
+        "cost_model_attn_us_per_query_kv": round(cost.attn_ms * 1e3, 4) if cost is not None else None,
         "runs": runs,
     }

@@ -44,7 +44,7 @@ from dyntree.standalone import kv
 from dyntree.standalone.attention import attention_scope
 from dyntree.standalone.selfdraft import HFSelfDraft
 
-__all__ = ["RequestOutput", "SpecEngine", "ABLATIONS", "COST_SIZES", "COST_KV_LEN"]
+__all__ = ["RequestOutput", "SpecEngine", "ABLATIONS", "COST_SIZES", "COST_KV_LEN", "COST_KV_LONG"]
 
 #: Test controls that each remove one piece of tree verification; outputs must then diverge.
 ABLATIONS = frozenset({"mask", "positions", "compaction"})
@@ -52,6 +52,8 @@ ABLATIONS = frozenset({"mask", "positions", "compaction"})
 #: Start-up cost model: query-token counts timed, against a dummy KV cache of this many tokens.
 COST_SIZES = (1, 2, 4, 8, 16, 64, 256)
 COST_KV_LEN = 256
+#: ... and one of them against this many, which prices attention over longer prefixes.
+COST_KV_LONG = 1024
 
 
 def _cpu_linears(model: torch.nn.Module) -> linear.LinearDispatch | None:
@@ -311,22 +313,28 @@ class SpecEngine:
     # -- cost model ------------------------------------------------------------------------------
     def measure_cost(self, sizes: Sequence[int] = COST_SIZES, kv_len: int = COST_KV_LEN, repeats: int = 2) -> CostModel:
         """Time target forwards (decoder + LM head) of ``sizes`` query tokens against a dummy KV
-        cache of ``kv_len`` tokens; the cost model the adaptive controller starts from."""
-        cache = DynamicCache()
+        cache of ``kv_len`` tokens, and one size against ``COST_KV_LONG`` tokens (the attention
+        term); the cost model the adaptive controller starts from."""
         g = torch.Generator().manual_seed(0)
-        with torch.inference_mode(), self.kernel_scope():
-            dummy = torch.randint(0, self.lm_head.out_features, (1, kv_len), generator=g)
-            causal = torch.tril(torch.ones(kv_len, kv_len, dtype=torch.bool))[None]
-            self._forward(dummy, torch.arange(kv_len)[None], self._additive(causal), cache)
+
+        def forward_at(length: int) -> Callable[[int], None]:
+            cache = DynamicCache()
+            dummy = torch.randint(0, self.lm_head.out_features, (1, length), generator=g)
+            causal = torch.tril(torch.ones(length, length, dtype=torch.bool))[None]
+            self._forward(dummy, torch.arange(length)[None], self._additive(causal), cache)
 
             def forward(n: int) -> None:
                 toks = torch.randint(0, self.lm_head.out_features, (1, n), generator=g)
-                allowed = torch.ones(1, n, kv_len + n, dtype=torch.bool)
-                self.lm_head(self._forward(toks, kv_len + torch.arange(n)[None], self._additive(allowed), cache))
+                allowed = torch.ones(1, n, length + n, dtype=torch.bool)
+                self.lm_head(self._forward(toks, length + torch.arange(n)[None], self._additive(allowed), cache))
                 self._sync()
-                kv.crop(cache, kv_len)
+                kv.crop(cache, length)
 
-            return CostModel.measure(forward, sizes, repeats, lr=self.spec.controller.cost_lr)
+            return forward
+
+        with torch.inference_mode(), self.kernel_scope():
+            return CostModel.measure(forward_at(kv_len), sizes, repeats, lr=self.spec.controller.cost_lr,
+                                     long_forward=forward_at(COST_KV_LONG), kv_ref=kv_len, kv_long=COST_KV_LONG)
 
     def _sync(self) -> None:
         """Wait for queued GPU work, so that wall-clock timings measure it."""
