@@ -254,11 +254,11 @@ def test_new_requests_start_from_the_population_acceptance() -> None:
 
 
 def test_plans_the_drafter_cannot_fill_are_priced_down() -> None:
-    # Two requests at batch 2 in a padded engine; a draft node (any width) adds 30% to the verify.
+    # Two requests at batch 2 in a padded engine; a draft node (any width) adds 40% to the verify.
     # Both accept half their first drafts. When the drafter delivers every planned tree, that pays;
     # when it finds nothing for most plans (n-gram lookup without a match), the controller learns the
     # delivery ratio and stops paying for trees that mostly do not come.
-    cost = CostModel({1: 10.0, 2: 10.0, 4: 13.0, 64: 13.0}, lr=0.0)
+    cost = CostModel({1: 10.0, 2: 10.0, 4: 14.0, 64: 14.0}, lr=0.0)
 
     def run(deliver_every: int) -> SpeculationController:
         ctrl = SpeculationController(cost, ControllerOptions(alpha_prior=0.5), padded=True)
@@ -277,3 +277,28 @@ def test_plans_the_drafter_cannot_fill_are_priced_down() -> None:
     e_full, _ = full.expected_table(0.6)
     e_half, _ = full.expected_table(0.6, delivery=0.5)
     assert e_half == pytest.approx([e / 2 for e in e_full])
+
+
+def test_depth_profile_makes_trees_shallower_when_later_levels_are_weaker() -> None:
+    # Hydra-like: the first draft is accepted 80% of the time, later ones 20%. The depth profile
+    # learns that against the requests' own alpha, and the plan gets shallower than for a drafter
+    # that is accepted 80% of the time at every level.
+    gen = torch.Generator().manual_seed(0)
+    tree = DraftTree.chain(0, [1, 2, 3, 4])
+    opts = ControllerOptions(max_nodes=8, max_depth=4)
+    cost = {1: 10.0, 8: 10.4, 64: 13.0}
+
+    def run(later: float) -> SpeculationController:
+        ctrl = SpeculationController(CostModel(cost), opts)
+        for _ in range(400):
+            path = [0]
+            while len(path) < 5 and float(torch.rand(1, generator=gen)) < (0.8 if len(path) == 1 else later):
+                path.append(len(path))
+            ctrl.observe(0, tree, path)
+        return ctrl
+
+    weak, flat = run(0.2), run(0.8)
+    assert weak.depth_profile[0] == flat.depth_profile[0] == 1.0  # the root's child is alpha itself
+    assert weak.depth_profile[1] < 0.45 and weak.depth_profile[2] < 0.6
+    assert all(abs(r - 1) < 0.2 for r in flat.depth_profile[1:3])
+    assert weak.plan([0])[0].max_depth < flat.plan([0])[0].max_depth

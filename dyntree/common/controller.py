@@ -1,11 +1,13 @@
 """Adaptive speculation controller: how much to speculate, per request and per batch.
 
-* Per request, an EMA of the top-1 draft acceptance ``alpha`` (the chance that a node's first
-  child is accepted when the node is reached) and a global *sibling gain* ``g`` (what an extra
+* Per request, an EMA of the top-1 draft acceptance ``alpha`` (the chance that the root's first
+  child is accepted) and a global *sibling gain* ``g`` (what an extra
   sibling is worth relative to an independent first draft: 0 nothing, 1 as much) predict the
   expected accepted draft tokens of a tree with ``n`` nodes and depth ``d``: with ``w = n / d``
-  nodes per level and ``beta = 1 - (1 - alpha)^(1 + g (w - 1))``,
-  ``E(n, d) = beta + beta^2 + ... + beta^d``, times the request's *delivery* (the EMA fraction
+  nodes per level, level ``j``'s acceptance ``alpha_j = alpha * r_j`` (``r_j``, the *depth
+  profile*: the hits observed at that level over those the requests' own alpha predicted, so
+  Hydra's weaker later heads make its trees shallower) and ``beta_j = 1 - (1 - alpha_j)^(1 + g (w - 1))``,
+  ``E(n, d) = beta_1 + beta_1 beta_2 + ... + beta_1 ... beta_d``, times the request's *delivery* (the EMA fraction
   of planned nodes the drafter actually drafted: n-gram lookup often finds nothing); the best
   depth is chosen per ``n``; a verify is priced as wide as planned only with the chance that
   some planned tree arrives, else as plain decoding. ``g`` is fitted online from how often later
@@ -250,6 +252,17 @@ class SpeculationController:
         # draft (n-gram without a match) delivers fewer nodes than planned; new requests start here.
         self._pop_got = self._pop_want = o.prior_weight
         self._planned: dict[Hashable, int] = {}  # the last plan's nodes per request, until observed
+        # Per tree level (level j: a node at depth j was reached; a hit: its first child accepted),
+        # decayed hits and the hits the requests' own alpha predicted: how acceptance changes with
+        # depth (Hydra's later heads are weaker; an n-gram match that held once tends to hold on),
+        # measured against each request's own rate, so the good requests that alone reach deep
+        # levels do not make deep levels look good. Each level's prior (``prior_weight`` predicted
+        # hits, decaying as the level is observed) is the level above's ratio, so a level that is
+        # rarely reached is not taken for as good as the root.
+        self._lvl_hits = [0.0] * o.max_depth
+        self._lvl_expected = [0.0] * o.max_depth
+        self._lvl_prior = [o.prior_weight] * o.max_depth
+        self._tables: dict[tuple, tuple[list[float], list[int]]] = {}  # expected_table, by rounded inputs
 
     # -- estimates ------------------------------------------------------------------------------
     def _state(self, rid: Hashable) -> _RequestState:
@@ -276,6 +289,17 @@ class SpeculationController:
         return s.got / s.want
 
     @property
+    def depth_profile(self) -> list[float]:
+        """Per tree level, observed top-1 hits over the hits the requests' alpha predicted (1.0
+        at the root, whose first child alpha is; a level with little evidence leans on the level
+        above it)."""
+        profile, above = [], 1.0
+        for h, e, p in zip(self._lvl_hits, self._lvl_expected, self._lvl_prior):
+            above = (h + p * above) / (e + p)
+            profile.append(above)
+        return profile
+
+    @property
     def sibling_gain(self) -> float:
         """Fitted ``g``: extra-sibling catch rate ``c = 1 - (1 - alpha)^g`` solved for ``g``."""
         catch = min(self._gain_hits / self._gain_trials, 1 - 1e-9)
@@ -285,27 +309,45 @@ class SpeculationController:
         return min(max(math.log1p(-catch) / log_miss, 0.0), 1.0)
 
     def expected_table(self, alpha: float, delivery: float = 1.0) -> tuple[list[float], list[int]]:
-        """``(E[n], best_depth[n])`` for ``n = 0..max_nodes`` draft nodes at acceptance ``alpha``,
-        scaled by ``delivery``, the fraction of planned nodes the drafter actually drafts (an
-        n-gram drafter finds no match about half the time: its plans are worth half as much).
+        """``(E[n], best_depth[n])`` for ``n = 0..max_nodes`` draft nodes at acceptance ``alpha``
+        (scaled per level by :attr:`depth_profile`), times ``delivery``, the fraction of planned
+        nodes the drafter actually drafts (an n-gram drafter finds no match about half the time:
+        its plans are worth half as much).
 
-        Plain Python floats: the table is small (``max_nodes x max_depth``) and recomputed for
-        every request every step, where tensor ops would cost more in dispatch than in math."""
+        Plain Python floats: the table is small (``max_nodes x max_depth``), where tensor ops
+        would cost more in dispatch than in math; tables are kept by their inputs rounded to
+        0.001 (the profile and sibling gain to 0.01), so a slowly moving estimate reuses them."""
         o = self.options
         if o.max_depth == 0:
             return [0.0] * (o.max_nodes + 1), [0] * (o.max_nodes + 1)
-        gain = self.sibling_gain
+        gain, profile = round(self.sibling_gain, 2), tuple(round(r, 2) for r in self.depth_profile)
+        key = (round(alpha, 3), round(delivery, 3), gain, profile)
+        table = self._tables.get(key)
+        if table is None:
+            if len(self._tables) >= 4096:
+                self._tables.clear()
+            table = self._tables[key] = self._expected(key[0], key[1], gain, profile)
+        return table
+
+    def _expected(self, alpha: float, delivery: float, gain: float, profile: Sequence[float]) -> tuple[list[float], list[int]]:
+        """:meth:`expected_table` computed: a tree of ``n`` nodes and depth ``d`` has ``n / d``
+        nodes per level; level ``j`` catches the target's token with ``beta_j = 1 - (1 -
+        alpha_j)^(1 + g (n / d - 1))``, and ``E = beta_1 + beta_1 beta_2 + ...``."""
+        o = self.options
+        miss = [1 - min(max(alpha * r, 0.0), 1 - 1e-9) for r in profile]
         best, depth = [0.0], [0]
         for n in range(1, o.max_nodes + 1):
             e_best, d_best = -1.0, 0  # -1: no such tree
             for d in range(1, min(n, o.max_depth) + 1):
                 if not o.allow_trees and d != n:
                     continue
-                beta = 1 - (1 - alpha) ** (1 + gain * (max(n / d, 1.0) - 1))
-                beta = min(max(beta, 0.0), 1 - 1e-12)
-                e = delivery * beta * (1 - beta**d) / (1 - beta)
-                if e > e_best:
-                    e_best, d_best = e, d
+                expo = 1 + gain * (max(n / d, 1.0) - 1)
+                e, reach = 0.0, 1.0
+                for j in range(d):
+                    reach *= 1 - miss[j] ** expo
+                    e += reach
+                if delivery * e > e_best:
+                    e_best, d_best = delivery * e, d
             best.append(e_best)
             depth.append(d_best)
         return best, depth
@@ -410,13 +452,20 @@ class SpeculationController:
         on_path = set(accepted_nodes)
         hits = trials = 0
         g_hits = g_trials = 0
-        for node in accepted_nodes:
+        keep = 1 - o.ema / 4  # population statistics: batch-wide, slowly moving
+        predicted = self.alpha(request_id)
+        for level, node in enumerate(accepted_nodes):
             kids = children.get(node, [])
             if not kids:
                 continue
-            trials += 1
-            if kids[0] in on_path:
-                hits += 1
+            hit = kids[0] in on_path
+            if level == 0:  # alpha: the root's first child
+                trials, hits = 1, int(hit)
+            elif level < o.max_depth:  # deeper levels: the depth profile, against that alpha
+                self._lvl_hits[level] = keep * self._lvl_hits[level] + (1 - keep) * hit
+                self._lvl_expected[level] = keep * self._lvl_expected[level] + (1 - keep) * predicted
+                self._lvl_prior[level] *= keep
+            if hit:
                 continue
             extra = kids[1:]
             won = next((j for j, c in enumerate(extra, start=1) if c in on_path), None)

@@ -270,7 +270,7 @@ class SpecEngine:
         kv_lens = torch.tensor([r.kv_len for r in live])
         depth = padded.depths if "positions" not in self.ablate else torch.arange(padded.width).expand_as(padded.depths)
         hidden = self._forward(padded.tokens, kv_lens[:, None] + depth, self._tree_mask(padded, kv_lens, prefix), self.cache)
-        logits = self.lm_head(hidden[padded.valid.to(self.device)]).float()
+        logits = self.lm_head(hidden[padded.valid.to(self.device)])  # model dtype: argmax is exact, sampling casts
         self._sync()
         result = self.speculator.accept(batch, logits, gen, forward_ms=(time.perf_counter() - t1) * 1e3)
         self._compact(batch, result, prefix)
@@ -367,7 +367,7 @@ class SpecEngine:
         self._live += joining
         last = hidden[torch.arange(len(prompts)), lens - 1]
         firsts = self.speculator.first_tokens([SpecRequest(r.out.request_id, r.tokens, params) for r in joining],
-                                              self.lm_head(last).float(), gen)
+                                              self.lm_head(last), gen)
         for r, (req, tok) in enumerate(zip(joining, firsts)):
             if self.speculator.needs_hidden:
                 self.speculator.observe_hidden(req.out.request_id, hidden[r, : req.kv_len])
