@@ -14,7 +14,7 @@ from spec_support import OracleDrafter, tiny_llama
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafters import make_drafter
 from dyntree.models import model_path
-from dyntree.standalone.engine import SpecEngine
+from dyntree.standalone.engine import SpecEngine, prefill_groups
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +71,25 @@ def test_unknown_ablation_and_empty_prompt(tok) -> None:
         SpecEngine(model, tok, make_drafter("none"), ablate=["bogus"])
     with pytest.raises(ValueError, match="at least one token"):
         SpecEngine(model, tok, make_drafter("none")).generate([[1, 2], []])
+
+
+def test_prefill_groups_partition_prompts_within_the_padding_slack() -> None:
+    lens = [53, 64, 68, 65, 56, 210, 54, 58, 769, 40, 85, 660]
+    groups = prefill_groups(lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    for g in groups:
+        assert max(lens[i] for i in g) * len(g) <= 1.25 * sum(lens[i] for i in g)
+    assert len(groups) < len(lens)  # similar lengths still share a forward
+    assert prefill_groups([7, 7, 7, 7]) == [[0, 1, 2, 3]] and prefill_groups([]) == []
+
+
+def test_grouped_prefill_equals_one_prompt_at_a_time(tok) -> None:
+    # prompts of 8..40 tokens joining at once: several prefill groups, each padded to its longest
+    model = tiny_llama(1)
+    prompts = [p * 5 for p in _prompts(1, 4)][:4]
+    prompts = [prompts[0][:8], prompts[1][:40], prompts[2][:9], prompts[3][:38]]
+    assert len(prefill_groups([len(p) for p in prompts])) == 2
+    eng = SpecEngine(model, tok, make_drafter("none"))
+    together = [o.token_ids for o in eng.generate(prompts, PARAMS)]
+    alone = [eng.generate([p], PARAMS)[0].token_ids for p in prompts]
+    assert together == alone

@@ -230,6 +230,7 @@ def run_mode(
         "build_pct_of_step": (round(100 * t.build_s / step_s, 2) if step_s > 0 else 0.0)
         if engine.speculator.builder else None,
         "startup_s": round(startup, 3),
+        "prefill_s": round(engine.prefill_s, 3),
     })  # fmt: skip
     if categories is not None:
         run["by_category"] = {
