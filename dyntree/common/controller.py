@@ -435,13 +435,13 @@ class SpeculationController:
         """Learn from one verified tree: the drafter's delivery (nodes drafted of those planned),
         top-1 acceptance per reached level, and sibling gain."""
         o = self.options
+        keep = 1 - o.ema / 4  # population statistics: batch-wide, slowly moving
         planned = self._planned.pop(request_id, 0)
         if planned > 0:
             got = min(tree.size - 1, planned)
             s = self._state(request_id)
             s.got = (1 - o.ema) * s.got + o.ema * got
             s.want = (1 - o.ema) * s.want + o.ema * planned
-            keep = 1 - o.ema / 4
             self._pop_got = keep * self._pop_got + (1 - keep) * got
             self._pop_want = keep * self._pop_want + (1 - keep) * planned
         if tree.size == 1:
@@ -452,7 +452,6 @@ class SpeculationController:
         on_path = set(accepted_nodes)
         hits = trials = 0
         g_hits = g_trials = 0
-        keep = 1 - o.ema / 4  # population statistics: batch-wide, slowly moving
         predicted = self.alpha(request_id)
         for level, node in enumerate(accepted_nodes):
             kids = children.get(node, [])
@@ -472,7 +471,6 @@ class SpeculationController:
             g_trials += won if won is not None else len(extra)
             g_hits += 1 if won is not None else 0
         if g_trials:
-            keep = 1 - o.ema / 4  # the sibling gain is a batch-wide, slowly moving statistic
             self._gain_hits = keep * self._gain_hits + (1 - keep) * g_hits
             self._gain_trials = keep * self._gain_trials + (1 - keep) * g_trials
             self._gain_alpha = keep * self._gain_alpha + (1 - keep) * g_trials * self.alpha(request_id)
@@ -480,7 +478,6 @@ class SpeculationController:
             s = self._state(request_id)
             s.hits = (1 - o.ema) * s.hits + o.ema * hits
             s.trials = (1 - o.ema) * s.trials + o.ema * trials
-            keep = 1 - o.ema / 4  # like the sibling gain: batch-wide, slowly moving
             self._pop_hits = keep * self._pop_hits + (1 - keep) * hits
             self._pop_trials = keep * self._pop_trials + (1 - keep) * trials
 

@@ -62,8 +62,8 @@ PREFILL_SLACK = 1.25
 def prefill_groups(lengths: Sequence[int], slack: float = PREFILL_SLACK) -> list[list[int]]:
     """Indices of prompts to prefill together: by length, each group's padded size (its longest
     prompt x its size) at most ``slack`` x its real tokens, so a long prompt joining short ones
-    does not make them all pay its length (13 Spec-Bench prompts of 40-769 tokens: 2.4x the work
-    in one padded forward)."""
+    does not make them all pay its length (five Spec-Bench prompts of 40-769 tokens: 2.4x
+    their tokens in one padded forward)."""
     groups: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda j: (lengths[j], j)):
         g = groups[-1] if groups else None
