@@ -29,6 +29,11 @@ def tok():
     return AutoTokenizer.from_pretrained(model_path("smollm2"))
 
 
+#: No outcome check: these tests force a decision through a frozen cost model, and the measured
+#: tokens per ms of this machine's steps must not overrule it.
+FROZEN = {"outcome_ema": 0.0}
+
+
 @pytest.fixture(scope="module")
 def setup(tok):
     model = tiny_llama(1)
@@ -41,7 +46,8 @@ def setup(tok):
 def test_proportional_cost_falls_back_to_plain_decoding(tok, setup, tree) -> None:
     model, prompts, plain = setup
     proportional = CostModel({1: 10.0, 64: 640.0}, lr=0.0)  # lr 0: keep the forced model
-    eng = SpecEngine(model, tok, make_drafter("ngram"), SpecConfig(tree=tree, adaptive=True), cost_model=proportional)
+    eng = SpecEngine(model, tok, make_drafter("ngram"), SpecConfig(tree=tree, adaptive=True, controller=FROZEN),
+                     cost_model=proportional)
     outs = eng.generate(prompts, PARAMS)
     assert [o.token_ids for o in outs] == plain
     assert all(o.draft_nodes == 0 and o.tau == 1.0 for o in outs)
@@ -53,7 +59,8 @@ def test_flat_cost_speculates_and_stays_lossless(tok, setup, tree) -> None:
     model, prompts, plain = setup
     # Frozen and verify-dominated, so the drafting cost learned from this machine's clock cannot decide.
     flat = CostModel({1: 1000.0, 64: 1050.0, 1024: 1200.0}, lr=0.0)
-    eng = SpecEngine(model, tok, make_drafter("ngram"), SpecConfig(tree=tree, adaptive=True), cost_model=flat)
+    eng = SpecEngine(model, tok, make_drafter("ngram"), SpecConfig(tree=tree, adaptive=True, controller=FROZEN),
+                     cost_model=flat)
     outs = eng.generate(prompts, PARAMS)
     assert [o.token_ids for o in outs] == plain
     assert sum(o.draft_nodes for o in outs) > 0

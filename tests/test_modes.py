@@ -122,9 +122,11 @@ def plain8(smol, prompts8):
     "tree, adaptive", [("chain", False), ("static", False), ("dyntree", False), ("dyntree", True)]
 )
 def test_modes_equal_plain_greedy_on_real_model(smol, prompts8, plain8, tree: str, adaptive: bool) -> None:
-    spec = SpecConfig(drafter="ngram", max_nodes=16, max_depth=6, tree=tree, adaptive=adaptive)
     # adaptive: a cost model under which speculation pays, so the controller really drafts
-    # lr 0: a frozen verify-cost model, so this machine's speed cannot talk the controller out of it
+    # lr 0 and no outcome check: a frozen verify-cost model, so this machine's speed cannot talk the
+    # controller out of it
+    spec = SpecConfig(drafter="ngram", max_nodes=16, max_depth=6, tree=tree, adaptive=adaptive,
+                      controller={"outcome_ema": 0.0})
     cost = CostModel({1: 60.0, 128: 70.0, 2048: 400.0}, lr=0.0) if adaptive else None
     outs = _run(smol, prompts8, spec, cost=cost)
     mismatched = [i for i, (o, ref) in enumerate(zip(outs, plain8)) if o.token_ids != ref]
@@ -148,8 +150,8 @@ def test_bench_runs_every_mode_with_overhead_fields() -> None:
     prompts = _prompts(2, 2)
     ids = [0, 1]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    spec = SpecConfig(drafter="ngram", max_nodes=8, max_depth=4, adaptive=True)
-    # Frozen and verify-dominated: the drafting cost the controller learns online from this machine's
+    spec = SpecConfig(drafter="ngram", max_nodes=8, max_depth=4, adaptive=True, controller={"outcome_ema": 0.0})
+    # Frozen (no outcome check either) and verify-dominated: the drafting cost the controller learns online from this machine's
     # clock (ngram + dyntree builder: several ms on a slow CI box) must not make speculation look unprofitable.
     flat = CostModel({1: 1000.0, 64: 1010.0}, lr=0.0)
     base = run_mode(model, tok, prompts, ids, "none", spec, params, 2, flat)

@@ -230,6 +230,14 @@ def test_engine_timings_reach_the_controller() -> None:
     res = sp.accept(batch, toy_logits(batch, {"a": tokens}), overhead_ms=500.0)
     assert res.tokens[0]
     assert sp.controller.draft_cost(int(batch.depths.max()), batch.num_drafts) > before + 100
+    assert sp.controller.outcome_factor() == 1.0  # no forward timing: no outcome to check
+    # a speculative verify that took 5x what the cost model predicts: the outcome check sees it
+    sp = Speculator(make_drafter("ngram"), SpecConfig(adaptive=True, max_nodes=4, max_depth=4), vocab_size=V,
+                    cost_model=CostModel({1: 1000.0, 16: 1000.0}, lr=0.0))
+    batch = sp.propose([SpecRequest("a", tokens)])
+    assert batch.num_drafts > 0
+    sp.accept(batch, toy_logits(batch, {"a": tokens}), forward_ms=5000.0)
+    assert sp.controller.outcome_factor() < 0.9
 
 
 def test_target_info_borrows_the_decoder_embedding_first() -> None:

@@ -28,6 +28,14 @@
   online to the measured drafting time of each step (tree building included), so a drafter
   whose overhead eats the gain is turned down. When a forward's cost grows in proportion to its
   tokens (compute-bound, high batch) no prefix pays and every request decodes plainly.
+* The outcome check: what each step really committed per measured millisecond (drafting and
+  verify), over what its plan predicted, is tracked for speculative and for plain steps apart; a
+  speculative plan's predicted rate is scaled by the speculative steps' ratio over the plain
+  steps' (:meth:`SpeculationController.outcome_factor`, kept per batch size: a power-of-two
+  bucket). Whatever the models miss (a padded batch's shape, a start-up timing taken in a slow
+  spell, an optimistic acceptance) then shows up as speculative steps that deliver less than
+  predicted, and speculation at that batch size backs off until it delivers; while no request
+  speculates the factor drifts slowly back toward 1, so it is retried now and then.
 """
 
 from __future__ import annotations
@@ -263,6 +271,13 @@ class SpeculationController:
         self._lvl_expected = [0.0] * o.max_depth
         self._lvl_prior = [o.prior_weight] * o.max_depth
         self._tables: dict[tuple, tuple[list[float], list[int]]] = {}  # expected_table, by rounded inputs
+        # The outcome check, per batch size (rounded down to a power of two), for speculative [0]
+        # and plain [1] steps: decayed committed tokens and predicted tokens (measured ms x the
+        # plan's predicted rate), per request row. Their ratio corrects a speculative plan's
+        # predicted rate for whatever the models miss (a padded batch's shape, a start-up timing
+        # taken in a slow spell, an optimistic acceptance).
+        self._outcome: dict[int, list[list[float]]] = {}
+        self._pending: tuple[bool, float, int] | None = None  # the last plan: (speculative, rate, rows)
 
     # -- estimates ------------------------------------------------------------------------------
     def _state(self, rid: Hashable) -> _RequestState:
@@ -298,6 +313,18 @@ class SpeculationController:
             above = (h + p * above) / (e + p)
             profile.append(above)
         return profile
+
+    def _outcomes(self, rows: int) -> list[list[float]]:
+        """The outcome check's sums for batches of ``rows`` requests (their power-of-two bucket)."""
+        w = self.options.prior_weight
+        return self._outcome.setdefault(1 << (max(rows, 1).bit_length() - 1), [[w, w], [w, w]])
+
+    def outcome_factor(self, rows: int = 1) -> float:
+        """At batches of ``rows`` requests, the measured over predicted throughput of speculative
+        steps relative to that of plain steps (1.0 until observed): what a speculative plan's
+        predicted rate is multiplied by."""
+        (spec_got, spec_pred), (plain_got, plain_pred) = self._outcomes(rows)
+        return (spec_got / spec_pred) / (plain_got / plain_pred)
 
     @property
     def sibling_gain(self) -> float:
@@ -373,6 +400,7 @@ class SpeculationController:
         cost = self.cost
         plain_ms = cost(b, kv)
         plain = b / plain_ms
+        factor = self.outcome_factor(b)
         best_rate, best_k = plain, 0
         nodes, widest, expected, max_depth, drafting = 0, 0, float(b), 0, 0
         no_tree = 1.0  # chance that no planned tree is delivered (the forward is then plain)
@@ -387,14 +415,20 @@ class SpeculationController:
                 no_tree *= 1.0 - keys[r][1]
                 drafting += 1
             forward = (1.0 - no_tree) * cost(tokens, kv) + no_tree * plain_ms
-            rate = expected / (forward + self.draft_cost(max_depth, nodes, drafting))
+            rate = factor * expected / (forward + self.draft_cost(max_depth, nodes, drafting))
             if rate > best_rate:
                 best_rate, best_k = rate, k
         alloc = [0] * b
         for _, r, lo, hi in segments[:best_k]:
             alloc[r] = hi
-        if best_rate < plain * o.min_gain:
+        speculate = best_k > 0 and best_rate >= plain * o.min_gain
+        if not speculate:
             alloc = [0] * b
+            # idle: the speculative outcome drifts back toward the plain one, so a bad spell (or
+            # a wrong cost model) does not end speculation at this batch size for good
+            spec, (plain_got, plain_pred) = self._outcomes(b)
+            spec[0] += o.outcome_relax * (spec[1] * plain_got / plain_pred - spec[0])
+        self._pending = (speculate, best_rate / factor if speculate else plain, b)
         plans = []
         for r, (rid, n) in enumerate(zip(request_ids, alloc)):
             self._planned[rid] = n
@@ -480,6 +514,19 @@ class SpeculationController:
             s.trials = (1 - o.ema) * s.trials + o.ema * trials
             self._pop_hits = keep * self._pop_hits + (1 - keep) * hits
             self._pop_trials = keep * self._pop_trials + (1 - keep) * trials
+
+    def observe_outcome(self, tokens: int, ms: float) -> None:
+        """The last plan's outcome: ``tokens`` committed over all its requests in ``ms`` (drafting
+        and the verify forward), against the rate the plan predicted."""
+        pending, self._pending = self._pending, None
+        o = self.options
+        if pending is None or not ms > 0 or o.outcome_ema == 0:
+            return
+        speculative, rate, rows = pending
+        got_pred = self._outcomes(rows)[0 if speculative else 1]
+        keep = 1 - o.outcome_ema
+        got_pred[0] = keep * got_pred[0] + o.outcome_ema * tokens / rows
+        got_pred[1] = keep * got_pred[1] + o.outcome_ema * ms * rate / rows
 
     def observe_step(self, n_query_tokens: int, ms: float, kv: int | None = None) -> None:
         """Refine the cost model with one measured verify forward (``kv``: as for :meth:`plan`)."""

@@ -38,7 +38,7 @@ __all__ = ["LinearDispatch", "calibrate", "cpu_name", "install", "linear", "thre
 
 #: Row counts timed by :func:`calibrate`; a call with more rows than the last uses ``F.linear``.
 CALIBRATION_ROWS = (*range(1, 17), 24, 32, 48, 64)
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 
 def _transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pad_to: int = 2) -> torch.Tensor:
@@ -137,11 +137,13 @@ def _fingerprint(linears: Sequence[nn.Linear], rows: Sequence[int]) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def calibrate(model: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats: int = 2,
+def calibrate(model: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats: int = 3,
               cache_dir: Path | None = None) -> LinearDispatch:
     """Time ``F.linear`` and the transposed product over all of ``model``'s linears (each with its
-    own weights, so memory traffic is real) at each row count (best of ``repeats`` after a
-    warm-up). With ``cache_dir``, timings are read from / written to a JSON file there keyed by
+    own weights, so memory traffic is real) at each row count (best of ``repeats`` rounds over
+    every row count, after a warm-up round: the routing compares row counts with each other, so
+    each round times them all; timed one count after another, a slow spell of the machine made
+    3 rows look faster than 4 when they cost 20% more, and padding 8 rows to 16 look best). With ``cache_dir``, timings are read from / written to a JSON file there keyed by
     the CPU, torch version, thread count, dtype and linear shapes."""
     linears = _linears(model)
     if not linears:
@@ -153,7 +155,6 @@ def calibrate(model: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats:
         except (ValueError, TypeError, AttributeError):
             pass  # a damaged cache file is re-measured and rewritten
     p = linears[0].weight
-    timings: dict[int, tuple[float, float]] = {}
     with torch.inference_mode():
         inputs = {k: torch.randn(max(rows), k, dtype=p.dtype, device=p.device) for k in {m.in_features for m in linears}}
 
@@ -164,13 +165,13 @@ def calibrate(model: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats:
             return (time.perf_counter() - t0) * 1e3
 
         paths = (F.linear, functools.partial(_transposed, pad_to=2))
-        for m in rows:
-            best = [float("inf"), float("inf")]
-            for rep in range(repeats + 1):  # the first round warms up
-                for i, fn in enumerate(paths):
+        best = {m: [float("inf"), float("inf")] for m in rows}
+        for rep in range(repeats + 1):  # the first round warms up
+            for m in rows:  # every round visits every row count: a slow spell of the machine
+                for i, fn in enumerate(paths):  # cannot make one count look worse than its neighbours
                     ms = run(fn, m)
-                    best[i] = min(best[i], ms) if rep else best[i]
-            timings[m] = (round(best[0], 3), round(best[1], 3))
+                    best[m][i] = min(best[m][i], ms) if rep else best[m][i]
+        timings = {m: (round(b[0], 3), round(b[1], 3)) for m, b in best.items()}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(timings))

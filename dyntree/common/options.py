@@ -152,6 +152,21 @@ class ControllerOptions(BaseModel):
         0.0, ge=0, description="prior drafter cost per tree depth level and drafting request (refined online)"
     )
     cost_lr: float = Field(0.2, ge=0, le=1, description="online learning rate of the cost model")
+    outcome_ema: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="weight of the newest step in the planner's outcome check: the committed tokens per "
+        "measured ms of speculative and of plain steps, each over what the plan predicted; speculation "
+        "must beat plain decoding by min_gain after both corrections (0: trust the predictions as they are)",
+    )
+    outcome_relax: float = Field(
+        1e-4,
+        ge=0,
+        le=1,
+        description="per step without speculation, the outcome check's speculative ratio moves this far back "
+        "toward the plain one (so speculation is retried now and then: ~1% of steps, when it does not pay)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "ControllerOptions":

@@ -386,6 +386,8 @@ class Speculator:
         if self.controller is not None and self._draft_ms is not None:
             depth, nodes, draft_ms, drafting = self._draft_ms
             self.controller.observe_draft(depth, nodes, draft_ms + overhead_ms, drafting)
+            if forward_ms is not None:
+                self.controller.observe_outcome(sum(len(t) for t in result.tokens), forward_ms + draft_ms + overhead_ms)
         self._draft_ms = None
         st.steps += 1
         for b, (rid, tree) in enumerate(zip(batch.request_ids, batch.trees)):
