@@ -237,7 +237,7 @@ def test_engine_timings_reach_the_controller() -> None:
     batch = sp.propose([SpecRequest("a", tokens)])
     assert batch.num_drafts > 0
     sp.accept(batch, toy_logits(batch, {"a": tokens}), forward_ms=5000.0)
-    assert sp.controller.outcome_factor() < 0.9
+    assert sp.controller.outcome_factor() < 1.0
 
 
 def test_target_info_borrows_the_decoder_embedding_first() -> None:

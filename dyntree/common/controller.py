@@ -32,10 +32,11 @@
   verify), over what its plan predicted, is tracked for speculative and for plain steps apart; a
   speculative plan's predicted rate is scaled by the speculative steps' ratio over the plain
   steps' (:meth:`SpeculationController.outcome_factor`, kept per batch size: a power-of-two
-  bucket). Whatever the models miss (a padded batch's shape, a start-up timing taken in a slow
-  spell, an optimistic acceptance) then shows up as speculative steps that deliver less than
-  predicted, and speculation at that batch size backs off until it delivers; while no request
-  speculates the factor drifts slowly back toward 1, so it is retried now and then.
+  bucket, and bounded: a correction, not a second model). Whatever the models miss (a padded
+  batch's shape, a start-up timing taken in a slow spell, an optimistic acceptance) then shows
+  up as speculative steps that deliver less than predicted, and marginal speculation at that
+  batch size backs off until it delivers; while no request speculates the factor drifts back
+  toward 1, so it is retried now and then.
 """
 
 from __future__ import annotations
@@ -271,12 +272,11 @@ class SpeculationController:
         self._lvl_expected = [0.0] * o.max_depth
         self._lvl_prior = [o.prior_weight] * o.max_depth
         self._tables: dict[tuple, tuple[list[float], list[int]]] = {}  # expected_table, by rounded inputs
-        # The outcome check, per batch size (rounded down to a power of two), for speculative [0]
-        # and plain [1] steps: decayed committed tokens and predicted tokens (measured ms x the
-        # plan's predicted rate), per request row. Their ratio corrects a speculative plan's
-        # predicted rate for whatever the models miss (a padded batch's shape, a start-up timing
-        # taken in a slow spell, an optimistic acceptance).
-        self._outcome: dict[int, list[list[float]]] = {}
+        # The outcome check, per batch size (rounded down to a power of two): EMAs of measured over
+        # predicted tokens per ms of speculative [0] and plain [1] steps. Their ratio corrects a
+        # speculative plan's predicted rate for whatever the models miss (a padded batch's shape,
+        # a start-up timing taken in a slow spell, an optimistic acceptance).
+        self._outcome: dict[int, list[float]] = {}
         self._pending: tuple[bool, float, int] | None = None  # the last plan: (speculative, rate, rows)
 
     # -- estimates ------------------------------------------------------------------------------
@@ -314,17 +314,17 @@ class SpeculationController:
             profile.append(above)
         return profile
 
-    def _outcomes(self, rows: int) -> list[list[float]]:
-        """The outcome check's sums for batches of ``rows`` requests (their power-of-two bucket)."""
-        w = self.options.prior_weight
-        return self._outcome.setdefault(1 << (max(rows, 1).bit_length() - 1), [[w, w], [w, w]])
+    def _outcomes(self, rows: int) -> list[float]:
+        """The outcome check's ratios for batches of ``rows`` requests (their power-of-two bucket)."""
+        return self._outcome.setdefault(1 << (max(rows, 1).bit_length() - 1), [1.0, 1.0])
 
     def outcome_factor(self, rows: int = 1) -> float:
         """At batches of ``rows`` requests, the measured over predicted throughput of speculative
         steps relative to that of plain steps (1.0 until observed): what a speculative plan's
-        predicted rate is multiplied by."""
-        (spec_got, spec_pred), (plain_got, plain_pred) = self._outcomes(rows)
-        return (spec_got / spec_pred) / (plain_got / plain_pred)
+        predicted rate is multiplied by, within ``[1 / outcome_bound, outcome_bound]``."""
+        spec, plain = self._outcomes(rows)
+        bound = self.options.outcome_bound
+        return min(max(spec / plain, 1 / bound), bound)
 
     @property
     def sibling_gain(self) -> float:
@@ -426,8 +426,8 @@ class SpeculationController:
             alloc = [0] * b
             # idle: the speculative outcome drifts back toward the plain one, so a bad spell (or
             # a wrong cost model) does not end speculation at this batch size for good
-            spec, (plain_got, plain_pred) = self._outcomes(b)
-            spec[0] += o.outcome_relax * (spec[1] * plain_got / plain_pred - spec[0])
+            ratios = self._outcomes(b)
+            ratios[0] += o.outcome_relax * (ratios[1] - ratios[0])
         self._pending = (speculate, best_rate / factor if speculate else plain, b)
         plans = []
         for r, (rid, n) in enumerate(zip(request_ids, alloc)):
@@ -523,10 +523,12 @@ class SpeculationController:
         if pending is None or not ms > 0 or o.outcome_ema == 0:
             return
         speculative, rate, rows = pending
-        got_pred = self._outcomes(rows)[0 if speculative else 1]
-        keep = 1 - o.outcome_ema
-        got_pred[0] = keep * got_pred[0] + o.outcome_ema * tokens / rows
-        got_pred[1] = keep * got_pred[1] + o.outcome_ema * ms * rate / rows
+        ratios = self._outcomes(rows)
+        # one step's ratio, clipped: a first call's one-time costs (or one preempted step) must
+        # not outweigh the steps around it
+        ratio = min(max(tokens / (ms * rate), 0.25), 4.0)
+        k = 0 if speculative else 1
+        ratios[k] += o.outcome_ema * (ratio - ratios[k])
 
     def observe_step(self, n_query_tokens: int, ms: float, kv: int | None = None) -> None:
         """Refine the cost model with one measured verify forward (``kv``: as for :meth:`plan`)."""

@@ -157,15 +157,22 @@ class ControllerOptions(BaseModel):
         ge=0,
         le=1,
         description="weight of the newest step in the planner's outcome check: the committed tokens per "
-        "measured ms of speculative and of plain steps, each over what the plan predicted; speculation "
-        "must beat plain decoding by min_gain after both corrections (0: trust the predictions as they are)",
+        "measured ms of speculative and of plain steps, each over what the plan predicted (one step's "
+        "ratio clipped to [0.25, 4]); speculation must beat plain decoding by min_gain after the "
+        "correction (0: trust the predictions as they are)",
     )
     outcome_relax: float = Field(
-        1e-4,
+        1e-3,
         ge=0,
         le=1,
         description="per step without speculation, the outcome check's speculative ratio moves this far back "
-        "toward the plain one (so speculation is retried now and then: ~1% of steps, when it does not pay)",
+        "toward the plain one (so speculation is retried now and then)",
+    )
+    outcome_bound: float = Field(
+        1.25,
+        ge=1,
+        description="the outcome check scales predicted speculative rates by at most this factor either way "
+        "(it vetoes marginal speculation; a plan predicted to pay 1.25 x min_gain is not overruled)",
     )
 
     @model_validator(mode="after")
