@@ -8,9 +8,9 @@ for 16. In between it is irregular (13 rows ~106 ms), so a row count may be padd
 that runs faster. Which path is faster depends on the CPU, the dtype and the row count, so
 :func:`calibrate` times both on the model's own linears at every row count up to 16 and a few
 beyond (~20 s for SmolLM2 in fp32 on 2 AVX2 cores, once: kept on disk per CPU, torch version,
-threads, dtype and linear shapes), and :class:`LinearDispatch` then routes each call by its row count. Routing is per thread and only
-inside :meth:`LinearDispatch.active`: :func:`linear` (what core code such as the Hydra heads'
-LM-head product calls) and the ``nn.Linear`` modules that :func:`install` reroutes through it run
+threads, dtype and linear shapes), and :class:`LinearDispatch` then routes each call by its row
+count. Routing is per thread and only inside :meth:`LinearDispatch.active`: :func:`linear` (what
+core code such as the Hydra heads' LM-head product calls) and the ``nn.Linear`` modules that :func:`install` reroutes through it run
 stock ``F.linear`` anywhere else (``model.generate`` in benchmarks, another engine).
 
 The two paths compute the same products with a different summation order, like any two GEMM
