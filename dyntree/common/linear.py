@@ -10,8 +10,8 @@ that runs faster. Which path is faster depends on the CPU, the dtype and the row
 beyond (~20 s for SmolLM2 in fp32 on 2 AVX2 cores, once: kept on disk per CPU, torch version,
 threads, dtype and linear shapes), and :class:`LinearDispatch` then routes each call by its row
 count. Routing is per thread and only inside :meth:`LinearDispatch.active`: :func:`linear` (what
-core code such as the Hydra heads' LM-head product calls) and the ``nn.Linear`` modules that :func:`install` reroutes through it run
-stock ``F.linear`` anywhere else (``model.generate`` in benchmarks, another engine).
+core code such as the Hydra heads' LM-head product calls) and the ``nn.Linear`` modules that
+:func:`install` reroutes through it run stock ``F.linear`` anywhere else (``model.generate`` in benchmarks, another engine).
 
 The two paths compute the same products with a different summation order, like any two GEMM
 kernels: fp32 results agree to rounding, and plain and speculative decoding both go through it.
