@@ -304,7 +304,6 @@ def test_depth_profile_makes_trees_shallower_when_later_levels_are_weaker() -> N
     assert weak.plan([0])[0].max_depth < flat.plan([0])[0].max_depth
 
 
-
 def _outcome_run(ctrl: SpeculationController, steps: int, spec_ms: float, plain_ms: float,
                  first_ms: float | None = None) -> list[bool]:
     """Plan and observe ``steps`` batch-1 steps: every draft is accepted; a speculative step takes

@@ -151,8 +151,9 @@ def test_bench_runs_every_mode_with_overhead_fields() -> None:
     ids = [0, 1]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     spec = SpecConfig(drafter="ngram", max_nodes=8, max_depth=4, adaptive=True, controller={"outcome_ema": 0.0})
-    # Frozen (no outcome check either) and verify-dominated: the drafting cost the controller learns online from this machine's
-    # clock (ngram + dyntree builder: several ms on a slow CI box) must not make speculation look unprofitable.
+    # Frozen (no outcome check either) and verify-dominated: the drafting cost the controller learns
+    # online from this machine's clock (ngram + dyntree builder: several ms on a slow CI box) must not
+    # make speculation look unprofitable.
     flat = CostModel({1: 1000.0, 64: 1010.0}, lr=0.0)
     base = run_mode(model, tok, prompts, ids, "none", spec, params, 2, flat)
     assert base["tau"] == 1.0 and base["adaptive"] is False and base["max_nodes"] == 0

@@ -7,11 +7,12 @@ computed as ``(W @ x.T).T`` costs ~33 ms for 1-4 rows (1 row padded to 2), ~52 m
 for 16. In between it is irregular (13 rows ~106 ms), so a row count may be padded up to a larger one
 that runs faster. Which path is faster depends on the CPU, the dtype and the row count, so
 :func:`calibrate` times both on the model's own linears at every row count up to 16 and a few
-beyond (~20 s for SmolLM2 in fp32 on 2 AVX2 cores, once: kept on disk per CPU, torch version,
+beyond (~25 s for SmolLM2 in fp32 on 2 AVX2 cores, once: kept on disk per CPU, torch version,
 threads, dtype and linear shapes), and :class:`LinearDispatch` then routes each call by its row
 count. Routing is per thread and only inside :meth:`LinearDispatch.active`: :func:`linear` (what
 core code such as the Hydra heads' LM-head product calls) and the ``nn.Linear`` modules that
-:func:`install` reroutes through it run stock ``F.linear`` anywhere else (``model.generate`` in benchmarks, another engine).
+:func:`install` reroutes through it run stock ``F.linear`` anywhere else (``model.generate`` in
+benchmarks, another engine).
 
 The two paths compute the same products with a different summation order, like any two GEMM
 kernels: fp32 results agree to rounding, and plain and speculative decoding both go through it.
@@ -140,11 +141,12 @@ def _fingerprint(linears: Sequence[nn.Linear], rows: Sequence[int]) -> str:
 def calibrate(model: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats: int = 3,
               cache_dir: Path | None = None) -> LinearDispatch:
     """Time ``F.linear`` and the transposed product over all of ``model``'s linears (each with its
-    own weights, so memory traffic is real) at each row count (best of ``repeats`` rounds over
-    every row count, after a warm-up round: the routing compares row counts with each other, so
+    own weights, so memory traffic is real) at each row count: best of ``repeats`` rounds over
+    every row count, after a warm-up round. The routing compares row counts with each other, so
     each round times them all; timed one count after another, a slow spell of the machine made
-    3 rows look faster than 4 when they cost 20% more, and padding 8 rows to 16 look best). With ``cache_dir``, timings are read from / written to a JSON file there keyed by
-    the CPU, torch version, thread count, dtype and linear shapes."""
+    3 rows look as cheap as 4 when they cost 20% more, and padding 8 rows to 16 look best. With
+    ``cache_dir``, timings are read from / written to a JSON file there keyed by the CPU, torch
+    version, thread count, dtype and linear shapes."""
     linears = _linears(model)
     if not linears:
         return LinearDispatch({r: (1.0, 1.0) for r in rows})
@@ -167,8 +169,8 @@ def calibrate(model: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats:
         paths = (F.linear, functools.partial(_transposed, pad_to=2))
         best = {m: [float("inf"), float("inf")] for m in rows}
         for rep in range(repeats + 1):  # the first round warms up
-            for m in rows:  # every round visits every row count: a slow spell of the machine
-                for i, fn in enumerate(paths):  # cannot make one count look worse than its neighbours
+            for m in rows:  # every round visits every row count (see above)
+                for i, fn in enumerate(paths):
                     ms = run(fn, m)
                     best[m][i] = min(best[m][i], ms) if rep else best[m][i]
         timings = {m: (round(b[0], 3), round(b[1], 3)) for m, b in best.items()}
