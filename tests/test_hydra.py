@@ -307,7 +307,8 @@ def _synthetic_cache(path: Path, seed: int = 0):
 
 def test_generate_cache_time_budget_and_resume(tmp_path: Path) -> None:
     """A spent budget stops after one batch and consolidates a partial cache; a budget of 0 uses
-    what is there; a run without a budget completes it, with the same sequences as one go."""
+    what is there without rewriting it (training jobs side by side share one cache); a run
+    without a budget completes it, with the same sequences as one go."""
     from transformers import AutoTokenizer
 
     from spec_support import tiny_llama
@@ -319,8 +320,10 @@ def test_generate_cache_time_budget_and_resume(tmp_path: Path) -> None:
     prompts = [f"Name river number {i}." for i in range(5)]
     part = generate_cache(model, tok, prompts, tmp_path / "c", batch_size=2, max_new_tokens=4, time_budget_s=0.0)
     assert part.meta["complete"] is False and part.meta["batches_done"] == 1 and part.meta["sequences"] in (1, 2)
+    written = {f: (tmp_path / "c" / f).stat().st_mtime_ns for f in ("hidden.npy", "tokens.npy", "meta.json")}
     again = generate_cache(model, tok, prompts, tmp_path / "c", batch_size=2, max_new_tokens=4, time_budget_s=0.0)
     assert again.meta["batches_done"] == 1
+    assert {f: (tmp_path / "c" / f).stat().st_mtime_ns for f in written} == written  # not consolidated again
     full = generate_cache(model, tok, prompts, tmp_path / "c", batch_size=2, max_new_tokens=4)
     assert full.meta["complete"] is True and full.meta["sequences"] == 5
     one_go = generate_cache(model, tok, prompts, tmp_path / "d", batch_size=2, max_new_tokens=4)

@@ -139,12 +139,14 @@ def generate_cache(
     chunks.mkdir(parents=True, exist_ok=True)
     settings = {"prompts": len(prompts), "batch_size": batch_size, "max_new_tokens": max_new_tokens,
                 "max_prompt_tokens": max_prompt_tokens, "prompt_hidden": True}
+    consolidated = -1  # batches in the consolidated arrays, if any
     if (out / "meta.json").exists():
         meta = json.loads((out / "meta.json").read_text())
         if meta["settings"] != settings:
             raise ValueError(f"{out} holds a cache made with other settings {meta['settings']}; use another --cache-dir")
         if meta.get("complete", True):
             return HiddenCache(out)
+        consolidated = meta["batches_done"]
     settings_file = out / "settings.json"
     if settings_file.exists() and json.loads(settings_file.read_text()) != settings:
         raise ValueError(f"{out} holds partial chunks made with other settings; use another --cache-dir")
@@ -171,6 +173,8 @@ def generate_cache(
         np.savez(tmp, tokens=toks, hidden=hid, lengths=lens, prompt_lens=plens)
         tmp.rename(path)
     done = [b for b in order if (chunks / f"{b:05d}.npz").exists()]
+    if len(done) == consolidated:  # nothing new since the last consolidation: training jobs can share it
+        return HiddenCache(out)
     return _consolidate(out, done, settings, complete=len(done) == len(batches))
 
 
