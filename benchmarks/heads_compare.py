@@ -47,11 +47,15 @@ def eval_sets(path: Path, mt_bench: int, coding: int) -> dict[str, list[Prompt]]
 
 @torch.no_grad()
 def score(heads: HydraHeads, seqs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
-    """Agreement and chain tau over ``(prompt_len, token ids, last hidden states)`` sequences."""
+    """Agreement and chain tau over ``(prompt_len, token ids, last hidden states)`` sequences.
+    Heads with a prefix layer read its outputs, run causally over the whole sequence (prompt
+    included, absolute positions), as the drafter feeds them when decoding."""
     k_max = heads.num_heads
     hit1, hit5, n = torch.zeros(k_max), torch.zeros(k_max), torch.zeros(k_max)
     chain = []
     for plen, ids, hidden in seqs:
+        if heads.prefix is not None:
+            hidden = heads.prefix_forward(hidden[None], torch.arange(len(ids))[None])[0][0]
         ts = torch.arange(plen - 1, len(ids) - 2)  # the state that produced output token t+1
         right = torch.ones(len(ts), dtype=torch.bool)
         depth = torch.zeros(len(ts))

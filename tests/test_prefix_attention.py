@@ -17,7 +17,7 @@ from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.controller import Plan
 from dyntree.common.drafter import DraftRequest
 from dyntree.common.drafters import make_drafter
-from dyntree.common.drafters.hydra import SHIPPED_HEADS, HydraDrafter
+from dyntree.common.drafters.hydra import HydraDrafter
 from dyntree.common.hydra import (
     HydraConfig,
     HydraHeads,
@@ -25,7 +25,6 @@ from dyntree.common.hydra import (
     PrefixKV,
     TargetIdentity,
     load_heads,
-    read_config,
     save_heads,
 )
 from dyntree.common.speculator import Speculator, SpecRequest
@@ -164,7 +163,6 @@ def test_save_load_round_trip_and_old_configs(tmp_path: Path) -> None:
     (tmp_path / "old" / "config.json").write_text(json.dumps(old))
     loaded = load_heads(tmp_path / "old", IDENT, *_target())
     assert loaded.config.prefix_attention is False and loaded.prefix is None
-    assert read_config(SHIPPED_HEADS).prefix_attention is False  # the shipped heads are such a checkpoint
     # prefix weights without the flag (or the flag without the weights) are refused
     (tmp_path / "new" / "config.json").write_text(json.dumps({**cfg, "prefix_attention": False, "prefix_heads": 0}))
     with pytest.raises(HydraMismatchError, match="unexpected"):
