@@ -251,14 +251,18 @@ def test_drafter_refuses_missing_rows(prefix: bool) -> None:
     sp.observe_hidden(0, h)
     assert sp.propose([six]).trees[0].size > 1
     # an engine that skipped positions (a prefix-cache hit) says where its rows start: plain heads
-    # need only the newest state; prefix attention needs them all and names the gap
+    # need only the newest state; a prefix layer starts there, at those absolute positions
     sp.release(0)
+    sp.observe_hidden(0, h[3:], start=3)
+    assert sp.propose([six]).trees[0].size > 1
     if prefix:
-        with pytest.raises(ValueError, match=r"start at position 3, but positions 0..2 were never pushed"):
-            sp.observe_hidden(0, h[3:], start=3)
-    else:
-        sp.observe_hidden(0, h[3:], start=3)
-        assert sp.propose([six]).trees[0].size > 1
+        want = heads.prefix_forward(h[None, 3:], torch.arange(3, 5)[None])[0][0, -1]
+        assert torch.allclose(drafter._state[0].last, want, atol=1e-5)
+        # a recomputation from an earlier position (preemption) starts the layer over there
+        sp.observe_hidden(0, h[1:], start=1)
+        sp.propose([six])
+        want = heads.prefix_forward(h[None, 1:], torch.arange(1, 5)[None])[0][0, -1]
+        assert torch.allclose(drafter._state[0].last, want, atol=1e-5)
 
 
 # -- the rows the engine pushes ---------------------------------------------------------------

@@ -114,13 +114,13 @@ class HydraDrafter(Drafter):
             return
         s = self._state.setdefault(request_id, _State())
         if start is not None and start != s.pushed:
+            # the engine skipped positions (a prefix-cache hit) or recomputes some (preemption) and
+            # says where its rows start: plain heads read only the newest state; a prefix layer
+            # starts over there, at those absolute positions (less context for the drafts, which
+            # verification keeps lossless)
             if self.heads.prefix is not None:
-                raise ValueError(
-                    f"request {request_id!r}: hidden states start at position {start}, but positions "
-                    f"{s.pushed}..{start - 1} were never pushed; prefix-attention heads need every committed "
-                    "position (turn prefix caching off)"
-                )
-            s.pushed = start  # plain heads read only the newest state
+                s.kv, s.pending, s.last = None, [], None
+            s.pushed = start
         s.pushed += states.shape[0]
         if self.heads.prefix is None:  # copies: never hold a view of the engine's forward output
             s.last = states[-1].to(self.device, self.dtype, copy=True)
