@@ -251,7 +251,8 @@ def test_drafter_refuses_missing_rows(prefix: bool) -> None:
     sp.observe_hidden(0, h)
     assert sp.propose([six]).trees[0].size > 1
     # an engine that skipped positions (a prefix-cache hit) says where its rows start: plain heads
-    # need only the newest state; a prefix layer starts there, at those absolute positions
+    # need only the newest state; a prefix layer starts over there: its output is that of one pass
+    # over the rows pushed since (no stale rows from before)
     sp.release(0)
     sp.observe_hidden(0, h[3:], start=3)
     assert sp.propose([six]).trees[0].size > 1
