@@ -258,6 +258,21 @@ def test_acceptance_table_lookup_shrinkage_and_json(tmp_path) -> None:
         AcceptanceTable(torch.full((1, 1, 1), 1.5), torch.ones(1, 1, 1, dtype=torch.int64))
 
 
+def test_acceptance_table_with_confidence_edges(tmp_path) -> None:
+    # bins [0, 0.01), [0.01, 0.1), [0.1, 1]: low confidences get bins of their own
+    acc = torch.tensor([0.005, 0.05, 0.6]).reshape(1, 1, 3)
+    t = AcceptanceTable(acc, torch.full((1, 1, 3), 100), "synthetic", edges=(0.01, 0.1))
+    conf = torch.tensor([0.0, 0.009, 0.01, 0.05, 0.099, 0.1, 1.0])
+    assert t.confidence_bin(conf).tolist() == [0, 0, 1, 1, 1, 2, 2]
+    assert t.lookup(torch.ones(7), torch.zeros(7), conf).tolist() == pytest.approx([0.005] * 2 + [0.05] * 3 + [0.6] * 2)
+    t.save(tmp_path / "e.json")
+    assert AcceptanceTable.load(tmp_path / "e.json").edges == (0.01, 0.1)
+    assert AcceptanceTable(acc, t.counts).confidence_bin(conf).tolist() == [0, 0, 0, 0, 0, 0, 2]  # equal width
+    for bad in ((0.1,), (0.1, 0.01), (0.0, 0.5), (0.5, 1.0)):
+        with pytest.raises(ValueError, match="edges"):
+            AcceptanceTable(acc, t.counts, edges=bad)
+
+
 def test_calibrator_with_a_table_starts_there_and_learns() -> None:
     table = _rank_table([[0.3, 0.25, 0.2], [0.5, 0.1, 0.05]])
     cal = Calibrator(CalibrationOptions(prior_strength=4.0, decay=1.0), table)

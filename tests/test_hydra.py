@@ -22,6 +22,7 @@ from dyntree.common.hydra import (
     save_heads,
 )
 from dyntree.common.speculator import Speculator, SpecRequest
+from dyntree.common.calibration import CONFIDENCE_EDGES
 from dyntree.training.trainer import (
     HeadData,
     TrainConfig,
@@ -465,8 +466,8 @@ def test_measured_acceptance_table(tmp_path: Path) -> None:
     heads = HydraHeads(cfg, embed, lm_head, reduced_token_map(cache.token_counts(VOCAB), 64))
     data = HeadData(cache, 3, val_fraction=0.2, seed=0, device=torch.device("cpu"))
     train(heads, data, TrainConfig(steps=150, batch_size=64, lr=1e-2, warmup=5), tmp_path / "run")
-    table = measure_acceptance(heads, data, ranks=4, confidence_bins=5)
-    assert table.acceptance.shape == (3, 4, 5)
+    table = measure_acceptance(heads, data, ranks=4)
+    assert table.acceptance.shape == (3, 4, len(CONFIDENCE_EDGES) + 1) and table.edges == CONFIDENCE_EDGES
     # every held-out position with a target for head k is counted once per rank
     per_depth = data.batch(data.val_pos, data.val_valid)["mask"].sum(0)
     assert table.counts.sum((1, 2)).tolist() == (per_depth * 4).tolist()
@@ -477,7 +478,8 @@ def test_measured_acceptance_table(tmp_path: Path) -> None:
     assert bool((rate[:, 0] > 0.3).all()) and bool((rate[:, 0] > 3 * rate[:, 3]).all()), rate  # learned
     save_heads(heads, tmp_path / "ckpt")
     table.save(tmp_path / "ckpt" / "acceptance.json")
-    assert torch.allclose(load_acceptance(tmp_path / "ckpt").acceptance, table.acceptance, atol=1e-5)
+    back = load_acceptance(tmp_path / "ckpt")
+    assert torch.allclose(back.acceptance, table.acceptance, atol=1e-5) and back.edges == CONFIDENCE_EDGES
     from dyntree.common.drafter import TargetInfo
 
     target = TargetInfo("tiny", D, embed, lm_head, "ab" * 32)

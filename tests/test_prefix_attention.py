@@ -24,6 +24,7 @@ from dyntree.common.hydra import (
     HydraMismatchError,
     PrefixKV,
     TargetIdentity,
+    load_acceptance,
     load_heads,
     save_heads,
 )
@@ -452,6 +453,19 @@ def test_train_heads_cli_with_prefix_attention_end_to_end(tmp_path: Path, tok) -
              "--work-dir", str(tmp_path / "work2"), "--out", str(tmp_path / "tuned")]
     assert main(tuned) == 0
     assert json.loads((tmp_path / "tuned" / "config.json").read_text())["training"]["init_from"] == str(out)
+    # measuring the checkpoint's acceptance on every sequence of another cache, without training
+    with pytest.raises(SystemExit, match="--measure-acceptance needs --init-from"):
+        main([*argv, "--measure-acceptance"])
+    measured = [*argv, "--init-from", str(out), "--measure-acceptance", "--cache-dir", str(tmp_path / "work" / "cache"),
+                "--out", str(tmp_path / "measured")]
+    assert main(measured) == 0
+    assert {f.name for f in (tmp_path / "measured").iterdir()} == {f.name for f in out.iterdir()}
+    for f in ("config.json", "model.safetensors"):
+        assert (tmp_path / "measured" / f).read_bytes() == (out / f).read_bytes()  # the heads unchanged
+    table = load_acceptance(tmp_path / "measured")
+    per_depth = table.counts[:, 0].sum(-1)  # every position of all 8 sequences, not a held-out share
+    assert "8 responses to prompts the heads never saw" in table.source
+    assert int(per_depth[0]) > 3 * int(load_acceptance(out).counts[0, 0].sum())  # training held out 1 of 8
     # ... and going on with newly generated data, whose own frequency ranking would give another
     # reduced vocabulary: the checkpoint's is kept (so its output rows keep their meaning)
     more = tmp_path / "more.jsonl"

@@ -34,7 +34,12 @@ import torch
 from dyntree.common.options import CalibrationOptions
 from dyntree.common.tree import DraftTree
 
-__all__ = ["AcceptanceTable", "Calibrator", "entropy"]
+__all__ = ["AcceptanceTable", "CONFIDENCE_EDGES", "Calibrator", "entropy"]
+
+#: Confidence bin edges of measured acceptance tables: most candidates below rank 0 have draft
+#: probabilities under 0.1, where acceptance still grows about in proportion to them.
+CONFIDENCE_EDGES: tuple[float, ...] = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                                       0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -47,14 +52,17 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
 class AcceptanceTable:
     """Measured acceptance of a drafter's candidates: ``acceptance[d - 1, r, c]`` is the chance that
     the rank-``r`` candidate (0 = most likely) at depth ``d`` whose draft probability falls in
-    confidence bin ``c`` (``confidence_bins`` equal-width bins over [0, 1]) is the target's token,
-    given that its parent is. Deeper depths and lower ranks than the table holds use its last
-    depth / rank. ``counts`` holds the observations behind each cell; ``source`` says where they
-    came from (never evaluation data)."""
+    confidence bin ``c`` is the target's token, given that its parent is. The bins split [0, 1] at
+    ``edges`` (default :data:`CONFIDENCE_EDGES`: fine at low confidence, where most candidates
+    below rank 0 lie and acceptance still varies tenfold); a table without edges has equal-width
+    bins. Deeper depths and lower ranks than the table holds use its last depth / rank.
+    ``counts`` holds the observations behind each cell; ``source`` says where they came from
+    (never evaluation data)."""
 
-    acceptance: torch.Tensor  # [depths, ranks, confidence_bins] float32
+    acceptance: torch.Tensor  # [depths, ranks, confidence bins] float32
     counts: torch.Tensor  # same shape, int64
     source: str = ""
+    edges: tuple[float, ...] | None = None  # inner bin edges, increasing in (0, 1); None: equal width
 
     def __post_init__(self) -> None:
         a, c = self.acceptance, self.counts
@@ -63,30 +71,44 @@ class AcceptanceTable:
                              "non-empty [depths, ranks, confidence_bins] shape")
         if not bool(((a >= 0) & (a <= 1)).all()):
             raise ValueError("AcceptanceTable: acceptance must lie in [0, 1]")
+        e = self.edges
+        if e is not None and (len(e) != a.shape[2] - 1 or any(not 0 < x < 1 for x in e)
+                              or any(x >= y for x, y in zip(e, e[1:]))):
+            raise ValueError(f"AcceptanceTable: {a.shape[2]} confidence bins need {a.shape[2] - 1} increasing "
+                             f"edges in (0, 1), got {e}")
+
+    def confidence_bin(self, conf: torch.Tensor) -> torch.Tensor:
+        """Each confidence's bin (int64, same shape)."""
+        conf = torch.as_tensor(conf, dtype=torch.float32).clamp(0, 1)
+        n_c = self.acceptance.shape[2]
+        if self.edges is None:
+            return (conf * n_c).long().clamp(max=n_c - 1)
+        return torch.bucketize(conf, torch.tensor(self.edges, dtype=torch.float32), right=True)
 
     @property
     def ranks(self) -> int:
         return int(self.acceptance.shape[1])
 
     @classmethod
-    def from_counts(cls, hits: torch.Tensor, counts: torch.Tensor, source: str = "", strength: float = 20.0) -> "AcceptanceTable":
+    def from_counts(cls, hits: torch.Tensor, counts: torch.Tensor, source: str = "", strength: float = 20.0,
+                    edges: tuple[float, ...] | None = None) -> "AcceptanceTable":
         """A table from per-cell hits and observations: each cell's rate is shrunk toward its
         ``(depth, rank)`` rate with ``strength`` pseudo-observations (sparse cells follow the rank)."""
         hits, counts = hits.double(), counts.double()
         rank_rate = hits.sum(-1, keepdim=True) / counts.sum(-1, keepdim=True).clamp(min=1)
         rate = (hits + strength * rank_rate) / (counts + strength)
-        return cls(rate.float().clamp(0, 1), counts.round().long(), source)
+        return cls(rate.float().clamp(0, 1), counts.round().long(), source, edges)
 
     def lookup(self, depth: torch.Tensor, rank: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
         """The acceptance of candidates (tensors of one shape; float32)."""
-        n_d, n_r, n_c = self.acceptance.shape
+        n_d, n_r, _ = self.acceptance.shape
         d = (torch.as_tensor(depth, dtype=torch.int64) - 1).clamp(0, n_d - 1)
         r = torch.as_tensor(rank, dtype=torch.int64).clamp(0, n_r - 1)
-        c = (torch.as_tensor(conf, dtype=torch.float32).clamp(0, 1) * n_c).long().clamp(max=n_c - 1)
-        return self.acceptance[d, r, c]
+        return self.acceptance[d, r, self.confidence_bin(conf)]
 
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "shape": list(self.acceptance.shape),
+                **({"confidence_edges": list(self.edges)} if self.edges is not None else {}),
                 "acceptance": [round(x, 5) for x in self.acceptance.flatten().tolist()],
                 "counts": self.counts.flatten().tolist()}
 
@@ -96,9 +118,10 @@ class AcceptanceTable:
             shape = tuple(int(x) for x in doc["shape"])
             acc = torch.tensor(doc["acceptance"], dtype=torch.float32).reshape(shape)
             counts = torch.tensor(doc["counts"], dtype=torch.int64).reshape(shape)
+            edges = tuple(float(x) for x in doc["confidence_edges"]) if "confidence_edges" in doc else None
         except (KeyError, TypeError, RuntimeError, ValueError) as exc:
             raise ValueError(f"malformed acceptance table ({exc})") from None
-        return cls(acc, counts, str(doc.get("source", "")))
+        return cls(acc, counts, str(doc.get("source", "")), edges)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json()))

@@ -80,6 +80,10 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--generate-only", action="store_true",
                    help="stop once the data cache is complete (generate in the background or on a GPU, "
                    "train later with the same --cache-dir)")
+    p.add_argument("--measure-acceptance", action="store_true",
+                   help="do not train: measure the --init-from heads' acceptance table on every cached "
+                   "sequence (answers to prompts the heads never saw, e.g. from benchmarks/unseen_prompts.py; "
+                   "a prefix layer sees each whole sequence) and write the checkpoint with it to --out")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch default)")
     p.set_defaults(func=run_train_heads)
@@ -110,6 +114,8 @@ def run_train_heads(args: argparse.Namespace) -> int:
         loss_top_k(args.loss)
     except ValueError as exc:
         raise SystemExit(f"--{exc}") from None
+    if args.measure_acceptance and not args.init_from:
+        raise SystemExit("--measure-acceptance needs --init-from (the heads to measure)")
     init = None
     if args.init_from:
         try:
@@ -138,7 +144,7 @@ def run_train_heads(args: argparse.Namespace) -> int:
         planned = HydraConfig(**arch)  # refuse a bad architecture before generating data
     except HydraMismatchError as exc:
         raise SystemExit(str(exc)) from None
-    if init is not None:
+    if init is not None and not args.measure_acceptance:
         try:
             check_init(init, planned, args.init_from)  # likewise a checkpoint that cannot seed this run
         except HydraMismatchError as exc:
@@ -154,6 +160,8 @@ def run_train_heads(args: argparse.Namespace) -> int:
         return 0
 
     embed, lm_head = target.embed, target.lm_head
+    if args.measure_acceptance:
+        return _measure_only(args, identity, embed, lm_head, cache, device, t0)
     vocab = identity.vocab_size
     if args.init_from:  # the checkpoint's reduced vocabulary, also when this cache is new data
         token_map = checkpoint_token_map(args.init_from)
@@ -190,9 +198,34 @@ def run_train_heads(args: argparse.Namespace) -> int:
     result = train(heads, data, tcfg, work)
     heads.config.training.update({"val": result["val"], "wall_s": round(time.time() - t0, 1)})
     save_heads(heads, out, torch.float16)
-    table = measure_acceptance(heads, data, window=args.window)
+    table = measure_acceptance(heads, data)
     table.save(out / ACCEPTANCE_FILE)
     print(json.dumps({"out": str(out), "val": result["val"], "wall_s": round(time.time() - t0, 1)}))
+    return 0
+
+
+def _measure_only(args: argparse.Namespace, identity, embed: torch.Tensor, lm_head: torch.Tensor, cache,
+                  device: torch.device, t0: float) -> int:
+    """``--measure-acceptance``: the --init-from checkpoint, unchanged, with an acceptance table
+    measured on every cached sequence, written to --out."""
+    import shutil
+
+    from dyntree.common.hydra import ACCEPTANCE_FILE, load_heads
+    from dyntree.training.trainer import HeadData, measure_acceptance
+
+    heads = load_heads(args.init_from, identity, embed.float(), lm_head.float(), torch.float32, device)
+    data = HeadData(cache, heads.num_heads, val_fraction=1.0, seed=args.seed, device=device)
+    source = (f"{cache.meta['sequences']} responses to prompts the heads never saw "
+              f"({', '.join(Path(d).name for d in args.data)})")
+    table = measure_acceptance(heads, data, source=source)
+    out, src = Path(args.out), Path(args.init_from)
+    out.mkdir(parents=True, exist_ok=True)
+    if out.resolve() != src.resolve():
+        for f in src.iterdir():
+            if f.is_file() and f.name != ACCEPTANCE_FILE:
+                shutil.copy2(f, out / f.name)
+    table.save(out / ACCEPTANCE_FILE)
+    print(json.dumps({"out": str(out), "acceptance": table.source, "wall_s": round(time.time() - t0, 1)}))
     return 0
 
 

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from dyntree.standalone.attention import GROUPED
 
-__all__ = ["HiddenCache", "read_prompts", "generate_cache"]
+__all__ = ["HiddenCache", "read_prompts", "encode_prompt", "generate_cache"]
 
 
 def read_prompts(files: Sequence[str | Path], limit: int, seed: int) -> list[str]:
@@ -56,7 +56,8 @@ def read_prompts(files: Sequence[str | Path], limit: int, seed: int) -> list[str
     return prompts[:limit]
 
 
-def _encode(tokenizer: Any, prompt: str) -> list[int]:
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """The prompt as the target sees it: the chat template with the generation prompt, as token ids."""
     enc = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
     )
@@ -151,7 +152,7 @@ def generate_cache(
     if settings_file.exists() and json.loads(settings_file.read_text()) != settings:
         raise ValueError(f"{out} holds partial chunks made with other settings; use another --cache-dir")
     settings_file.write_text(json.dumps(settings))
-    encoded = [e for e in (_encode(tokenizer, p) for p in prompts) if len(e) <= max_prompt_tokens]
+    encoded = [e for e in (encode_prompt(tokenizer, p) for p in prompts) if len(e) <= max_prompt_tokens]
     encoded.sort(key=len)  # similar lengths per batch: little padding
     eos = int(tokenizer.eos_token_id)
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)

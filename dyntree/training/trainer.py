@@ -40,7 +40,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from dyntree.common.calibration import AcceptanceTable
+from dyntree.common.calibration import CONFIDENCE_EDGES, AcceptanceTable
 from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, check_target, read_config
 from dyntree.training.data import HiddenCache
 
@@ -116,6 +116,7 @@ class HeadData:
     the prompts (after the shared template header: :meth:`HiddenCache.positions`); held-out
     sequences are scored on their responses either way. ``train_fraction`` < 1 trains on a seeded
     random share of the non-held-out sequences (data-scaling studies; the held-out set is unchanged).
+    ``val_fraction`` 1 holds every sequence out (measuring trained heads on data they never saw).
     """
 
     def __init__(self, cache: HiddenCache, num_heads: int, val_fraction: float, seed: int, device: torch.device,
@@ -128,6 +129,8 @@ class HeadData:
         self.tokens = torch.from_numpy(cache.tokens.astype(np.int64)).to(device)
         n_seq = cache.offsets.size - 1
         n_val = max(1, int(round(n_seq * val_fraction))) if val_fraction > 0 and n_seq > 1 else 0  # >= 1 held out
+        if val_fraction >= 1:  # everything held out: measuring trained heads on data they never saw
+            n_val = n_seq
         perm = np.random.default_rng(seed).permutation(n_seq)
         val_seqs = perm[:n_val]
         train_seqs = perm[n_val:n_val + max(1, int(round((n_seq - n_val) * train_fraction)))]
@@ -144,7 +147,7 @@ class HeadData:
         # held-out sequences are always scored on their responses: comparable with and without prompts
         self.train_pos, self.train_valid, self.train_start, self.train_end, self.train_rstart = split(prompt_positions, False)
         self.val_pos, self.val_valid, self.val_start, self.val_end, self.val_rstart = split(False, True)
-        if self.train_pos.numel() == 0:
+        if self.train_pos.numel() == 0 and val_fraction < 1:
             raise ValueError("the cache has no training positions (responses too short?)")
 
     def batch(self, pos: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -253,15 +256,21 @@ def evaluate(heads: HydraHeads, data: HeadData, batch_size: int = 512, window: i
 
 
 @torch.no_grad()
-def measure_acceptance(heads: HydraHeads, data: HeadData, ranks: int = 16, confidence_bins: int = 10,
-                       batch_size: int = 512, window: int = 64) -> AcceptanceTable:
-    """The heads' :class:`AcceptanceTable` on the held-out sequences: at each position, head ``k``
-    (teacher-forced on the target's tokens, i.e. its parent path accepted) offers its top-``ranks``
-    candidates with their probabilities, exactly as it drafts; a candidate is accepted when it is
-    the target's token."""
+def measure_acceptance(heads: HydraHeads, data: HeadData, ranks: int = 16, batch_size: int = 512,
+                       window: int | None = None, source: str = "held-out training sequences") -> AcceptanceTable:
+    """The heads' :class:`AcceptanceTable` (bins :data:`CONFIDENCE_EDGES`) on the held-out
+    sequences: at each position, head ``k`` (teacher-forced on the target's tokens, i.e. its parent
+    path accepted) offers its top-``ranks`` candidates with their probabilities, exactly as it
+    drafts; a candidate is accepted when it is the target's token. A prefix layer sees windows of
+    up to ``window`` positions (default: the longest sequence, so every position sees its whole
+    prefix, the prompt included, as in decoding)."""
     if data.val_pos.numel() == 0:
         raise ValueError("measuring acceptance needs held-out sequences (val_fraction > 0)")
+    if window is None:
+        window = int((data.val_end - data.val_start).max())
     heads.eval()
+    confidence_bins = len(CONFIDENCE_EDGES) + 1
+    edges = torch.tensor(CONFIDENCE_EDGES, dtype=torch.float32)
     shape = (heads.num_heads, ranks, confidence_bins)
     hits = torch.zeros(shape, dtype=torch.float64)
     counts = torch.zeros(shape, dtype=torch.float64)
@@ -274,7 +283,7 @@ def measure_acceptance(heads: HydraHeads, data: HeadData, ranks: int = 16, confi
         probs = torch.softmax(heads(hidden, b["tokens"]).float(), dim=-1)  # [N, K, V']
         top = probs.topk(min(ranks, probs.shape[-1]), dim=-1)
         ids = heads.to_full_ids(top.indices).cpu()
-        conf = (top.values.cpu() * confidence_bins).long().clamp(max=confidence_bins - 1)
+        conf = torch.bucketize(top.values.float().cpu(), edges, right=True)
         hit = (ids == b["next"].cpu()[..., None]).double()
         live = b["mask"].cpu()[..., None].expand(conf.shape)
         r = rank[..., : conf.shape[-1]].expand(conf.shape)
@@ -283,7 +292,7 @@ def measure_acceptance(heads: HydraHeads, data: HeadData, ranks: int = 16, confi
         hits.view(-1).index_add_(0, cell, hit[live])
     heads.train()
     n = int(counts[:, 0].sum())
-    return AcceptanceTable.from_counts(hits, counts, f"held-out training sequences: {n} head positions")
+    return AcceptanceTable.from_counts(hits, counts, f"{source}: {n} head positions", edges=CONFIDENCE_EDGES)
 
 
 def check_init(src: HydraConfig, mine: HydraConfig, ckpt_dir: str | Path) -> None:
