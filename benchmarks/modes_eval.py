@@ -50,6 +50,8 @@ def main() -> None:
         "default); 0 fills the node budget, for a comparison at equal node counts",
     )
     ap.add_argument("--max-children", type=int, default=None, help="dyntree: most children of one node")
+    ap.add_argument("--tree-options", type=json.loads, default={},
+                    help='dyntree: more tree builder options as JSON, e.g. \'{"max_frontier": 64}\'')
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--dtype", default="bf16", help="fp32 (exact), bf16 or fp16")
@@ -71,11 +73,14 @@ def main() -> None:
         builder = make_hf_drafter(drafter, model, tok).drafts_with_builder
         for budget in (int(b) for b in args.budgets.split(",")):
             spec = SpecConfig(drafter=drafter, max_nodes=budget, max_depth=min(8, budget))
-            for mode, s in variants(args.modes.split(",") if builder else ["own"], spec, thresholds, args.max_children):
+            for mode, s in variants(args.modes.split(",") if builder else ["own"], spec, thresholds, args.max_children,
+                                    args.tree_options):
                 run = run_mode(model, tok, encoded, ids, mode, s, params, 1)
                 compare(base, run)
                 run["threshold"] = s.tree_options.threshold if mode == "dyntree" else None
                 run["max_children"] = s.tree_options.max_children if mode == "dyntree" else None
+                if mode == "dyntree" and args.tree_options:
+                    run["tree_options"] = args.tree_options
                 runs.append(run)
                 print(f"{drafter:8} N={budget:<3} {mode:8} thr={run['threshold']} tau={run['tau']:.2f} "
                       f"nodes={run['draft_nodes_per_step']:.1f} tok/s={run['tokens_per_s']:.2f} "
@@ -136,10 +141,11 @@ def summarize(runs: list[dict]) -> list[str]:
 
 
 def variants(
-    modes: list[str], spec: SpecConfig, thresholds: list[float], max_children: int | None = None
+    modes: list[str], spec: SpecConfig, thresholds: list[float], max_children: int | None = None,
+    tree_options: dict | None = None,
 ) -> list[tuple[str, SpecConfig]]:
     """(mode, config) pairs to run: ``dyntree`` once per path-value threshold (none: the default),
-    with ``max_children`` when given."""
+    with ``max_children`` and the other ``tree_options`` when given."""
     out = []
     for mode in modes:
         for t in thresholds if mode == "dyntree" and thresholds else [None]:
@@ -149,6 +155,8 @@ def variants(
                 tree["threshold"] = t
             if mode == "dyntree" and max_children is not None:
                 tree["max_children"] = max_children
+            if mode == "dyntree":
+                tree.update(tree_options or {})
             out.append((mode, SpecConfig.model_validate(fields)))
     return out
 
