@@ -40,7 +40,22 @@ def test_cost_model_interpolates_extrapolates_and_learns() -> None:
 def test_cost_model_measure_times_the_forward() -> None:
     calls: list[int] = []
     cm = CostModel.measure(calls.append, [1, 8], repeats=3)
-    assert calls == [1, 1, 1, 1, 8, 8, 8, 8] and cm.xs == [1, 8] and all(y > 0 for y in cm.ys)
+    assert calls == [1, 8] * 4 and cm.xs == [1, 8] and all(y > 0 for y in cm.ys)  # warm-up, then 3 rounds
+
+
+def test_cost_model_measure_keeps_each_size_fastest_round(monkeypatch) -> None:
+    """A slow spell of the machine during one round does not price that size: each size keeps
+    its fastest timing over interleaved rounds (a fake clock: 2 and 4 tokens slow in round 1)."""
+    now, calls = [0.0], []
+    monkeypatch.setattr(controller_module.time, "perf_counter", lambda: now[0])
+
+    def forward(n: int) -> None:
+        calls.append(n)
+        slow = len(calls) in (5, 6)  # warm-ups are calls 1-3; round 1 times 1, 2, 4 as calls 4-6
+        now[0] += (70.0 + n + (50.0 if slow else 0.0)) / 1e3
+
+    cm = CostModel.measure(forward, [1, 2, 4], repeats=2)
+    assert [cm(n) for n in (1, 2, 4)] == pytest.approx([71.0, 72.0, 74.0])
 
 
 def test_online_cost_model_starts_flat_at_the_first_forward_then_learns() -> None:
