@@ -225,7 +225,9 @@ def test_calibrator_starts_at_identity_and_learns() -> None:
     cal.update(torch.full((4000,), 2), c, torch.zeros(4000), acc)
     pred2 = float(cal.predict(torch.tensor([2]), torch.tensor([0.9]), torch.zeros(1)))
     assert abs(pred2 - float(acc.float().mean())) < 0.01
-    assert torch.allclose(cal.predict(depth, conf, ent), conf)  # depth 1 untouched
+    # depth 1 has no evidence of its own: it follows the pooled ratio (the drafter is overconfident)
+    pooled = float(acc.float().mean()) / 0.9
+    assert torch.allclose(cal.predict(depth, conf, ent), conf * pooled, atol=0.01)
     with pytest.raises(ValueError, match="depth"):
         cal.predict(torch.tensor([0]), torch.tensor([0.5]), torch.zeros(1))
 
@@ -271,6 +273,28 @@ def test_acceptance_table_with_confidence_edges(tmp_path) -> None:
     for bad in ((0.1,), (0.1, 0.01), (0.0, 0.5), (0.5, 1.0)):
         with pytest.raises(ValueError, match="edges"):
             AcceptanceTable(acc, t.counts, edges=bad)
+
+
+def test_calibrator_pools_evidence_and_keeps_ranks_apart() -> None:
+    """Unseen bins start from what their depth, else every depth, measured (not from the bare
+    base), and a runner-up is not priced like a first choice of the same confidence."""
+    cal = Calibrator(CalibrationOptions(prior_strength=4.0, decay=1.0))
+    g = torch.Generator().manual_seed(0)
+    n = 2000
+    rank = torch.arange(n) % 2  # rank 0 accepted 90% of the time, rank 1 10%, both at confidence 0.5
+    acc = torch.rand(n, generator=g) < torch.where(rank == 0, 0.9, 0.1)
+    cal.update(torch.ones(n, dtype=torch.int64), torch.full((n,), 0.5), torch.zeros(n), acc, rank)
+    got = cal.predict(torch.ones(2, dtype=torch.int64), torch.full((2,), 0.5), torch.zeros(2), torch.tensor([0, 1]))
+    assert abs(float(got[0]) - 0.9) < 0.03 and abs(float(got[1]) - 0.1) < 0.03
+    # an unseen bin of depth 1 (confidence 0.3) and an unseen depth follow the pooled ratio (~1.0 here)
+    ratio = float(acc.double().mean()) / 0.5
+    for depth in (1, 5):
+        p = float(cal.predict(torch.tensor([depth]), torch.tensor([0.3]), torch.zeros(1)))
+        assert abs(p - 0.3 * ratio) < 0.02, (depth, p)
+    # ... and when the drafter is underconfident everywhere, so is every new bin's estimate lifted
+    sure = Calibrator(CalibrationOptions(prior_strength=4.0, decay=1.0))
+    sure.update(torch.ones(n, dtype=torch.int64), torch.full((n,), 0.5), torch.zeros(n), torch.rand(n, generator=g) < 0.9)
+    assert float(sure.predict(torch.tensor([6]), torch.tensor([0.4]), torch.zeros(1))) > 0.65  # 0.4 * ~1.8
 
 
 def test_calibrator_with_a_table_starts_there_and_learns() -> None:

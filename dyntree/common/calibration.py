@@ -8,15 +8,19 @@ than the candidate's rank), so the estimate has two parts:
 * a *base* estimate: the drafter's :class:`AcceptanceTable` when it ships one (acceptance measured
   offline per ``(depth, rank, confidence bin)`` on held-out data, e.g. Hydra heads on held-out
   training sequences), else the confidence itself;
-* an online correction per ``(depth, entropy bin, confidence bin)`` learned by
+* an online correction per ``(depth, entropy bin, confidence bin, rank)`` learned by
   :class:`Calibrator` from verification outcomes::
 
-    predict(depth, conf, H, rank) = clamp(base * (A + s * b) / (E + s * b), 0, 1),  b = E / W
+    predict(depth, conf, H, rank) = clamp(base * (A + s * b * P) / (E + s * b), 0, 1),  b = E / W
 
   where ``W`` is the (decayed) number of observations in the bin, ``A`` the (decayed) number
   accepted, ``E`` the (decayed) sum of their base estimates and ``s`` = ``prior_strength``
-  pseudo-observations at ratio 1. With no data this is the base estimate; with plenty, the bin's
-  base scaled so that it predicts the bin's measured acceptance rate. The correction is a ratio,
+  pseudo-observations at the *parent* ratio ``P``: the same ratio pooled over the bin's depth,
+  whose own parent is the ratio pooled over all depths (parent 1). With no data at all this is the
+  base estimate; a bin without data of its own starts from what its depth, else the whole drafter,
+  measured (a near-exact self-draft is underconfident at every depth, and a short run never fills
+  the deep bins one by one); with plenty, the bin's base scaled so that it predicts the bin's
+  measured acceptance rate. The correction is a ratio,
   not an offset: it keeps the base's order inside a bin, where candidates of probability 0.002
   and 0.08 share the lowest confidence bin (an offset there raised or zeroed them alike, and
   wide trees lost the candidates worth most: Hydra, 64 nodes, tau 2.92 with the offset, 3.01
@@ -148,29 +152,32 @@ class Calibrator:
         self.options = options or CalibrationOptions()
         o = self.options
         self._edges = torch.tensor(o.entropy_edges, dtype=torch.float32)
-        shape = (o.max_depth, len(o.entropy_edges) + 1, o.confidence_bins)
+        shape = (o.max_depth, len(o.entropy_edges) + 1, o.confidence_bins, o.rank_bins)
         self.weight = torch.zeros(shape, dtype=torch.float64)  # W: observations
         self.accepted = torch.zeros(shape, dtype=torch.float64)  # A: accepted among them
         self.expected = torch.zeros(shape, dtype=torch.float64)  # E: their base estimates, summed
         self.observations = 0
 
-    def _bins(self, depth: torch.Tensor, conf: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
+    def _bins(self, depth: torch.Tensor, conf: torch.Tensor, ent: torch.Tensor,
+              rank: torch.Tensor | None = None) -> torch.Tensor:
         o = self.options
         depth = torch.as_tensor(depth, dtype=torch.int64).cpu()
         conf = torch.as_tensor(conf, dtype=torch.float32).cpu()
         ent = torch.as_tensor(ent, dtype=torch.float32).cpu().contiguous()
-        if not (depth.shape == conf.shape == ent.shape):
+        rank = torch.zeros_like(depth) if rank is None else torch.as_tensor(rank, dtype=torch.int64).cpu()
+        if not (depth.shape == conf.shape == ent.shape == rank.shape):
             raise ValueError(
-                f"depth, conf and entropy must have one shape, got {tuple(depth.shape)}, "
-                f"{tuple(conf.shape)}, {tuple(ent.shape)}"
+                f"depth, conf, entropy and rank must have one shape, got {tuple(depth.shape)}, "
+                f"{tuple(conf.shape)}, {tuple(ent.shape)}, {tuple(rank.shape)}"
             )
         if bool((depth < 1).any()):
             raise ValueError("depth must be >= 1 (draft nodes; the root is not calibrated)")
         d = depth.clamp(max=o.max_depth) - 1
         e = torch.bucketize(ent, self._edges, right=True)
         c = (conf.clamp(0, 1) * o.confidence_bins).long().clamp(max=o.confidence_bins - 1)
-        n_e, n_c = len(o.entropy_edges) + 1, o.confidence_bins
-        return (d * n_e + e) * n_c + c
+        r = rank.clamp(0, o.rank_bins - 1)
+        n_e, n_c, n_r = len(o.entropy_edges) + 1, o.confidence_bins, o.rank_bins
+        return ((d * n_e + e) * n_c + c) * n_r + r
 
     def base(self, depth: torch.Tensor, conf: torch.Tensor, rank: torch.Tensor | None = None) -> torch.Tensor:
         """The estimate before online correction (float64, CPU): the table's, else ``conf``."""
@@ -184,16 +191,26 @@ class Calibrator:
                 rank: torch.Tensor | None = None) -> torch.Tensor:
         """Calibrated acceptance probability, same shape as ``conf`` (float32, CPU). ``rank``: each
         candidate's rank among its siblings' candidates (0 = most likely; default 0)."""
-        flat = self._bins(depth, conf, ent)
+        flat = self._bins(depth, conf, ent, rank)
+        n_d = self.weight.shape[0]
+        d = flat // (self.weight.numel() // n_d)
+        ratio = self._ratio(self.weight.sum(), self.accepted.sum(), self.expected.sum(), torch.ones(()))
+        per_depth = [x.flatten(1).sum(1) for x in (self.weight, self.accepted, self.expected)]
+        ratio = self._ratio(*per_depth, ratio.expand(n_d))[d]
         w, a, e = (x.view(-1)[flat] for x in (self.weight, self.accepted, self.expected))
-        prior = self.options.prior_strength * (e / w.clamp(min=1e-12)).clamp(min=1e-4)
-        ratio = torch.where(w > 0, (a + prior) / (e + prior), torch.ones_like(w))
+        ratio = self._ratio(w, a, e, ratio)
         return (self.base(depth, conf, rank) * ratio).clamp(0, 1).float()
+
+    def _ratio(self, w: torch.Tensor, a: torch.Tensor, e: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+        """Measured over predicted acceptance of ``w`` observations (``a`` accepted, base estimates
+        summing to ``e``), shrunk toward ``parent`` by ``prior_strength`` pseudo-observations."""
+        prior = self.options.prior_strength * (e / w.clamp(min=1e-12)).clamp(min=1e-4)
+        return torch.where(w > 0, (a + prior * parent) / (e + prior), parent)
 
     def update(self, depth: torch.Tensor, conf: torch.Tensor, ent: torch.Tensor, accepted: torch.Tensor,
                rank: torch.Tensor | None = None) -> None:
         """Fold in observations: each judged draft node and whether the target accepted it."""
-        flat = self._bins(depth, conf, ent)
+        flat = self._bins(depth, conf, ent, rank)
         acc = torch.as_tensor(accepted).cpu().to(torch.float64)
         if acc.shape != flat.shape:
             raise ValueError(f"accepted must have shape {tuple(flat.shape)}, got {tuple(acc.shape)}")

@@ -27,6 +27,11 @@ class CalibrationOptions(BaseModel):
     entropy_edges: tuple[float, ...] = Field(
         (0.5, 1.5, 3.0), description="increasing entropy (nats) bin edges; len+1 entropy bins"
     )
+    rank_bins: int = Field(
+        4, ge=1, le=64, description="candidate ranks (0 = the drafter's first) with bins of their own; lower "
+        "ranks share the last (a near-exact self-draft's first choice and a runner-up of equal confidence are "
+        "not equally likely to be accepted)"
+    )
     max_depth: int = Field(16, ge=1, le=256, description="depths beyond this share the last depth's table")
     prior_strength: float = Field(
         8.0, gt=0, description="pseudo-observations of the identity map per bin (higher = slower to move)"
