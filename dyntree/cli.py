@@ -260,14 +260,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print(f"{'mode':<10}{'drafter':<12}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'identical':>11}{'build ms':>10}"
-          "  accepted per depth")
+    print(f"{'mode':<10}{'drafter':<12}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'decode':>8}{'identical':>11}"
+          f"{'build ms':>10}  accepted per depth")
     for r in result["runs"]:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        dsp = f"{r['decode_speedup']:.2f}x" if r.get("decode_speedup") is not None else "-"
         depth = " ".join(f"{x:.2f}" for x in r["accepted_per_depth"]) or "-"
         build = f"{r['build_ms_per_step']:.1f}" if r["build_ms_per_step"] is not None else "-"
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
-        print(f"{r['mode']:<10}{r['drafter']:<12}{tau:>7}{r['tokens_per_s']:>9.1f}{sp:>9}"
+        print(f"{r['mode']:<10}{r['drafter']:<12}{tau:>7}{r['tokens_per_s']:>9.1f}{sp:>9}{dsp:>8}"
               f"{r['identical_to_none']!s:>11}{build:>10}  {depth}")
         if len(r.get("speedup_runs", ())) > 1:
             print(f"{'':<22}speedup per round: {' '.join(f'{x:.2f}' for x in r['speedup_runs'])}")

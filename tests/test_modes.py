@@ -162,6 +162,11 @@ def test_bench_runs_every_mode_with_overhead_fields() -> None:
         compare(base, run)
         assert run["mode"] == mode and run["tree"] == (None if mode == "own" else mode) and run["adaptive"]
         assert run["identical_to_none"] == 1.0 and run["speedup"] is not None
+        # decoding alone: the prefills and the first token of each request taken out (wall_s and
+        # prefill_s are rounded to 1 ms, a few % of this tiny model's run)
+        assert run["decode_tokens_per_s"] == pytest.approx(
+            (run["tokens"] - len(ids)) / (run["wall_s"] - run["prefill_s"]), rel=0.05)
+        assert run["decode_speedup"] == pytest.approx(run["decode_tokens_per_s"] / base["decode_tokens_per_s"], rel=1e-3)
         assert run["tau"] > 1.0 and run["accepted_per_depth"] and run["accepted_per_depth"][0] > 0
         assert 0 <= run["draft_ms_per_step"] <= run["step_ms"] and run["engine_steps"] > 0
         if mode == "own":  # no builder: the n-gram drafter shapes its own trees
@@ -178,6 +183,7 @@ def test_bench_runs_every_mode_with_overhead_fields() -> None:
         run = run_hf_mode(model, tok, prompts, ids, mode, greedy)
         compare(base, run)
         assert run["identical_to_none"] == 1.0 and run["tau"] is None and run["tokens"] == base["tokens"]
+        assert run["decode_speedup"] is None  # transformers' prefill is not timed apart
     with pytest.raises(ValueError, match="greedy"):
         run_hf_mode(model, tok, prompts, ids, "hf", SamplingParams(temperature=0.7))
 
@@ -200,13 +206,15 @@ def test_bench_runs_several_drafters_round_by_round() -> None:
         assert len(run["tokens_per_s_runs"]) == 3 and len(run["speedup_runs"]) == 3
         assert run["tokens_per_s"] == sorted(run["tokens_per_s_runs"])[1]  # the median run
         assert run["speedup"] == pytest.approx(sorted(run["speedup_runs"])[1], abs=1e-4)
+        assert run["decode_speedup"] == pytest.approx(sorted(run["decode_speedup_runs"])[1], abs=1e-4)
         assert run["identical_to_none"] == 1.0
     # the median run's own record, every round's speed, the median of the per-round speedups
-    rounds = [{"tokens_per_s": t, "speedup": s, "identical_to_none": i, "tau": tau}
-              for t, s, i, tau in [(10.0, 1.2, 1.0, 1.5), (30.0, 0.9, 0.5, 1.7), (20.0, 1.0, 1.0, 1.6)]]
+    rounds = [{"tokens_per_s": t, "speedup": s, "decode_speedup": ds, "identical_to_none": i, "tau": tau}
+              for t, s, ds, i, tau in [(10.0, 1.2, 1.3, 1.0, 1.5), (30.0, 0.9, 0.8, 0.5, 1.7), (20.0, 1.0, 1.4, 1.0, 1.6)]]
     run = _median_run(rounds)
     assert run["tau"] == 1.6 and run["tokens_per_s_runs"] == [10.0, 30.0, 20.0]
     assert run["speedup"] == 1.0 and run["identical_to_none"] == 0.5
+    assert run["decode_speedup"] == 1.3 and run["decode_speedup_runs"] == [1.3, 0.8, 1.4]
 
 
 def test_modes_eval_runs_dyntree_once_per_threshold() -> None:

@@ -43,7 +43,7 @@ import torch
 from dyntree.common.options import CalibrationOptions
 from dyntree.common.tree import DraftTree
 
-__all__ = ["AcceptanceTable", "CONFIDENCE_EDGES", "Calibrator", "entropy"]
+__all__ = ["AcceptanceTable", "CONFIDENCE_EDGES", "Calibrator", "bin_confidence", "entropy"]
 
 #: Confidence bin edges of measured acceptance tables: most candidates below rank 0 have draft
 #: probabilities under 0.1, where acceptance still grows about in proportion to them.
@@ -55,6 +55,13 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in nats over the last dimension (``0 log 0 = 0``)."""
     p = probs.float()
     return -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+
+
+def bin_confidence(conf: torch.Tensor, edges: Sequence[float] = CONFIDENCE_EDGES) -> torch.Tensor:
+    """Each confidence's bin among those that ``edges`` (increasing inner edges) split [0, 1] into:
+    int64, same shape; bin ``i`` holds ``edges[i-1] <= conf < edges[i]``."""
+    return torch.bucketize(torch.as_tensor(conf, dtype=torch.float32), torch.tensor(edges, dtype=torch.float32),
+                           right=True)
 
 
 @dataclass(frozen=True)
@@ -92,7 +99,7 @@ class AcceptanceTable:
         n_c = self.acceptance.shape[2]
         if self.edges is None:
             return (conf * n_c).long().clamp(max=n_c - 1)
-        return torch.bucketize(conf, torch.tensor(self.edges, dtype=torch.float32), right=True)
+        return bin_confidence(conf, self.edges)
 
     @property
     def ranks(self) -> int:
@@ -194,8 +201,8 @@ class Calibrator:
         flat = self._bins(depth, conf, ent, rank)
         n_d = self.weight.shape[0]
         d = flat // (self.weight.numel() // n_d)
-        ratio = self._ratio(self.weight.sum(), self.accepted.sum(), self.expected.sum(), torch.ones(()))
         per_depth = [x.flatten(1).sum(1) for x in (self.weight, self.accepted, self.expected)]
+        ratio = self._ratio(*(x.sum() for x in per_depth), torch.ones(()))
         ratio = self._ratio(*per_depth, ratio.expand(n_d))[d]
         w, a, e = (x.view(-1)[flat] for x in (self.weight, self.accepted, self.expected))
         ratio = self._ratio(w, a, e, ratio)

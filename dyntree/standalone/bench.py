@@ -163,8 +163,8 @@ def run_hf_mode(model, tokenizer, encoded: Sequence[Sequence[int]], ids: Sequenc
         wall = time.perf_counter() - start
     tokens = sum(len(o["token_ids"]) for o in outs)
     return {"mode": mode, "drafter": "transformers", "tokens": tokens, "steps": None, "wall_s": round(wall, 3),
-            "tokens_per_s": round(tokens / wall, 3) if wall > 0 else 0.0, "tau": None, "accepted_per_depth": [],
-            "draft_nodes_per_step": None, "outputs": outs, "build_ms_per_step": None}
+            "tokens_per_s": round(tokens / wall, 3) if wall > 0 else 0.0, "decode_tokens_per_s": None, "tau": None,
+            "accepted_per_depth": [], "draft_nodes_per_step": None, "outputs": outs, "build_ms_per_step": None}
 
 
 def mode_spec(mode: str, spec: SpecConfig) -> tuple[str | None, SpecConfig]:
@@ -231,6 +231,9 @@ def run_mode(
         if engine.speculator.builder else None,
         "startup_s": round(startup, 3),
         "prefill_s": round(engine.prefill_s, 3),
+        # decoding alone: the prefills (the same work in every mode) and the first token of each
+        # request, which they give, taken out; what speculation can change
+        "decode_tokens_per_s": _decode_rate(run["tokens"] - len(outs), wall - engine.prefill_s),
     })  # fmt: skip
     if categories is not None:
         run["by_category"] = {
@@ -240,16 +243,27 @@ def run_mode(
     return run
 
 
+def _decode_rate(tokens: int, seconds: float) -> float | None:
+    return round(tokens / seconds, 3) if seconds > 0 else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
 def compare(base: dict[str, Any] | None, run: dict[str, Any]) -> None:
-    """Add ``identical_to_none`` and ``speedup`` of ``run`` against the plain run ``base``."""
+    """Add ``identical_to_none``, ``speedup`` (end to end, prefills included) and
+    ``decode_speedup`` (decoding alone; ``None`` for transformers' modes, whose prefill is not
+    timed apart) of ``run`` against the plain run ``base``."""
     if base is None:
         run["identical_to_none"] = None
-        run["speedup"] = None
+        run["speedup"] = run["decode_speedup"] = None
         return
     ref = {o["id"]: o["token_ids"] for o in base["outputs"]}
     same = [o["token_ids"] == ref[o["id"]] for o in run["outputs"]]
     run["identical_to_none"] = round(sum(same) / len(same), 4)
-    run["speedup"] = round(run["tokens_per_s"] / base["tokens_per_s"], 4) if base["tokens_per_s"] else None
+    run["speedup"] = _ratio(run["tokens_per_s"], base["tokens_per_s"])
+    run["decode_speedup"] = _ratio(run.get("decode_tokens_per_s"), base.get("decode_tokens_per_s"))
 
 
 def _median_run(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -263,6 +277,9 @@ def _median_run(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         run["speedup_runs"] = [x["speedup"] for x in rounds]
         run["speedup"] = round(statistics.median(run["speedup_runs"]), 4)
         run["identical_to_none"] = min(x["identical_to_none"] for x in rounds)
+    if run.get("decode_speedup") is not None:
+        run["decode_speedup_runs"] = [x["decode_speedup"] for x in rounds]
+        run["decode_speedup"] = round(statistics.median(run["decode_speedup_runs"]), 4)
     return run
 
 

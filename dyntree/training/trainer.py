@@ -40,7 +40,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from dyntree.common.calibration import CONFIDENCE_EDGES, AcceptanceTable
+from dyntree.common.calibration import CONFIDENCE_EDGES, AcceptanceTable, bin_confidence
 from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, check_target, read_config
 from dyntree.training.data import HiddenCache
 
@@ -128,9 +128,9 @@ class HeadData:
         self.hidden = torch.from_numpy(np.array(cache.hidden)).to(device)
         self.tokens = torch.from_numpy(cache.tokens.astype(np.int64)).to(device)
         n_seq = cache.offsets.size - 1
-        n_val = max(1, int(round(n_seq * val_fraction))) if val_fraction > 0 and n_seq > 1 else 0  # >= 1 held out
-        if val_fraction >= 1:  # everything held out: measuring trained heads on data they never saw
-            n_val = n_seq
+        # at least one held out; all of them at val_fraction 1 (measuring trained heads on unseen data)
+        n_val = (n_seq if val_fraction >= 1
+                 else max(1, int(round(n_seq * val_fraction))) if val_fraction > 0 and n_seq > 1 else 0)
         perm = np.random.default_rng(seed).permutation(n_seq)
         val_seqs = perm[:n_val]
         train_seqs = perm[n_val:n_val + max(1, int(round((n_seq - n_val) * train_fraction)))]
@@ -270,7 +270,6 @@ def measure_acceptance(heads: HydraHeads, data: HeadData, ranks: int = 16, batch
         window = int((data.val_end - data.val_start).max())
     heads.eval()
     confidence_bins = len(CONFIDENCE_EDGES) + 1
-    edges = torch.tensor(CONFIDENCE_EDGES, dtype=torch.float32)
     shape = (heads.num_heads, ranks, confidence_bins)
     hits = torch.zeros(shape, dtype=torch.float64)
     counts = torch.zeros(shape, dtype=torch.float64)
@@ -283,7 +282,7 @@ def measure_acceptance(heads: HydraHeads, data: HeadData, ranks: int = 16, batch
         probs = torch.softmax(heads(hidden, b["tokens"]).float(), dim=-1)  # [N, K, V']
         top = probs.topk(min(ranks, probs.shape[-1]), dim=-1)
         ids = heads.to_full_ids(top.indices).cpu()
-        conf = torch.bucketize(top.values.float().cpu(), edges, right=True)
+        conf = bin_confidence(top.values.float().cpu())
         hit = (ids == b["next"].cpu()[..., None]).double()
         live = b["mask"].cpu()[..., None].expand(conf.shape)
         r = rank[..., : conf.shape[-1]].expand(conf.shape)
