@@ -276,8 +276,9 @@ def test_acceptance_table_with_confidence_edges(tmp_path) -> None:
 
 
 def test_calibrator_pools_evidence_and_keeps_ranks_apart() -> None:
-    """Unseen bins start from what their depth, else every depth, measured (not from the bare
-    base), and a runner-up is not priced like a first choice of the same confidence."""
+    """Unseen bins start from what their depth and rank, else their rank at every depth, else the
+    whole drafter measured (not from the bare base), and a runner-up is not priced like a first
+    choice of the same confidence."""
     cal = Calibrator(CalibrationOptions(prior_strength=4.0, decay=1.0))
     g = torch.Generator().manual_seed(0)
     n = 2000
@@ -286,11 +287,16 @@ def test_calibrator_pools_evidence_and_keeps_ranks_apart() -> None:
     cal.update(torch.ones(n, dtype=torch.int64), torch.full((n,), 0.5), torch.zeros(n), acc, rank)
     got = cal.predict(torch.ones(2, dtype=torch.int64), torch.full((2,), 0.5), torch.zeros(2), torch.tensor([0, 1]))
     assert abs(float(got[0]) - 0.9) < 0.03 and abs(float(got[1]) - 0.1) < 0.03
-    # an unseen bin of depth 1 (confidence 0.3) and an unseen depth follow the pooled ratio (~1.0 here)
+    # an unseen bin of depth 1 (confidence 0.3) and an unseen depth follow their rank's pooled
+    # ratio (~1.8 for rank 0, ~0.2 for rank 1); a rank never seen, the ratio over all (~1.0 here)
+    for r in (0, 1):
+        ratio = float(acc[rank == r].double().mean()) / 0.5
+        for depth in (1, 5):
+            p = float(cal.predict(torch.tensor([depth]), torch.tensor([0.3]), torch.zeros(1), torch.tensor([r])))
+            assert abs(p - 0.3 * ratio) < 0.03, (r, depth, p)
     ratio = float(acc.double().mean()) / 0.5
-    for depth in (1, 5):
-        p = float(cal.predict(torch.tensor([depth]), torch.tensor([0.3]), torch.zeros(1)))
-        assert abs(p - 0.3 * ratio) < 0.02, (depth, p)
+    p = float(cal.predict(torch.tensor([5]), torch.tensor([0.3]), torch.zeros(1), torch.tensor([3])))
+    assert abs(p - 0.3 * ratio) < 0.02, p
     # ... and when the drafter is underconfident everywhere, so is every new bin's estimate lifted
     sure = Calibrator(CalibrationOptions(prior_strength=4.0, decay=1.0))
     sure.update(torch.ones(n, dtype=torch.int64), torch.full((n,), 0.5), torch.zeros(n), torch.rand(n, generator=g) < 0.9)
@@ -309,6 +315,11 @@ def test_calibrator_with_a_table_starts_there_and_learns() -> None:
     cal.update(torch.ones(n, dtype=torch.int64), torch.full((n,), 0.9), torch.zeros(n), acc, torch.zeros(n, dtype=torch.int64))
     got = float(cal.predict(torch.tensor([1]), torch.tensor([0.9]), torch.zeros(1), torch.tensor([0])))
     assert abs(got - float(acc.float().mean())) < 0.01
+    # the table prices ranks, so an unseen rank-2 bin of depth 1 takes depth 1's drift (x2 here),
+    # while depth 2, with no evidence of its own, takes the drift over all depths (the same here)
+    drift = float(acc.float().mean()) / 0.3
+    got = cal.predict(torch.tensor([1, 2]), torch.full((2,), 0.05), torch.zeros(2), torch.tensor([2, 1]))
+    assert torch.allclose(got, torch.tensor([0.2, 0.1]) * drift, atol=0.01)
 
 
 def test_dyntree_width_follows_the_acceptance_table() -> None:

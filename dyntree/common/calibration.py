@@ -15,11 +15,15 @@ than the candidate's rank), so the estimate has two parts:
 
   where ``W`` is the (decayed) number of observations in the bin, ``A`` the (decayed) number
   accepted, ``E`` the (decayed) sum of their base estimates and ``s`` = ``prior_strength``
-  pseudo-observations at the *parent* ratio ``P``: the same ratio pooled over the bin's depth,
-  whose own parent is the ratio pooled over all depths (parent 1). With no data at all this is the
-  base estimate; a bin without data of its own starts from what its depth, else the whole drafter,
-  measured (a near-exact self-draft is underconfident at every depth, and a short run never fills
-  the deep bins one by one); with plenty, the bin's base scaled so that it predicts the bin's
+  pseudo-observations at the *parent* ratio ``P``, the same ratio pooled more widely, down to the
+  ratio over everything (whose parent is 1). With a table, whose base already prices ranks, the
+  parent is the ratio pooled over the bin's depth (what drifts on new prompts is each depth's
+  level). Without one, it is the ratio pooled over the bin's depth and rank, whose parent is the
+  rank's ratio over all depths: the bare confidence ignores rank, and a near-exact self-draft's
+  first choices are underconfident at every depth while its runner-ups are overconfident. So with
+  no data at all this is the base estimate; a bin without data of its own starts from what its
+  wider pool measured (a short run never fills the deep bins one by one); with plenty, the bin's
+  base scaled so that it predicts the bin's
   measured acceptance rate. The correction is a ratio,
   not an offset: it keeps the base's order inside a bin, where candidates of probability 0.002
   and 0.08 share the lowest confidence bin (an offset there raised or zeroed them alike, and
@@ -199,11 +203,15 @@ class Calibrator:
         """Calibrated acceptance probability, same shape as ``conf`` (float32, CPU). ``rank``: each
         candidate's rank among its siblings' candidates (0 = most likely; default 0)."""
         flat = self._bins(depth, conf, ent, rank)
-        n_d = self.weight.shape[0]
-        d = flat // (self.weight.numel() // n_d)
-        per_depth = [x.flatten(1).sum(1) for x in (self.weight, self.accepted, self.expected)]
-        ratio = self._ratio(*(x.sum() for x in per_depth), torch.ones(()))
-        ratio = self._ratio(*per_depth, ratio.expand(n_d))[d]
+        n_d, n_r = self.weight.shape[0], self.weight.shape[-1]
+        d, r = flat // (self.weight.numel() // n_d), flat % n_r
+        cells = [x.sum(dim=(1, 2)) for x in (self.weight, self.accepted, self.expected)]  # [depth, rank]
+        overall = self._ratio(*(x.sum() for x in cells), torch.ones(()))
+        if self.table is not None:  # the table prices ranks: what drifts is each depth's level
+            ratio = self._ratio(*(x.sum(1) for x in cells), overall.expand(n_d))[d]
+        else:  # the bare confidence ignores rank, the largest error of a near-exact self-draft
+            by_rank = self._ratio(*(x.sum(0) for x in cells), overall.expand(n_r))
+            ratio = self._ratio(*cells, by_rank.expand(n_d, n_r))[d, r]
         w, a, e = (x.view(-1)[flat] for x in (self.weight, self.accepted, self.expected))
         ratio = self._ratio(w, a, e, ratio)
         return (self.base(depth, conf, rank) * ratio).clamp(0, 1).float()
