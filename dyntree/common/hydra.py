@@ -268,14 +268,18 @@ class PrefixAttention(nn.Module):
         kv = like.new_zeros(batch, self.num_heads, 0, self.head_dim)
         return PrefixKV(kv, kv, torch.zeros(batch, 0, dtype=torch.bool, device=like.device))
 
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE: ``x`` ``[B, H, T, head_dim]`` rotated at ``positions`` ``[B, T]`` (angles in fp32
-        whatever the weights' dtype: a half-precision frequency would drift at long positions)."""
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's ``cos`` and ``sin`` ``[B, 1, T, head_dim]`` at ``positions`` ``[B, T]``, in fp32
+        whatever the weights' dtype (a half-precision frequency would drift at long positions)."""
         half = self.head_dim // 2
-        inv_freq = PREFIX_ROPE_THETA ** -(torch.arange(half, device=x.device, dtype=torch.float32) / half)
+        inv_freq = PREFIX_ROPE_THETA ** -(torch.arange(half, device=positions.device, dtype=torch.float32) / half)
         angles = positions[:, None, :, None].float() * inv_freq  # [B, 1, T, head_dim / 2]
         angles = torch.cat([angles, angles], dim=-1)
-        cos, sin = angles.cos(), angles.sin()
+        return angles.cos(), angles.sin()
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE: ``x`` ``[B, H, T, head_dim]`` rotated by the angles of :meth:`_angles`."""
+        half = self.head_dim // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
@@ -290,11 +294,15 @@ class PrefixAttention(nn.Module):
         b, t, d = hidden.shape
         past = past if past is not None else self.empty_kv(b, hidden)
         q, k, v = self.qkv(self.attn_norm(hidden)).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = self._rotate(q, positions), self._rotate(k, positions)
+        cos, sin = self._angles(positions)
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         keys, values = torch.cat([past.keys, k], dim=2), torch.cat([past.values, v], dim=2)
-        causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
-        see = torch.cat([past.mask[:, None, :].expand(b, t, past.length), causal.expand(b, t, t)], dim=-1)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=see[:, None])
+        if t == 1 and bool(past.mask.all()):  # one new position after real ones only: it sees them all
+            see = None
+        else:
+            causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
+            see = torch.cat([past.mask[:, None, :].expand(b, t, past.length), causal.expand(b, t, t)], dim=-1)[:, None]
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=see)
         h = hidden + self.o_proj(attn.transpose(1, 2).reshape(b, t, d))
         gate, up = self.gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
         out = h + self.down(F.silu(gate) * up)
