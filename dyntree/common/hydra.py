@@ -224,13 +224,18 @@ class PrefixKV:
         return self.keys.shape[2]
 
     def row(self, b: int) -> "PrefixKV":
-        """Row ``b`` alone, padding dropped: a compact ``[1, H, L_b, head_dim]`` cache."""
+        """Row ``b`` alone, padding dropped: a compact ``[1, H, L_b, head_dim]`` cache (``self``
+        when that is what it already is: no copy of a lone sequence's cache every step)."""
         m = self.mask[b]
+        if self.keys.shape[0] == 1 and bool(m.all()):
+            return self
         return PrefixKV(self.keys[b : b + 1, :, m], self.values[b : b + 1, :, m], self.mask[b : b + 1, m])
 
     @staticmethod
     def stack(rows: Sequence["PrefixKV"]) -> "PrefixKV":
         """Batch single-row caches, padded at the end to the longest (padding masked out)."""
+        if len(rows) == 1:
+            return rows[0]
         width = max(r.length for r in rows)
 
         def pad(x: torch.Tensor) -> torch.Tensor:
@@ -297,12 +302,9 @@ class PrefixAttention(nn.Module):
         cos, sin = self._angles(positions)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         keys, values = torch.cat([past.keys, k], dim=2), torch.cat([past.values, v], dim=2)
-        if t == 1 and bool(past.mask.all()):  # one new position after real ones only: it sees them all
-            see = None
-        else:
-            causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
-            see = torch.cat([past.mask[:, None, :].expand(b, t, past.length), causal.expand(b, t, t)], dim=-1)[:, None]
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=see)
+        causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
+        see = torch.cat([past.mask[:, None, :].expand(b, t, past.length), causal.expand(b, t, t)], dim=-1)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=see[:, None])
         h = hidden + self.o_proj(attn.transpose(1, 2).reshape(b, t, d))
         gate, up = self.gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
         out = h + self.down(F.silu(gate) * up)

@@ -149,14 +149,6 @@ class HydraDrafter(Drafter):
         todo = [s for s in states if s.pending]
         if not todo:
             return
-        if len(todo) == 1:  # one sequence: no padding, its cache extends in place of a stacked copy
-            s = todo[0]
-            x = torch.cat(s.pending)[None]
-            positions = (s.pushed - x.shape[1] + torch.arange(x.shape[1], device=self.device))[None]
-            with torch.inference_mode():
-                out, s.kv = self.heads.prefix_forward(x, positions, s.kv)
-            s.last, s.pending = out[0, -1].clone(), []
-            return
         rows = [torch.cat(s.pending) for s in todo]
         width = max(x.shape[0] for x in rows)
         hidden = torch.zeros(len(todo), width, self.heads.config.hidden_size, device=self.device, dtype=self.dtype)
