@@ -168,6 +168,7 @@ class Calibrator:
         self.accepted = torch.zeros(shape, dtype=torch.float64)  # A: accepted among them
         self.expected = torch.zeros(shape, dtype=torch.float64)  # E: their base estimates, summed
         self.observations = 0
+        self._parent: torch.Tensor | None = None  # pooled ratios [depth, rank], until the next update
 
     def _bins(self, depth: torch.Tensor, conf: torch.Tensor, ent: torch.Tensor,
               rank: torch.Tensor | None = None) -> torch.Tensor:
@@ -205,16 +206,24 @@ class Calibrator:
         flat = self._bins(depth, conf, ent, rank)
         n_d, n_r = self.weight.shape[0], self.weight.shape[-1]
         d, r = flat // (self.weight.numel() // n_d), flat % n_r
-        cells = [x.sum(dim=(1, 2)) for x in (self.weight, self.accepted, self.expected)]  # [depth, rank]
-        overall = self._ratio(*(x.sum() for x in cells), torch.ones(()))
-        if self.table is not None:  # the table prices ranks: what drifts is each depth's level
-            ratio = self._ratio(*(x.sum(1) for x in cells), overall.expand(n_d))[d]
-        else:  # the bare confidence ignores rank, the largest error of a near-exact self-draft
-            by_rank = self._ratio(*(x.sum(0) for x in cells), overall.expand(n_r))
-            ratio = self._ratio(*cells, by_rank.expand(n_d, n_r))[d, r]
         w, a, e = (x.view(-1)[flat] for x in (self.weight, self.accepted, self.expected))
-        ratio = self._ratio(w, a, e, ratio)
+        ratio = self._ratio(w, a, e, self._parents()[d, r])
         return (self.base(depth, conf, rank) * ratio).clamp(0, 1).float()
+
+    def _parents(self) -> torch.Tensor:
+        """``[depth, rank]`` pooled ratios a cell shrinks toward (kept until the next update: the
+        builder predicts once per depth per step and updates once per step)."""
+        if self._parent is None:
+            n_d, n_r = self.weight.shape[0], self.weight.shape[-1]
+            cells = [x.sum(dim=(1, 2)) for x in (self.weight, self.accepted, self.expected)]  # [depth, rank]
+            overall = self._ratio(*(x.sum() for x in cells), torch.ones(()))
+            if self.table is not None:  # the table prices ranks: what drifts is each depth's level
+                by_depth = self._ratio(*(x.sum(1) for x in cells), overall.expand(n_d))
+                self._parent = by_depth[:, None].expand(n_d, n_r)
+            else:  # the bare confidence ignores rank, the largest error of a near-exact self-draft
+                by_rank = self._ratio(*(x.sum(0) for x in cells), overall.expand(n_r))
+                self._parent = self._ratio(*cells, by_rank.expand(n_d, n_r))
+        return self._parent
 
     def _ratio(self, w: torch.Tensor, a: torch.Tensor, e: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
         """Measured over predicted acceptance of ``w`` observations (``a`` accepted, base estimates
@@ -233,6 +242,7 @@ class Calibrator:
         if n == 0:
             return
         keep = self.options.decay**n
+        self._parent = None
         for x in (self.weight, self.accepted, self.expected):
             x.mul_(keep)
         base = self.base(depth, conf, rank).reshape(flat.shape)
