@@ -51,10 +51,7 @@ __all__ = ["RequestOutput", "SpecEngine", "prefill_groups", "ABLATIONS", "COST_S
 ABLATIONS = frozenset({"mask", "positions", "compaction"})
 
 #: Start-up cost model: query-token counts timed, against a dummy KV cache of this many tokens.
-#: A forward's cost is a step function of its rows on a CPU (linears pad 9-15 rows up to a fast
-#: 16, and 17 rows cost 13-20% more than 16 on 2 AVX2 cores), so the sizes a batch-1 tree can take
-#: are timed around those steps (12, 16, 17) rather than interpolated between powers of two.
-COST_SIZES = (1, 2, 4, 8, 12, 16, 17, 24, 32, 64, 256)
+COST_SIZES = (1, 2, 4, 8, 16, 64, 256)
 COST_KV_LEN = 256
 #: ... and one of them against this many, which prices attention over longer prefixes.
 COST_KV_LONG = 1024
