@@ -284,6 +284,9 @@ def test_calibrator_pools_evidence_and_keeps_ranks_apart() -> None:
     n = 2000
     rank = torch.arange(n) % 2  # rank 0 accepted 90% of the time, rank 1 10%, both at confidence 0.5
     acc = torch.rand(n, generator=g) < torch.where(rank == 0, 0.9, 0.1)
+    # before any evidence the estimate is the confidence (a prediction here must not leave stale
+    # pooled ratios behind for the checks below)
+    assert float(cal.predict(torch.tensor([5]), torch.tensor([0.3]), torch.zeros(1), torch.tensor([0]))) == pytest.approx(0.3)
     cal.update(torch.ones(n, dtype=torch.int64), torch.full((n,), 0.5), torch.zeros(n), acc, rank)
     got = cal.predict(torch.ones(2, dtype=torch.int64), torch.full((2,), 0.5), torch.zeros(2), torch.tensor([0, 1]))
     assert abs(float(got[0]) - 0.9) < 0.03 and abs(float(got[1]) - 0.1) < 0.03
