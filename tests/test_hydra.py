@@ -23,6 +23,7 @@ from dyntree.common.hydra import (
 )
 from dyntree.common.speculator import Speculator, SpecRequest
 from dyntree.common.calibration import CONFIDENCE_EDGES
+from dyntree.common.linear import int8_available
 from dyntree.training.trainer import (
     HeadData,
     TrainConfig,
@@ -171,6 +172,9 @@ def test_malformed_checkpoints_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="table='maybe'"):
         parse_hydra_options(f"{tmp_path},table=maybe")
     assert parse_hydra_options(f"{tmp_path},table=off").table is False
+    with pytest.raises(ValueError, match="int8='yes'"):
+        parse_hydra_options(f"{tmp_path},int8=yes")
+    assert [parse_hydra_options(f"{tmp_path}{o}").int8 for o in ("", ",int8=on", ",int8=off")] == [None, True, False]
 
 
 def test_reduced_token_map_picks_most_frequent() -> None:
@@ -491,11 +495,44 @@ def test_measured_acceptance_table(tmp_path: Path) -> None:
     # the heads run in the target's dtype, except fp16 on a CPU (emulated there): fp32
     for dt, want in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.float32)):
         t = TargetInfo("tiny", D, embed.to(dt), lm_head.to(dt), "ab" * 32)
-        assert make_hydra_drafter(str(tmp_path / "ckpt"), target=t).heads.out_weight.dtype == want
+        heads = make_hydra_drafter(str(tmp_path / "ckpt"), target=t).heads
+        # fp32 heads on a CPU run their linears as int8 GEMMs by default (where torch has FBGEMM)
+        assert heads.out_weight.dtype == want and heads.int8 == (want == torch.float32 and int8_available())
+    assert not make_hydra_drafter(f"{tmp_path / 'ckpt'},int8=off", target=target).heads.int8
+    with pytest.raises(ValueError, match="int8=on needs fp32 heads on a CPU"):
+        make_hydra_drafter(f"{tmp_path / 'ckpt'},int8=on", target=TargetInfo("tiny", D, embed.bfloat16(),
+                                                                             lm_head.bfloat16(), "ab" * 32))
     cfg2 = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**cfg2, "num_heads": 2}))
     with pytest.raises(HydraMismatchError, match="3 depths, the heads 2"):
         load_acceptance(tmp_path / "ckpt")
+
+
+@pytest.mark.skipif(not int8_available(), reason="torch without FBGEMM")
+def test_int8_heads_track_fp32_heads() -> None:
+    """The int8 GEMMs stay within a few % of the fp32 logits' range, on every head and through the
+    prefix layer, and keep the heads' top choice on nearly every row."""
+    torch.manual_seed(0)
+    d, vocab = 64, 300
+    embed, lm_head = torch.randn(vocab, d), torch.randn(vocab, d) / d**0.5
+    cfg = HydraConfig(num_heads=3, num_layers=2, hidden_size=d, target=TargetIdentity("tiny", d, vocab, "ab" * 32),
+                      prefix_attention=True, prefix_heads=4)
+    heads = HydraHeads(cfg, embed, lm_head).eval()
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # off the identity start, so every linear matters
+    hidden, path = torch.randn(1, 12, d), torch.randint(vocab, (12, 3))
+    pos = torch.arange(12)[None]
+    with torch.inference_mode():
+        ref_h = heads.prefix_forward(hidden, pos)[0][0]
+        ref = [heads.head_logits(k, ref_h, path[:, :k]) for k in (1, 2, 3)]
+        heads.use_int8()
+        got_h = heads.prefix_forward(hidden, pos)[0][0]
+        got = [heads.head_logits(k, got_h, path[:, :k]) for k in (1, 2, 3)]
+    assert heads.int8 and (got_h - ref_h).abs().max() < 0.03 * ref_h.abs().max()
+    for r, g in zip(ref, got):
+        assert (g - r).abs().max() < 0.05 * (r.max() - r.min()), (g - r).abs().max()
+        assert (g.argmax(-1) == r.argmax(-1)).float().mean() >= 0.9
 
 
 def test_expand_scores_frontiers_with_the_matching_head() -> None:

@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dyntree.common.calibration import AcceptanceTable
-from dyntree.common.linear import install, linear
+from dyntree.common.linear import Int8Weight, install, install_int8, linear
 
 if TYPE_CHECKING:
     from dyntree.common.drafter import TargetInfo
@@ -409,10 +409,23 @@ class HydraHeads(nn.Module):
             persistent=True,
         )
         install(self)  # the heads' linears follow the engine's CPU routing (dyntree.common.linear)
+        self._out_int8: Int8Weight | None = None
 
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
+
+    def use_int8(self) -> "HydraHeads":
+        """Run every linear of the heads and the prefix layer, and the output rows, as int8 GEMMs
+        (:class:`~dyntree.common.linear.Int8Weight`; fp32 heads on a CPU). Call it last: later
+        changes to the weights are not seen. Returns ``self``."""
+        install_int8(self)
+        self._out_int8 = Int8Weight(self.out_weight)
+        return self
+
+    @property
+    def int8(self) -> bool:
+        return self._out_int8 is not None
 
     @property
     def out_vocab(self) -> int:
@@ -476,7 +489,7 @@ class HydraHeads(nn.Module):
         emb = self.embed[tokens].to(hidden.dtype)  # [N, k, d]
         x = torch.cat([hidden.unsqueeze(1), emb], dim=1).flatten(1)
         z = self.heads[k - 1](x.to(self.out_weight.dtype))
-        return linear(z, self.out_weight)
+        return self._out_int8(z) if self._out_int8 is not None else linear(z, self.out_weight)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """All heads, teacher-forced: ``tokens[:, j]`` is ``x_{t+1+j}`` (root first), ``[N, K]``.

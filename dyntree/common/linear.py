@@ -16,6 +16,13 @@ benchmarks, another engine).
 
 The two paths compute the same products with a different summation order, like any two GEMM
 kernels: fp32 results agree to rounding, and plain and speculative decoding both go through it.
+
+For draft-side weights (never the target's), :class:`Int8Weight` and :func:`install_int8` run a
+linear as FBGEMM's dynamic int8 GEMM (``torch.ops.quantized.linear_dynamic``): the weight stored
+int8 per output channel, the input quantized per call. On an AVX2 CPU that moves a quarter of
+the bytes and runs 2-5x faster than the fp32 product at 1-8 rows (SmolLM2's 8,192 x 576 Hydra
+output rows: ~0.25-0.6 vs ~1.2-1.4 ms); the logits move by ~1-2% of their range, which changes
+which tokens are drafted now and then, never the output (the target verifies every token).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import platform
 import threading
 import time
 import types
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import ContextManager, Iterator, Mapping, Sequence
@@ -35,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LinearDispatch", "calibrate", "cpu_name", "install", "linear", "thread_scope", "CALIBRATION_ROWS"]
+__all__ = ["Int8Weight", "LinearDispatch", "calibrate", "cpu_name", "install", "install_int8", "int8_available",
+           "linear", "thread_scope", "CALIBRATION_ROWS"]
 
 #: Row counts timed by :func:`calibrate`; a call with more rows than the last uses ``F.linear``.
 CALIBRATION_ROWS = (*range(1, 17), 24, 32, 48, 64)
@@ -189,4 +198,49 @@ def install(module: nn.Module) -> nn.Module:
     active dispatch they compute exactly what ``F.linear`` does). Returns ``module``."""
     for lin in _linears(module):
         lin.forward = types.MethodType(_routed_forward, lin)
+    return module
+
+
+def int8_available() -> bool:
+    """Whether this torch has FBGEMM's dynamic int8 linear (x86 CPUs)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
+
+
+class Int8Weight:
+    """``x @ W.T (+ b)`` with ``W`` in int8, one symmetric scale per output row, and ``x``
+    quantized per call (FBGEMM's dynamic int8 GEMM; CPU, fp32 in and out). Activations use 7 bits
+    (``reduce_range``): full 8-bit activations saturate AVX2's int8 multiply-add and cost ~10% of
+    the logits' range in error, against ~1-2%."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if not int8_available():
+            raise RuntimeError("int8 draft linears need torch's FBGEMM engine (an x86 CPU build of torch)")
+        w = weight.detach().float().cpu()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
+        with warnings.catch_warnings():  # torch 2.13 marks quantized tensors deprecated; this op still takes one
+            warnings.simplefilter("ignore", UserWarning)
+            codes = torch.quantize_per_channel(w, scales, torch.zeros_like(scales, dtype=torch.int64), 0, torch.qint8)
+        b = bias.detach().float().cpu() if bias is not None else None
+        self.out_features, self.in_features = w.shape
+        self._packed = torch.ops.quantized.linear_prepack(codes, b)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        out = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def _int8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return self.int8(x)
+
+
+def install_int8(module: nn.Module) -> nn.Module:
+    """Run ``module``'s ``nn.Linear`` layers as :class:`Int8Weight` products of their current
+    weights (the fp32 weights stay, for saving; later changes to them are not seen). CPU and fp32
+    only. Returns ``module``."""
+    for lin in _linears(module):
+        if lin.weight.device.type != "cpu" or lin.weight.dtype != torch.float32:
+            raise ValueError(f"int8 linears need fp32 weights on a CPU, got {lin.weight.dtype} on {lin.weight.device}")
+        lin.int8 = Int8Weight(lin.weight, lin.bias)
+        lin.forward = types.MethodType(_int8_forward, lin)
     return module
