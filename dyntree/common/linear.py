@@ -17,8 +17,8 @@ benchmarks, another engine).
 The two paths compute the same products with a different summation order, like any two GEMM
 kernels: fp32 results agree to rounding, and plain and speculative decoding both go through it.
 
-For draft-side weights (never the target's), :class:`Int8Weight` and :func:`install_int8` run a
-linear as FBGEMM's dynamic int8 GEMM (``torch.ops.quantized.linear_dynamic``): the weight stored
+For draft-side weights (never the target's), :class:`Int8Weight` runs a linear as FBGEMM's
+dynamic int8 GEMM (``torch.ops.quantized.linear_dynamic``): the weight stored
 int8 per output channel, the input quantized per call. On an AVX2 CPU that moves a quarter of
 the bytes and runs 2-5x faster than the fp32 product at 1-8 rows (SmolLM2's 8,192 x 576 Hydra
 output rows: ~0.25-0.6 vs ~1.2-1.4 ms); the logits move by ~1-2% of their range, which changes
@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Int8Weight", "LinearDispatch", "calibrate", "cpu_name", "install", "install_int8", "int8_available",
-           "linear", "thread_scope", "CALIBRATION_ROWS"]
+__all__ = ["Int8Weight", "LinearDispatch", "calibrate", "cpu_name", "install", "int8_available", "linear",
+           "thread_scope", "CALIBRATION_ROWS"]
 
 #: Row counts timed by :func:`calibrate`; a call with more rows than the last uses ``F.linear``.
 CALIBRATION_ROWS = (*range(1, 17), 24, 32, 48, 64)
@@ -229,18 +229,3 @@ class Int8Weight:
         out = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
-
-def _int8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return self.int8(x)
-
-
-def install_int8(module: nn.Module) -> nn.Module:
-    """Run ``module``'s ``nn.Linear`` layers as :class:`Int8Weight` products of their current
-    weights (the fp32 weights stay, for saving; later changes to them are not seen). CPU and fp32
-    only. Returns ``module``."""
-    for lin in _linears(module):
-        if lin.weight.device.type != "cpu" or lin.weight.dtype != torch.float32:
-            raise ValueError(f"int8 linears need fp32 weights on a CPU, got {lin.weight.dtype} on {lin.weight.device}")
-        lin.int8 = Int8Weight(lin.weight, lin.bias)
-        lin.forward = types.MethodType(_int8_forward, lin)
-    return module

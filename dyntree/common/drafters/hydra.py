@@ -8,9 +8,9 @@ Spec: ``hydra[:OPTIONS]`` where OPTIONS is a comma-separated list of a checkpoin
 frontier; ``W`` defaults to ``ceil(max_nodes / depth)`` so the node budget is spread evenly over the
 depths, ``T`` to ``W``; and ``table=off`` to ignore the checkpoint's measured acceptance table
 (``acceptance.json``, the dynamic tree's calibration; an ablation); and ``int8=on|off``: run the
-heads' linears and output rows as int8 GEMMs (:class:`~dyntree.common.linear.Int8Weight`; default
-on where the heads run in fp32 on a CPU with torch's FBGEMM engine, where it cuts drafting by a
-third; it changes the drafts slightly, never the output). Trees are at most ``num_heads`` deep.
+heads' output-row product as an int8 GEMM (:meth:`~dyntree.common.hydra.HydraHeads.use_int8`;
+default on where the heads run in fp32 on a CPU with torch's FBGEMM engine; it changes the drafts
+slightly, never the output). Trees are at most ``num_heads`` deep.
 
 Head ``d`` reads the target's last-layer hidden state at the token before the root (pushed by the
 engine through :meth:`HydraDrafter.observe_hidden`) and the embeddings of the path's tokens. Heads
