@@ -496,7 +496,7 @@ def test_measured_acceptance_table(tmp_path: Path) -> None:
     for dt, want in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.float32)):
         t = TargetInfo("tiny", D, embed.to(dt), lm_head.to(dt), "ab" * 32)
         heads = make_hydra_drafter(str(tmp_path / "ckpt"), target=t).heads
-        # fp32 heads on a CPU run their linears as int8 GEMMs by default (where torch has FBGEMM)
+        # fp32 heads on a CPU run their output rows as an int8 GEMM by default (where torch has FBGEMM)
         assert heads.out_weight.dtype == want and heads.int8 == (want == torch.float32 and int8_available())
     assert not make_hydra_drafter(f"{tmp_path / 'ckpt'},int8=off", target=target).heads.int8
     with pytest.raises(ValueError, match="int8=on needs fp32 heads on a CPU"):

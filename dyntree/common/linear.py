@@ -207,12 +207,12 @@ def int8_available() -> bool:
 
 
 class Int8Weight:
-    """``x @ W.T (+ b)`` with ``W`` in int8, one symmetric scale per output row, and ``x``
+    """``x @ W.T`` with ``W`` in int8, one symmetric scale per output row, and ``x``
     quantized per call (FBGEMM's dynamic int8 GEMM; CPU, fp32 in and out). Activations use 7 bits
     (``reduce_range``): full 8-bit activations saturate AVX2's int8 multiply-add and cost ~10% of
     the logits' range in error, against ~1-2%."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         if not int8_available():
             raise RuntimeError("int8 draft linears need torch's FBGEMM engine (an x86 CPU build of torch)")
         w = weight.detach().float().cpu()
@@ -220,12 +220,10 @@ class Int8Weight:
         with warnings.catch_warnings():  # torch 2.13 marks quantized tensors deprecated; this op still takes one
             warnings.simplefilter("ignore", UserWarning)
             codes = torch.quantize_per_channel(w, scales, torch.zeros_like(scales, dtype=torch.int64), 0, torch.qint8)
-        b = bias.detach().float().cpu() if bias is not None else None
         self.out_features, self.in_features = w.shape
-        self._packed = torch.ops.quantized.linear_prepack(codes, b)
+        self._packed = torch.ops.quantized.linear_prepack(codes, None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()
         out = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-
