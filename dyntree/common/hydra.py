@@ -258,6 +258,7 @@ class PrefixAttention(nn.Module):
     def __init__(self, hidden: int, num_heads: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, hidden // num_heads
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # RoPE frequencies per device
         self.attn_norm = nn.RMSNorm(hidden, eps=1e-6)
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
@@ -276,8 +277,11 @@ class PrefixAttention(nn.Module):
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's ``cos`` and ``sin`` ``[B, 1, T, head_dim]`` at ``positions`` ``[B, T]``, in fp32
         whatever the weights' dtype (a half-precision frequency would drift at long positions)."""
-        half = self.head_dim // 2
-        inv_freq = PREFIX_ROPE_THETA ** -(torch.arange(half, device=positions.device, dtype=torch.float32) / half)
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:  # made once per device (not a buffer: casting the module must not round it)
+            half = self.head_dim // 2
+            inv_freq = PREFIX_ROPE_THETA ** -(torch.arange(half, device=positions.device, dtype=torch.float32) / half)
+            self._inv_freq[positions.device] = inv_freq
         angles = positions[:, None, :, None].float() * inv_freq  # [B, 1, T, head_dim / 2]
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos(), angles.sin()

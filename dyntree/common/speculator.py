@@ -219,7 +219,7 @@ class Speculator:
         self._kv = max(kv_lens) if self._padded else round(sum(kv_lens) / len(kv_lens))
         plans = self.controller.plan(ids, self._kv) if self.controller is not None else None
         drafts = [self._draft_request(r, plans[i] if plans else None) for i, r in enumerate(requests)]
-        trees: list[DraftTree] = [DraftTree.root_only(d.root) for d in drafts]
+        built_trees: dict[int, DraftTree] = {}
         # one builder run per tree mode and draft shaping (greedy, or temperature / top-k / top-p)
         groups: dict[tuple[TreeMode | None, tuple[float, int, float] | None], list[int]] = {}
         for i, d in enumerate(drafts):
@@ -238,8 +238,8 @@ class Speculator:
                 expand_s += spent
             if len(built) != len(reqs):
                 raise RuntimeError(f"drafter {self.drafter.name!r} returned {len(built)} trees for {len(reqs)} requests")
-            for i, tree in zip(rows, built):
-                trees[i] = tree
+            built_trees.update(zip(rows, built))
+        trees = [built_trees[i] if i in built_trees else DraftTree.root_only(d.root) for i, d in enumerate(drafts)]
         for d, tree in zip(drafts, trees):
             if tree.root != d.root or tree.size - 1 > d.max_nodes or tree.max_depth > d.max_depth:
                 raise RuntimeError(

@@ -73,29 +73,32 @@ class DraftTree:
             )
         if tokens.dtype != torch.int64 or parents.dtype != torch.int64:
             raise TreeError("DraftTree.tokens and .parents must be int64")
-        if bool((tokens < 0).any()):
+        # checked on Python lists: a tree has a few dozen nodes, where each tensor op costs more
+        # than the whole list pass (this runs for every tree of every step)
+        token_list, parent_list = tokens.tolist(), parents.tolist()
+        if min(token_list) < 0:
             raise TreeError("DraftTree.tokens must be non-negative token ids")
-        if int(parents[0]) != -1:
+        if parent_list[0] != -1:
             raise TreeError("DraftTree.parents[0] must be -1 (node 0 is the root)")
-        idx = torch.arange(n)
-        if n > 1 and bool(((parents[1:] < 0) | (parents[1:] >= idx[1:])).any()):
-            bad = int(idx[1:][(parents[1:] < 0) | (parents[1:] >= idx[1:])][0])
-            raise TreeError(
-                f"DraftTree node {bad} has parent {int(parents[bad])}: parents must come "
-                "before children (0 <= parent < index)"
-            )
-        if bool(((probs < 0) | (probs > 1) | probs.isnan()).any()):
+        for i, p in enumerate(parent_list[1:], start=1):
+            if not 0 <= p < i:
+                raise TreeError(
+                    f"DraftTree node {i} has parent {p}: parents must come before children (0 <= parent < index)"
+                )
+        if not all(0.0 <= x <= 1.0 for x in probs.tolist()):  # a NaN fails the comparison too
             raise TreeError("DraftTree.draft_probs must lie in [0, 1]")
         if self.draft_dists is not None:
             d = self.draft_dists
             if d.dim() != 2 or d.shape[0] != n:
                 raise TreeError(f"DraftTree.draft_dists must have shape [{n}, V], got {tuple(d.shape)}")
         paths: list[list[int]] = [[0]]  # node indices root..i (parents precede children: one pass)
-        for i, p in enumerate(parents.tolist()[1:], start=1):
+        for i, p in enumerate(parent_list[1:], start=1):
             paths.append(paths[p] + [i])
-        rows = [i for i, path in enumerate(paths) for _ in path]
-        ancestors = torch.zeros(n, n, dtype=torch.bool)
-        ancestors[rows, [j for path in paths for j in path]] = True
+        bits = bytearray(n * n)  # row i: node i and its ancestors
+        for i, path in enumerate(paths):
+            for j in path:
+                bits[i * n + j] = 1
+        ancestors = torch.frombuffer(bits, dtype=torch.bool).view(n, n)
         object.__setattr__(self, "depths", torch.tensor([len(path) - 1 for path in paths], dtype=torch.int64))
         object.__setattr__(self, "_ancestors", ancestors)
 
