@@ -77,6 +77,25 @@ def test_prefix_shapes_and_identity_init() -> None:
         plain.prefix_forward(x, pos)
 
 
+def test_single_row_cache_grows_in_place_and_branches_safely() -> None:
+    """A lone sequence's cache grows in its storage (no copy of the cache per step); extending an
+    older cache again (a branch) copies it, so neither branch sees the other's slots."""
+    heads = _prefix_heads()
+    x, pos = _seq(1, 10)
+    full, _ = heads.prefix_forward(x, pos)
+    _, kv = heads.prefix_forward(x[:, :6], pos[:, :6])
+    out_a, kv_a = heads.prefix_forward(x[:, 6:8], pos[:, 6:8], kv)
+    assert kv_a.store is kv.store and kv_a.keys.data_ptr() == kv.keys.data_ptr()  # grew in place
+    y, _ = _seq(1, 10, seed=7)
+    out_b, kv_b = heads.prefix_forward(y[:, 6:8], pos[:, 6:8], kv)  # a branch from the older cache
+    assert kv_b.store is not kv.store
+    out_a2, _ = heads.prefix_forward(x[:, 8:10], pos[:, 8:10], kv_a)
+    assert torch.allclose(torch.cat([out_a, out_a2], 1), full[:, 6:], atol=1e-5)  # branch a untouched by b
+    want_b, _ = heads.prefix_forward(torch.cat([x[:, :6], y[:, 6:8]], 1), pos[:, :8])
+    assert torch.allclose(out_b, want_b[:, 6:], atol=1e-5)
+    assert kv.length == 6 and kv_a.length == 8 and kv_b.length == 8
+
+
 def test_incremental_chunks_equal_one_full_pass() -> None:
     """The KV cache is exact: chunked (also batched with padding, rows of different lengths)
     equals one causal pass over the whole sequence."""

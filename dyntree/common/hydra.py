@@ -203,6 +203,16 @@ def default_prefix_heads(hidden_size: int) -> int:
     return hidden_size // 64 if hidden_size % 64 == 0 else 1
 
 
+@dataclass
+class _KVStore:
+    """Storage a single-row :class:`PrefixKV` grows into: ``[1, H, capacity, head_dim]`` keys and
+    values, of which the first ``used`` slots belong to the newest cache made from it."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    used: int
+
+
 @dataclass(frozen=True)
 class PrefixKV:
     """The prefix layer's KV cache for a batch of sequences: every prefix position processed so far.
@@ -212,11 +222,14 @@ class PrefixKV:
         values: ``[B, H, L, head_dim]``.
         mask: ``[B, L]`` bool, True where a slot holds a real position (a batch of sequences of
             different lengths is padded to a common ``L``; slots are in position order).
+        store: the storage a single-row cache's ``keys`` and ``values`` are views of (see
+            :meth:`extend`); ``None`` for a batch or a cache not made by :meth:`extend`.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     mask: torch.Tensor
+    store: "_KVStore | None" = field(default=None, repr=False, compare=False)
 
     @property
     def length(self) -> int:
@@ -230,6 +243,25 @@ class PrefixKV:
         if self.keys.shape[0] == 1 and bool(m.all()):
             return self
         return PrefixKV(self.keys[b : b + 1, :, m], self.values[b : b + 1, :, m], self.mask[b : b + 1, m])
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> "PrefixKV":
+        """This cache followed by ``T`` new slots (``keys`` / ``values`` ``[B, H, T, head_dim]``,
+        ``valid`` ``[B, T]``). A single row grows in place, in storage with room to spare (the newest
+        cache of a storage only: an older one that is extended again, a branch, is copied first),
+        so a decoding step does not copy the whole cache; a batch of rows is concatenated."""
+        if keys.shape[0] != 1:
+            return PrefixKV(torch.cat([self.keys, keys], dim=2), torch.cat([self.values, values], dim=2),
+                            torch.cat([self.mask, valid], dim=1))
+        n, t = self.length, keys.shape[2]
+        st = self.store
+        if st is None or st.used != n or st.keys.shape[2] < n + t:
+            room = max(2 * (n + t), 64)
+            st = _KVStore(self.keys.new_empty(*keys.shape[:2], room, keys.shape[3]),
+                          self.values.new_empty(*values.shape[:2], room, values.shape[3]), n)
+            st.keys[:, :, :n], st.values[:, :, :n] = self.keys, self.values
+        st.keys[:, :, n : n + t], st.values[:, :, n : n + t] = keys, values
+        st.used = n + t
+        return PrefixKV(st.keys[:, :, : n + t], st.values[:, :, : n + t], torch.cat([self.mask, valid], dim=1), st)
 
     @staticmethod
     def stack(rows: Sequence["PrefixKV"]) -> "PrefixKV":
@@ -305,15 +337,15 @@ class PrefixAttention(nn.Module):
         q, k, v = self.qkv(self.attn_norm(hidden)).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         cos, sin = self._angles(positions)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-        keys, values = torch.cat([past.keys, k], dim=2), torch.cat([past.values, v], dim=2)
+        new_mask = valid if valid is not None else torch.ones(b, t, dtype=torch.bool, device=hidden.device)
+        kv = past.extend(k, v, new_mask)
         causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
         see = torch.cat([past.mask[:, None, :].expand(b, t, past.length), causal.expand(b, t, t)], dim=-1)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=see[:, None])
+        attn = F.scaled_dot_product_attention(q, kv.keys, kv.values, attn_mask=see[:, None])
         h = hidden + self.o_proj(attn.transpose(1, 2).reshape(b, t, d))
         gate, up = self.gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
         out = h + self.down(F.silu(gate) * up)
-        new_mask = valid if valid is not None else torch.ones(b, t, dtype=torch.bool, device=hidden.device)
-        return out, PrefixKV(keys, values, torch.cat([past.mask, new_mask], dim=1))
+        return out, kv
 
 
 class _WideLayer(nn.Module):
