@@ -80,20 +80,19 @@ class DraftTree:
             raise TreeError("DraftTree.tokens must be non-negative token ids")
         if parent_list[0] != -1:
             raise TreeError("DraftTree.parents[0] must be -1 (node 0 is the root)")
+        paths: list[list[int]] = [[0]]  # node indices root..i (parents precede children: one pass)
         for i, p in enumerate(parent_list[1:], start=1):
             if not 0 <= p < i:
                 raise TreeError(
                     f"DraftTree node {i} has parent {p}: parents must come before children (0 <= parent < index)"
                 )
+            paths.append(paths[p] + [i])
         if not all(0.0 <= x <= 1.0 for x in probs.tolist()):  # a NaN fails the comparison too
             raise TreeError("DraftTree.draft_probs must lie in [0, 1]")
         if self.draft_dists is not None:
             d = self.draft_dists
             if d.dim() != 2 or d.shape[0] != n:
                 raise TreeError(f"DraftTree.draft_dists must have shape [{n}, V], got {tuple(d.shape)}")
-        paths: list[list[int]] = [[0]]  # node indices root..i (parents precede children: one pass)
-        for i, p in enumerate(parent_list[1:], start=1):
-            paths.append(paths[p] + [i])
         bits = bytearray(n * n)  # row i: node i and its ancestors
         for i, path in enumerate(paths):
             for j in path:
