@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dyntree.common import linear
-from dyntree.common.linear import LinearDispatch
+from dyntree.common.linear import LINEAR, PACKED, TRANSPOSED, LinearDispatch, PackedWeight
 
 
 def _timings(fast_rows: dict[int, float]) -> dict[int, tuple[float, float]]:
@@ -23,12 +23,27 @@ def _timings(fast_rows: dict[int, float]) -> dict[int, tuple[float, float]]:
 
 def test_routing_picks_the_cheapest_calibrated_option() -> None:
     d = LinearDispatch(_timings({1: 5.0, 2: 5.0, 16: 6.0}))
-    assert [d.pad_rows(m) for m in (1, 2)] == [2, 2]  # one row pads to two
-    assert [d.pad_rows(m) for m in range(3, 17)] == [16] * 14  # 3..16 pad up to the fast 16
-    assert d.pad_rows(17) == 0 and d.pad_rows(0) == 0  # beyond the calibration: F.linear
+    assert [d.route(m) for m in (1, 2)] == [(TRANSPOSED, 2)] * 2  # one row pads to two
+    assert [d.route(m) for m in range(3, 17)] == [(TRANSPOSED, 16)] * 14  # 3..16 pad up to the fast 16
+    assert d.route(17) == (LINEAR, 17) and d.route(0) == (LINEAR, 0)  # beyond the calibration: F.linear
+    assert d.pack_rows == ()  # no packed timings: never routed there
     assert LinearDispatch(_timings({})).summary() == "F.linear everywhere"
     with pytest.raises(ValueError, match="1 row"):
         LinearDispatch({2: (1.0, 1.0)})
+
+
+def test_packed_route_keeps_at_most_two_pack_sizes_and_only_for_packed_weights() -> None:
+    # rows -> F.linear, transposed, packed (at exactly that many rows) ms
+    t = {1: (10.0, 15.0, 11.0), 2: (10.0, 15.0, 11.0), 4: (20.0, 15.0, 11.0), 8: (30.0, 16.0, 12.0),
+         16: (40.0, 18.0, 13.0), 32: (60.0, 30.0, 20.0)}
+    d = LinearDispatch(t)
+    assert d.pack_rows == (16, 32) and "MKL packed GEMM" in d.summary()  # 8 and 32 would serve 9-16 slower
+    assert [d.route(m) for m in (1, 2, 3, 8, 9, 17, 33)] == [
+        (LINEAR, 1), (LINEAR, 2), (PACKED, 16), (PACKED, 16), (PACKED, 16), (PACKED, 32), (LINEAR, 33)]
+    # without packed copies: the best of F.linear and the transposed product
+    assert [d.route(m, packed=False) for m in (1, 3, 9)] == [(LINEAR, 1), (TRANSPOSED, 4), (TRANSPOSED, 16)]
+    assert LinearDispatch(t, max_packs=1).pack_rows == (32,)
+    assert LinearDispatch(t, max_packs=0).pack_rows == ()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 13, 16, 40])
@@ -40,33 +55,43 @@ def test_routed_products_equal_f_linear(rows: int, bias: bool) -> None:
     x = torch.randn(1, rows, 32, generator=g)
     want = F.linear(x, w, b)
     assert torch.equal(linear.linear(x, w, b), want)  # no dispatch active: F.linear itself
-    d = LinearDispatch({r: (10.0, 1.0) for r in (1, 2, 4, 8, 16)})  # transposed everywhere it can
-    with d.active():
-        got = linear.linear(x, w, b)
-    assert got.shape == want.shape and got.is_contiguous()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_installed_modules_follow_the_active_dispatch_only() -> None:
-    model = linear.install(nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8, bias=False)))
-    x = torch.randn(3, 16)
-    with torch.no_grad():
-        want = model[2](torch.relu(F.linear(x, model[0].weight, model[0].bias)))
-        assert torch.equal(model(x), want)
-        calls = []
-        d = LinearDispatch({r: (10.0, 1.0) for r in (1, 2, 4)})
-        real = d.linear
-        d.linear = lambda *a: calls.append(a[0].shape) or real(*a)  # type: ignore[method-assign]
+    timings = [{r: (10.0, 1.0) for r in (1, 2, 4, 8, 16)}]  # transposed everywhere it can
+    if linear.mkl_packed_available():
+        timings.append({r: (10.0, 5.0, 1.0) for r in (1, 2, 4, 8, 16)})  # packed everywhere it can
+    for t in timings:
+        d = LinearDispatch(t)
+        packed = {r: PackedWeight(w, r) for r in d.pack_rows}
         with d.active():
-            got = model(x)
-            other = []
-            t = threading.Thread(target=lambda: other.append(model(x)))  # another thread: not routed
-            t.start()
-            t.join()
-        assert calls == [torch.Size([3, 16]), torch.Size([3, 24])]
+            got = linear.linear(x, w, b, packed)
+        assert got.shape == want.shape and got.is_contiguous()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert torch.equal(other[0], want)
-        assert torch.equal(model(x), want)  # the block has ended
+
+
+@pytest.mark.skipif(not linear.mkl_packed_available(), reason="needs torch with MKL")
+def test_packed_rows_do_not_depend_on_their_padding() -> None:
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(5, 24, generator=g)
+    d = LinearDispatch({1: (10.0, 20.0, 20.0), 8: (10.0, 20.0, 1.0)}, max_packs=1)
+    assert d.pack_rows == (8,) and d.route(5) == (PACKED, 8)
+    packed = {8: PackedWeight(w, 8)}
+    with d.active():
+        five = linear.linear(x, w, b, packed)
+        assert torch.equal(linear.linear(x[:3], w, b, packed), five[:3])  # 3 rows padded to 8 differently
+
+
+@pytest.mark.skipif(not linear.mkl_packed_available(), reason="needs torch with MKL")
+def test_packed_copy_follows_in_place_changes() -> None:
+    model = linear.install(nn.Sequential(nn.Linear(16, 24)), pack_rows=(8,))
+    lin = model[0]
+    x = torch.randn(5, 16)
+    d = LinearDispatch({1: (10.0, 20.0, 20.0), 8: (10.0, 20.0, 1.0)}, max_packs=1)
+    with torch.no_grad(), d.active():
+        torch.testing.assert_close(model(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        lin.weight.mul_(2.0)  # in place: repacked
+        torch.testing.assert_close(model(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        lin.weight.data = torch.randn(24, 16)  # new storage: repacked as well
+        torch.testing.assert_close(model(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_calibration_is_cached_per_machine_and_shapes(tmp_path) -> None:
@@ -74,9 +99,9 @@ def test_calibration_is_cached_per_machine_and_shapes(tmp_path) -> None:
     d = linear.calibrate(model, rows=(1, 2, 4), repeats=1, cache_dir=tmp_path)
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1 and set(d.timings_ms) == {1, 2, 4}
-    files[0].write_text(json.dumps({"1": [9.0, 1.0], "2": [9.0, 1.0], "4": [1.0, 9.0]}))
+    files[0].write_text(json.dumps({"1": [9.0, 1.0, 9.0], "2": [9.0, 1.0, 9.0], "4": [1.0, 9.0, 9.0]}))
     cached = linear.calibrate(model, rows=(1, 2, 4), repeats=1, cache_dir=tmp_path)
-    assert [cached.pad_rows(m) for m in (1, 2, 3, 4)] == [2, 2, 0, 0]
+    assert [cached.route(m)[0] for m in (1, 2, 3, 4)] == [TRANSPOSED, TRANSPOSED, LINEAR, LINEAR]
     files[0].write_text("not json")  # a damaged file is measured again and rewritten
     again = linear.calibrate(model, rows=(1, 2, 4), repeats=1, cache_dir=tmp_path)
     assert set(again.timings_ms) == {1, 2, 4} and json.loads(files[0].read_text())

@@ -1,20 +1,31 @@
 """Faster CPU linears for the few query tokens of decoding and tree verification.
 
-``F.linear(x, W)`` (``x @ W.T``) sends a 2-16 row input to a GEMM path that on a CPU without AMX
-runs far from the memory bound: SmolLM2's 210 decoder linears cost ~43 ms for 1 row, ~70-77 ms for
-2-4 rows and ~79 ms for 16 rows (fp32, 2 AVX2 cores, one calibration), while the same product
-computed as ``(W @ x.T).T`` costs ~33 ms for 1-4 rows (1 row padded to 2), ~52 ms for 8 and ~66 ms
-for 16. In between it is irregular (13 rows ~106 ms), so a row count may be padded up to a larger one
-that runs faster. Which path is faster depends on the CPU, the dtype and the row count, so
-:func:`calibrate` times both on the model's own linears at every row count up to 16 and a few
-beyond (~25 s for SmolLM2 in fp32 on 2 AVX2 cores, once: kept on disk per CPU, torch version,
-threads, dtype and linear shapes), and :class:`LinearDispatch` then routes each call by its row
-count. Routing is per thread and only inside :meth:`LinearDispatch.active`: :func:`linear` (what
-core code such as the Hydra heads' LM-head product calls) and the ``nn.Linear`` modules that
-:func:`install` reroutes through it run stock ``F.linear`` anywhere else (``model.generate`` in
-benchmarks, another engine).
+``F.linear(x, W)`` (``x @ W.T`` over the ``[out, in]`` weight) sends a 2-16 row input to a GEMM path
+that on a CPU without AMX runs far from the memory bound: SmolLM2's 210 decoder linears cost ~43 ms
+for 1 row, ~70-77 ms for 2-4 rows and ~79 ms for 16 rows (fp32, 2 AVX2 cores, one calibration),
+while the same product computed as ``(W @ x.T).T`` costs ~33 ms for 1-4 rows (1 row padded to 2),
+~52 ms for 8 and ~66 ms for 16. A GEMM lays the weight out in its blocked format on every call
+(our reading of why both stay slow); a third form, MKL's
+packed GEMM (``torch.ops.mkl._mkl_linear``, what torch's own compiler uses for frozen fp32
+linears), packs each weight once, for products of exactly ``p`` rows. On a 2-core AVX-512 Xeon,
+SmolLM2's decoder linears cost ~25 ms at 1-2 rows any way, and packed 26 / 29 / 34 / 37 ms at 4 / 8
+/ 16 / 17 rows against 53 / 63 / 108 / 110 with ``F.linear``: a 17-token tree verify's linears
+then cost ~1.4 one-token steps, not ~4. In between it is irregular (13 rows ~106 ms on the AVX2
+CPU), so a row count may be padded up to a larger one that runs faster. Which form is faster
+depends on the CPU, the dtype and the row count, so :func:`calibrate` times all three on the
+model's own linears at every row count up to 16 and a few beyond (~1 min for SmolLM2 in fp32 on 2
+cores, once: kept on disk per CPU, torch version, threads, dtype and linear shapes), and
+:class:`LinearDispatch` then routes each call by its row count. Each packed row count costs one
+more copy of the weights (~540 MB for SmolLM2 in fp32 with its LM head), so the dispatch keeps at
+most two, the pair that serves row counts up to :data:`PACK_HORIZON` fastest, and only where they
+beat the other forms; a packed copy follows in-place changes of its weight (it is repacked when
+the weight's version or storage changes). Routing is per thread and only inside
+:meth:`LinearDispatch.active`: :func:`linear` (what core code such as the Hydra heads' LM-head
+product calls) and the ``nn.Linear`` modules that :func:`install` reroutes through it run stock
+``F.linear`` anywhere else (``model.generate`` in benchmarks, another engine). A weight without
+packed copies (the Hydra heads') takes the best of the other two forms.
 
-The two paths compute the same products with a different summation order, like any two GEMM
+The forms compute the same products with a different summation order, like any two GEMM
 kernels: fp32 results agree to rounding, and plain and speculative decoding both go through it.
 
 For draft-side weights (never the target's), :class:`Int8Weight` runs a linear as FBGEMM's
@@ -27,8 +38,8 @@ which tokens are drafted now and then, never the output (the target verifies eve
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import itertools
 import json
 import platform
 import threading
@@ -43,26 +54,77 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Int8Weight", "LinearDispatch", "calibrate", "cpu_name", "install", "int8_available", "linear",
-           "thread_scope", "CALIBRATION_ROWS"]
+__all__ = ["Int8Weight", "LinearDispatch", "PackedWeight", "calibrate", "cpu_name", "install", "int8_available",
+           "linear", "mkl_packed_available", "thread_scope", "CALIBRATION_ROWS", "PACK_HORIZON"]
 
 #: Row counts timed by :func:`calibrate`; a call with more rows than the last uses ``F.linear``.
-CALIBRATION_ROWS = (*range(1, 17), 24, 32, 48, 64)
-_CACHE_VERSION = 2
+CALIBRATION_ROWS = (*range(1, 18), 24, 32, 48, 64)
+_CACHE_VERSION = 4
+
+#: The forms :class:`LinearDispatch` routes between.
+LINEAR, TRANSPOSED, PACKED = "linear", "transposed", "packed"
 
 
-def _transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pad_to: int = 2) -> torch.Tensor:
-    """``x @ W.T (+ b)`` computed as ``(W @ x.T).T`` over at least ``pad_to`` rows (the last row
-    repeated; a 1-column product would take the slower matrix-vector path). The result is
-    contiguous (a transposed view fed to the next linear takes a slow path)."""
+def _padded(x: torch.Tensor, pad_to: int) -> tuple[torch.Tensor, int]:
+    """``x``'s rows as a 2-D tensor of at least ``pad_to`` rows (the last row repeated), and how
+    many rows are real."""
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
     if m < pad_to:
         rows = torch.cat([rows, rows[-1:].expand(pad_to - m, -1)])
+    return rows, m
+
+
+def _transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pad_to: int = 2) -> torch.Tensor:
+    """``x @ W.T (+ b)`` computed as ``(W @ x.T).T`` over at least ``pad_to`` rows (a 1-column
+    product would take the slower matrix-vector path). The result is contiguous (a transposed view
+    fed to the next linear takes a slow path)."""
+    rows, m = _padded(x, pad_to)
     out = torch.mm(weight, rows.contiguous().t()).t()[:m].contiguous()
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def mkl_packed_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch has MKL's packed GEMM (x86 builds) for ``dtype`` (fp32 only)."""
+    return (dtype == torch.float32 and torch.backends.mkl.is_available()
+            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight") and hasattr(torch.ops.mkl, "_mkl_linear"))
+
+
+def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), rows)
+
+
+def _packed(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+            rows: int) -> torch.Tensor:
+    """``x @ W.T (+ b)`` through MKL's packed GEMM, ``x`` padded to exactly the ``rows`` the weight
+    was packed for (each output row depends on its own input row only)."""
+    padded, m = _padded(x, rows)
+    out = torch.ops.mkl._mkl_linear(padded.contiguous(), packed, weight, bias, rows)
+    return out[:m].reshape(*x.shape[:-1], weight.shape[0])
+
+
+class PackedWeight:
+    """A weight in MKL's packed GEMM layout for products of ``rows`` rows, re-packed when the
+    weight changes in place or gets new storage (so a routed product never uses stale numbers)."""
+
+    def __init__(self, weight: torch.Tensor, rows: int) -> None:
+        self.weight, self.rows = weight, rows
+        self._key: tuple[int, int] | None = None
+        self._packed: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        w = self.weight
+        try:
+            version = w._version
+        except RuntimeError:  # an inference tensor keeps no version counter
+            version = -1
+        key = (version, w.data_ptr())
+        if key != self._key or self._packed is None:
+            self._packed, self._key = _pack(w, self.rows), key
+        return self._packed
 
 
 _ACTIVE = threading.local()
@@ -79,50 +141,112 @@ def thread_scope(store: threading.local, dispatch: object) -> Iterator[None]:
         store.dispatch = outer
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, routed by the dispatch active in this thread (if any)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: Mapping[int, PackedWeight] | None = None) -> torch.Tensor:
+    """``F.linear``, routed by the dispatch active in this thread (if any); ``packed``: the
+    weight's packed copies by row count, where :func:`install` made them."""
     dispatch = getattr(_ACTIVE, "dispatch", None)
-    return dispatch.linear(x, weight, bias) if dispatch is not None else F.linear(x, weight, bias)
+    return dispatch.linear(x, weight, bias, packed) if dispatch is not None else F.linear(x, weight, bias)
+
+
+Route = tuple[str, int]  # (form, rows the product is padded to)
+
+#: Row counts a packed copy is chosen for: every count up to this one weighs the same.
+PACK_HORIZON = 32
 
 
 class LinearDispatch:
-    """Routes a linear by its input row count ``m`` to the cheapest calibrated option: ``F.linear``
-    at ``m`` rows, or ``(W @ x.T).T`` padded to some calibrated ``p >= m`` rows (at least 2).
-    Beyond the last calibrated row count, ``F.linear``."""
+    """Routes a linear by its input row count ``m`` to the cheapest calibrated form: ``F.linear``
+    at ``m`` rows, ``(W @ x.T).T`` padded to some calibrated ``p >= m`` rows (at least 2), or MKL's
+    packed GEMM over a copy of the weight packed for ``p >= m`` rows (``m`` padded to ``p``).
 
-    def __init__(self, timings_ms: Mapping[int, tuple[float, float]]) -> None:
-        """``timings_ms``: rows -> (``F.linear`` ms, transposed ms) over all of a model's linears."""
+    Each packed row count costs one more copy of the weights, so at most ``max_packs`` of them are
+    kept: the set that minimizes the summed time of every row count up to :data:`PACK_HORIZON`
+    (verify trees and decode batches). A weight without packed copies (the Hydra heads') takes the
+    best of the first two forms. Beyond the last calibrated row count, ``F.linear``."""
+
+    def __init__(self, timings_ms: Mapping[int, Sequence[float]], max_packs: int = 2) -> None:
+        """``timings_ms``: rows -> (``F.linear`` ms, transposed ms[, packed ms]) over all of a
+        model's linears (packed at exactly that many rows; none: never routed there)."""
         rows = sorted(int(r) for r in timings_ms)
         if not rows or rows[0] != 1:
             raise ValueError("LinearDispatch needs timings for 1 row")
-        self.timings_ms = {r: (float(timings_ms[r][0]), float(timings_ms[r][1])) for r in rows}
-        self._pad: list[int] = []  # m - 1 -> rows the transposed product pads to (0: F.linear)
-        for m in range(1, rows[-1] + 1):
-            above = [r for r in rows if r >= m]
-            plain = self.timings_ms[above[0]][0]
-            best = min(above, key=lambda r: self.timings_ms[r][1])
-            self._pad.append(max(best, 2) if self.timings_ms[best][1] < 0.95 * plain else 0)
+        inf = float("inf")
+        self.timings_ms = {r: tuple(float(t) for t in (*timings_ms[r], inf)[:3]) for r in rows}
+        self._rows = rows
+        self._rowmajor = [self._best(m, ()) for m in range(1, rows[-1] + 1)]  # m - 1 -> route without packs
+        horizon = [m for m in range(1, rows[-1] + 1) if m <= PACK_HORIZON]
+        choices = [r for r in rows if self.timings_ms[r][2] < inf]
+        best: tuple[float, tuple[int, ...]] = (sum(self._cost(m, ()) for m in horizon), ())
+        for k in range(1, max_packs + 1):
+            for packs in itertools.combinations(choices, k):
+                total = sum(self._cost(m, packs) for m in horizon)
+                if total < best[0] * 0.99:  # a pack size must earn its memory
+                    best = (total, packs)
+        self.pack_rows: tuple[int, ...] = best[1]
+        self._routes = [self._best(m, self.pack_rows) for m in range(1, rows[-1] + 1)]  # with packs
+
+    def _options(self, m: int, packs: Sequence[int]) -> list[tuple[float, Route]]:
+        above = [r for r in self._rows if r >= m]
+        t = min(above, key=lambda r: self.timings_ms[r][1])
+        options = [(self.timings_ms[above[0]][0], (LINEAR, m)), (self.timings_ms[t][1], (TRANSPOSED, max(t, 2)))]
+        options += [(self.timings_ms[p][2], (PACKED, p)) for p in packs if p >= m]
+        return options
+
+    def _best(self, m: int, packs: Sequence[int]) -> Route:
+        options = self._options(m, packs)
+        ms, route = min(options[1:], key=lambda o: o[0], default=options[0])
+        return route if ms < 0.95 * options[0][0] else (LINEAR, m)
+
+    def _cost(self, m: int, packs: Sequence[int]) -> float:
+        route = self._best(m, packs)
+        return next(ms for ms, r in self._options(m, packs) if r == route)
 
     def active(self) -> ContextManager[None]:
         """Within this block (this thread), :func:`linear` uses this routing."""
         return thread_scope(_ACTIVE, self)
 
-    def pad_rows(self, m: int) -> int:
-        """Rows the transposed product pads ``m`` input rows to; 0 means ``F.linear``."""
-        return self._pad[m - 1] if 0 < m <= len(self._pad) else 0
+    def route(self, m: int, packed: bool = True) -> Route:
+        """``(form, padded rows)`` for ``m`` input rows, for a weight with (``packed``) or without
+        packed copies."""
+        table = self._routes if packed else self._rowmajor
+        return table[m - 1] if 0 < m <= len(table) else (LINEAR, m)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        pad = self.pad_rows(x.numel() // x.shape[-1]) if x.dim() >= 2 and x.device.type == "cpu" else 0
-        return _transposed(x, weight, bias, pad) if pad else F.linear(x, weight, bias)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               packed: Mapping[int, PackedWeight] | None = None) -> torch.Tensor:
+        if x.dim() < 2 or x.device.type != "cpu":
+            return F.linear(x, weight, bias)
+        form, rows = self.route(x.numel() // x.shape[-1], bool(packed))
+        if form == PACKED:
+            assert packed is not None
+            return _packed(x, weight, packed[rows].get(), bias, rows)
+        return _transposed(x, weight, bias, rows) if form == TRANSPOSED else F.linear(x, weight, bias)
 
     @property
     def routes(self) -> bool:
-        """Whether any row count takes the transposed product (else this is ``F.linear``)."""
-        return any(self._pad)
+        """Whether any row count takes another form than ``F.linear``."""
+        return any(form != LINEAR for form, _ in self._routes)
 
     def summary(self) -> str:
-        routed = {m: p for m, p in enumerate(self._pad, 1) if p}
-        return f"(W @ x.T).T for rows {sorted(routed)}" if routed else "F.linear everywhere"
+        parts = []
+        for form, label in ((TRANSPOSED, "(W @ x.T).T"), (PACKED, "MKL packed GEMM")):
+            rows = [m for m, (f, _) in enumerate(self._routes, 1) if f == form]
+            if rows:
+                parts.append(f"{label} for rows {_spans(rows)}")
+        if self.pack_rows:
+            parts.append(f"weights packed for {', '.join(map(str, self.pack_rows))} rows")
+        return "; ".join(parts) if parts else "F.linear everywhere"
+
+
+def _spans(rows: Sequence[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
+    spans: list[list[int]] = []
+    for r in rows:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:
@@ -148,56 +272,70 @@ def _fingerprint(linears: Sequence[nn.Linear], rows: Sequence[int]) -> str:
 
 
 def calibrate(model: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats: int = 3,
-              cache_dir: Path | None = None) -> LinearDispatch:
-    """Time ``F.linear`` and the transposed product over all of ``model``'s linears (each with its
-    own weights, so memory traffic is real) at each row count: best of ``repeats`` rounds over
-    every row count, after a warm-up round. The routing compares row counts with each other, so
-    each round times them all; timed one count after another, a slow spell of the machine made
-    3 rows look as cheap as 4 when they cost 20% more, and padding 8 rows to 16 look best. With
-    ``cache_dir``, timings are read from / written to a JSON file there keyed by the CPU, torch
-    version, thread count, dtype and linear shapes."""
+              cache_dir: Path | None = None, max_packs: int = 2) -> LinearDispatch:
+    """Time the three forms over all of ``model``'s linears (each with its own weights, so memory
+    traffic is real) at each row count: best of ``repeats`` rounds after a warm-up round, the forms
+    interleaved within each round so that a slow spell of the machine hits all of them. The packed
+    form (fp32 with MKL only) needs a packed copy of every weight per row count, so row counts are
+    timed one after another, each with its own copies (holding them all at once would take one
+    copy of the model per row count). With ``cache_dir``, timings are read from / written to a JSON
+    file there keyed by the CPU, torch version, thread count, dtype and linear shapes."""
     linears = _linears(model)
     if not linears:
-        return LinearDispatch({r: (1.0, 1.0) for r in rows})
+        return LinearDispatch({r: (1.0, 1.0) for r in rows}, max_packs)
     path = cache_dir / f"linear-{_fingerprint(linears, rows)}.json" if cache_dir is not None else None
     if path is not None and path.is_file():
         try:
-            return LinearDispatch({int(r): tuple(ms) for r, ms in json.loads(path.read_text()).items()})
+            return LinearDispatch({int(r): tuple(ms) for r, ms in json.loads(path.read_text()).items()}, max_packs)
         except (ValueError, TypeError, AttributeError):
             pass  # a damaged cache file is re-measured and rewritten
     p = linears[0].weight
     with torch.inference_mode():
         inputs = {k: torch.randn(max(rows), k, dtype=p.dtype, device=p.device) for k in {m.in_features for m in linears}}
 
-        def run(fn, m: int) -> float:
+        def run(form: str, m: int, packs: Sequence[torch.Tensor] = ()) -> float:
             t0 = time.perf_counter()
-            for lin in linears:
-                fn(inputs[lin.in_features][:m], lin.weight, lin.bias)
+            for i, lin in enumerate(linears):
+                x = inputs[lin.in_features][:m]
+                if form == LINEAR:
+                    F.linear(x, lin.weight, lin.bias)
+                elif form == TRANSPOSED:
+                    _transposed(x, lin.weight, lin.bias, 2)
+                else:
+                    _packed(x, lin.weight, packs[i], lin.bias, m)
             return (time.perf_counter() - t0) * 1e3
 
-        paths = (F.linear, functools.partial(_transposed, pad_to=2))
-        best = {m: [float("inf"), float("inf")] for m in rows}
-        for rep in range(repeats + 1):  # the first round warms up
-            for m in rows:  # every round visits every row count (see above)
-                for i, fn in enumerate(paths):
-                    ms = run(fn, m)
+        packing = p.device.type == "cpu" and mkl_packed_available(p.dtype)
+        forms = (LINEAR, TRANSPOSED, PACKED) if packing else (LINEAR, TRANSPOSED)
+        best = {m: [float("inf")] * 3 for m in rows}
+        for m in rows:
+            packs = [_pack(lin.weight, m) for lin in linears] if packing else []
+            for rep in range(repeats + 1):  # the first round warms up
+                for i, form in enumerate(forms):  # the forms interleave (see above)
+                    ms = run(form, m, packs)
                     best[m][i] = min(best[m][i], ms) if rep else best[m][i]
-        timings = {m: (round(b[0], 3), round(b[1], 3)) for m, b in best.items()}
+            del packs
+        timings = {m: [round(t, 3) for t in b if t < float("inf")] for m, b in best.items()}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(timings))
-    return LinearDispatch(timings)
+    return LinearDispatch(timings, max_packs)
 
 
 def _routed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, self.weight, self.bias)
+    return linear(x, self.weight, self.bias, getattr(self, "_dyntree_packed", None))
 
 
-def install(module: nn.Module) -> nn.Module:
+def install(module: nn.Module, pack_rows: Sequence[int] = ()) -> nn.Module:
     """Route ``module``'s ``nn.Linear`` calls through :func:`linear` (idempotent; without an
-    active dispatch they compute exactly what ``F.linear`` does). Returns ``module``."""
+    active dispatch they compute exactly what ``F.linear`` does); with ``pack_rows`` (a dispatch's
+    :attr:`LinearDispatch.pack_rows`), each also gets its weight packed for those row counts (one
+    more copy of the weights in memory per count, made at the first call that needs it).
+    Returns ``module``."""
     for lin in _linears(module):
         lin.forward = types.MethodType(_routed_forward, lin)
+        if pack_rows:
+            lin._dyntree_packed = {r: PackedWeight(lin.weight, r) for r in pack_rows}
     return module
 
 
