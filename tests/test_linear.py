@@ -43,6 +43,7 @@ def test_packed_route_keeps_at_most_two_pack_sizes_and_only_for_packed_weights()
     # without packed copies: the best of F.linear and the transposed product
     assert [d.route(m, packed=False) for m in (1, 3, 9)] == [(LINEAR, 1), (TRANSPOSED, 4), (TRANSPOSED, 16)]
     assert LinearDispatch(t, max_packs=1).pack_rows == (16,)
+    assert d.steps() == [2, 3, 16, 17]  # where the routes change (a cost model's knots)
     w, x = torch.randn(8, 4), torch.randn(9, 4)
     with d.active():  # copies packed for other row counts (another dispatch's): the unpacked route
         torch.testing.assert_close(linear.linear(x, w, None, {8: PackedWeight(w, 8)}), F.linear(x, w))

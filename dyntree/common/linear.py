@@ -238,6 +238,15 @@ class LinearDispatch:
             form, rows = self.route(m, packed=False)  # packed by another dispatch: not for this one
         return _transposed(x, weight, bias, rows) if form == TRANSPOSED else F.linear(x, weight, bias)
 
+    def steps(self) -> list[int]:
+        """Row counts on either side of each change of route (where a product's cost jumps):
+        what a cost model of the forward should time rather than interpolate."""
+        out: set[int] = set()
+        for m in range(2, len(self._routes) + 1):
+            if self._routes[m - 1] != self._routes[m - 2] and (self._routes[m - 1][0] != LINEAR or self._routes[m - 2][0] != LINEAR):
+                out.update((m - 1, m))
+        return sorted(out)
+
     @property
     def routes(self) -> bool:
         """Whether any row count takes another form than ``F.linear``."""

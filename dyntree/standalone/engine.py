@@ -335,10 +335,15 @@ class SpecEngine:
             kv.compact(self.cache, as_t(rows), as_t(src), as_t(dst))
 
     # -- cost model ------------------------------------------------------------------------------
-    def measure_cost(self, sizes: Sequence[int] = COST_SIZES, kv_len: int = COST_KV_LEN, repeats: int = 2) -> CostModel:
+    def measure_cost(self, sizes: Sequence[int] | None = None, kv_len: int = COST_KV_LEN, repeats: int = 2) -> CostModel:
         """Time target forwards (decoder + LM head) of ``sizes`` query tokens against a dummy KV
         cache of ``kv_len`` tokens, and one size against ``COST_KV_LONG`` tokens (the attention
-        term); the cost model the adaptive controller starts from."""
+        term); the cost model the adaptive controller starts from. By default :data:`COST_SIZES`
+        and the token counts on either side of each step of the CPU linear routing (e.g. 3 and 4
+        where 4 rows switch to packed weights), which interpolation would smooth over."""
+        if sizes is None:
+            steps = self.linear.steps() if self.linear is not None else []
+            sizes = sorted(set(COST_SIZES) | {n for n in steps if n <= max(COST_SIZES)})
         g = torch.Generator().manual_seed(0)
 
         def forward_at(length: int) -> Callable[[int], None]:
