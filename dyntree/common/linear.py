@@ -8,10 +8,12 @@ while the same product computed as ``(W @ x.T).T`` costs ~33 ms for 1-4 rows (1 
 (our reading of why both stay slow); a third form, MKL's
 packed GEMM (``torch.ops.mkl._mkl_linear``, what torch's own compiler uses for frozen fp32
 linears), packs each weight once, for products of exactly ``p`` rows. On a 2-core AVX-512 Xeon,
-SmolLM2's decoder linears cost ~25 ms at 1-2 rows any way, and packed 26 / 29 / 34 / 37 ms at 4 / 8
-/ 16 / 17 rows against 53 / 63 / 108 / 110 with ``F.linear``: a 17-token tree verify's linears
-then cost ~1.4 one-token steps, not ~4. In between it is irregular (13 rows ~106 ms on the AVX2
-CPU), so a row count may be padded up to a larger one that runs faster. Which form is faster
+linears of SmolLM2's decoder shapes cost ~25 ms at 1-2 rows any way, and packed 26 / 29 / 34 / 37
+ms at 4 / 8 / 16 / 17 rows against 53 / 63 / 108 / 110 with ``F.linear``; in a whole SmolLM2
+forward (256 cached tokens, attention and the rest included) 4-10 tokens then cost ~1.4 one-token
+forwards and 11-17 ~1.55, against ~1.8-2.3 with the transposed form. In between it is irregular
+(13 rows ~106 ms on the AVX2 CPU), so a row count may be padded up to a larger one that runs
+faster. Which form is faster
 depends on the CPU, the dtype and the row count, so :func:`calibrate` times all three on the
 model's own linears at every row count up to 16 and a few beyond (~1 min for SmolLM2 in fp32 on 2
 cores, once: kept on disk per CPU, torch version, threads, dtype and linear shapes), and
