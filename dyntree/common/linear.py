@@ -15,8 +15,8 @@ forwards and 11-17 ~1.55, against ~1.8-2.3 with the transposed form. In between 
 (13 rows ~106 ms on the AVX2 CPU), so a row count may be padded up to a larger one that runs
 faster. Which form is faster
 depends on the CPU, the dtype and the row count, so :func:`calibrate` times all three on the
-model's own linears at every row count up to 16 and a few beyond (~1 min for SmolLM2 in fp32 on 2
-cores, once: kept on disk per CPU, torch version, threads, dtype and linear shapes), and
+model's own linears at every row count up to 17 and a few beyond (~25-35 s for SmolLM2 in fp32 on
+2 cores, once: kept on disk per CPU, torch version, threads, dtype and linear shapes), and
 :class:`LinearDispatch` then routes each call by its row count. Each packed row count costs one
 more copy of the weights (~540 MB for SmolLM2 in fp32 with its LM head), so the dispatch keeps at
 most two, the pair that serves row counts up to :data:`PACK_HORIZON` fastest, and only where they
@@ -247,11 +247,8 @@ class LinearDispatch:
     def steps(self) -> list[int]:
         """Row counts on either side of each change of route (where a product's cost jumps):
         what a cost model of the forward should time rather than interpolate."""
-        out: set[int] = set()
-        for m in range(2, len(self._routes) + 1):
-            if self._routes[m - 1] != self._routes[m - 2] and (self._routes[m - 1][0] != LINEAR or self._routes[m - 2][0] != LINEAR):
-                out.update((m - 1, m))
-        return sorted(out)
+        keys = [(form, 0 if form == LINEAR else rows) for form, rows in self._routes]  # F.linear: one route
+        return sorted({n for m in range(1, len(keys)) if keys[m] != keys[m - 1] for n in (m, m + 1)})
 
     @property
     def routes(self) -> bool:
