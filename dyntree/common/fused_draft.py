@@ -36,26 +36,27 @@ from dyntree.common.attention import attend
 from dyntree.common.quant import QSpec, QuantLinear, WeightKernel
 
 __all__ = ["LM_HEAD_SPEC", "FusedLayer", "fused_layer", "fuse_layers", "hf_rope", "run_layers", "attention_mask",
-           "ScratchKV", "Rope"]
+           "ScratchKV", "Rope", "rms_norm", "doubled"]
 
 #: The draft's LM head: per-channel int8 (its top-1 barely moves).
 LM_HEAD_SPEC = QSpec(weight_bits=8, group_size=None)
 
-#: ``rope(q, k) -> (q, k)`` on ``[b, heads, w, head_dim]`` queries and keys at this forward's positions.
-Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+#: ``rope(x)`` rotates ``[b, heads, w, head_dim]`` queries or keys at this forward's positions.
+Rope = Callable[[torch.Tensor], torch.Tensor]
 
 _MODEL_TYPES = ("llama",)
 
 
 @dataclass(frozen=True)
 class FusedLayer:
-    """One decoder layer's weights in fused form (the norms' tensors are the target's own)."""
+    """One decoder layer's weights in fused form (the norms' weights as :func:`rms_norm` takes
+    them: ``cat([w, w])``, a 2 x hidden copy of the target's)."""
 
-    attn_norm: torch.Tensor
+    attn_norm: torch.Tensor  # doubled (see :func:`rms_norm`)
     attn_eps: float
     qkv: QuantLinear
     o: QuantLinear
-    mlp_norm: torch.Tensor
+    mlp_norm: torch.Tensor  # doubled
     mlp_eps: float
     gate_up: QuantLinear
     down: QuantLinear
@@ -102,8 +103,8 @@ def fused_layer(
     def quantized(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear:
         return QuantLinear.from_weight(weight, bias, spec, kernel=kernel)
 
-    fused = FusedLayer(attn_norm[0], attn_norm[1], quantized(*qkv), quantized(*o), mlp_norm[0], mlp_norm[1],
-                       quantized(*gate_up), quantized(*down), heads, kv_heads, head_dim, scaling)
+    fused = FusedLayer(doubled(attn_norm[0]), attn_norm[1], quantized(*qkv), quantized(*o), doubled(mlp_norm[0]),
+                       mlp_norm[1], quantized(*gate_up), quantized(*down), heads, kv_heads, head_dim, scaling)
     if any(p.kernel is None for p in (fused.qkv, fused.o, fused.gate_up, fused.down)):
         return None
     return fused
@@ -144,34 +145,56 @@ def fuse_layers(layers: Sequence[nn.Module], config: Any, spec: QSpec,
     return fused
 
 
+def doubled(weight: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm weight as :func:`rms_norm` takes it."""
+    return torch.cat([weight, weight]).detach()
+
+
+def rms_norm(x: torch.Tensor, weight2: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x [..., d]`` with weight ``w`` given as ``weight2 = cat([w, w])``.
+
+    Computed as the first half of a layer norm of ``cat([x, -x])``, whose mean is zero and whose
+    variance is ``mean(x**2)``: the same numbers up to float rounding, and on a CPU about half the
+    time of ``F.rms_norm`` for one token's row (torch's layer norm is one fused kernel; its RMSNorm
+    is a chain of reductions), which a draft forward pays twice per layer."""
+    d = x.shape[-1]
+    return F.layer_norm(torch.cat([x, -x], -1), (2 * d,), weight2, None, eps)[..., :d]
+
+
 def hf_rope(cos: torch.Tensor, sin: torch.Tensor) -> Rope:
-    """The rotation a Hugging Face rotary module's ``cos``/``sin [b, w, head_dim]`` describe."""
-    cos, sin = cos[:, None], sin[:, None]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-    return lambda q, k: (rotate(q), rotate(k))
+    """The rotation a Hugging Face rotary module's ``cos``/``sin [b, w, head_dim]`` describe:
+    ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) = roll(x, half) * [-1.., +1..]``
+    (the sign folded into ``sin`` once per forward, so a call is three ops)."""
+    half = cos.shape[-1] // 2
+    cos, signed = cos[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
+    return lambda x: torch.addcmul(x * cos, x.roll(half, -1), signed)
 
 
 def run_layers(layers: Sequence[FusedLayer], hidden: torch.Tensor, rope: Rope, mask: torch.Tensor, kv: Any) -> torch.Tensor:
-    """``hidden [b, w, d]`` through ``layers``; ``rope`` rotates queries and keys at this
-    forward's positions, ``mask [b, 1, w, keys]`` is additive, ``kv.update(k, v, layer_idx)``
-    appends this call's keys/values and returns every key/value the queries may see (the HF cache
-    contract; :class:`ScratchKV`)."""
-    b, w, _ = hidden.shape
+    """``hidden [b, w, d]`` through ``layers``; ``rope`` rotates queries and keys (``[b, heads, w,
+    head_dim]``, rotated together) at this forward's positions, ``mask [b, 1, w, keys]`` is
+    additive, ``kv.update(k, v, layer_idx)`` appends this call's keys/values and returns every
+    key/value the queries may see (the HF cache contract; :class:`ScratchKV`).
+
+    The residual stream, rotary and attention stay in ``hidden``'s dtype; each projection's input
+    is cast once to the kernel's compute dtype and its output is used in that dtype (added to the
+    residual or split), which gives the numbers of casting in and out of every call with fewer
+    casts (on a CPU: bf16 for torch's int8/int4 ops)."""
+    if not layers:
+        return hidden
+    b, w, d = hidden.shape
+    dtype = hidden.dtype
+    act = layers[0].qkv.kernel.compute_dtype(dtype) if layers[0].qkv.kernel is not None else dtype
     for i, f in enumerate(layers):
-        x = F.rms_norm(hidden, hidden.shape[-1:], f.attn_norm, f.attn_eps)
-        qkv = f.qkv(x).view(b, w, f.heads + 2 * f.kv_heads, f.head_dim).transpose(1, 2)
-        q, k, v = qkv.split([f.heads, f.kv_heads, f.kv_heads], dim=1)
-        q, k = rope(q, k)
-        keys, values = kv.update(k, v, i)
-        att = attend(q, keys, values, mask, f.scaling)
-        hidden = hidden + f.o(att.transpose(1, 2).reshape(b, w, f.heads * f.head_dim))
-        x = F.rms_norm(hidden, hidden.shape[-1:], f.mlp_norm, f.mlp_eps)
-        gate, up = f.gate_up(x).chunk(2, dim=-1)
-        hidden = hidden + f.down(F.silu(gate) * up)
+        x = rms_norm(hidden, f.attn_norm, f.attn_eps).reshape(b * w, d).to(act)
+        qkv = f.qkv.kernel_forward(x).to(dtype).view(b, w, f.heads + 2 * f.kv_heads, f.head_dim).transpose(1, 2)
+        q, k = rope(qkv[:, : f.heads + f.kv_heads]).split([f.heads, f.kv_heads], dim=1)
+        keys, values = kv.update(k, qkv[:, f.heads + f.kv_heads :], i)
+        att = attend(q, keys, values, mask, f.scaling).transpose(1, 2).reshape(b * w, f.heads * f.head_dim)
+        hidden = hidden + f.o.kernel_forward(att.to(act)).view(b, w, d)
+        x = rms_norm(hidden, f.mlp_norm, f.mlp_eps).reshape(b * w, d).to(act)
+        gate, up = f.gate_up.kernel_forward(x).chunk(2, dim=-1)
+        hidden = hidden + f.down.kernel_forward((F.silu(gate.to(dtype)) * up).to(act)).view(b, w, d)
     return hidden
 
 
@@ -187,13 +210,25 @@ def attention_mask(kv_lens: torch.Tensor, prefix_len: int, scratch_mask: torch.T
 
 class ScratchKV:
     """The cache object a draft forward writes to: per layer, the target's prefix KV (read-only,
-    set by the engine for the duration of one forward) followed by this step's draft tokens' KV
-    (scratch, owned)."""
+    set by the engine for each forward of a step) followed by this step's draft tokens' KV
+    (scratch, owned).
 
-    def __init__(self, n_layers: int) -> None:
+    Attention needs a layer's keys in one tensor. While a copy of the step's prefix KV for every
+    layer fits ``copy_budget`` bytes, a layer's first call of the step copies its prefix once into
+    a buffer with room for the draft tokens, and later calls only write their own keys into it
+    (a draft step runs several forwards against the same prefix). Past the budget (long contexts,
+    large batches) nothing is kept: every call concatenates the layer's prefix with its scratch for
+    the duration of the call, so the draft never holds a second full cache."""
+
+    #: Bytes of prefix copies a step may hold (SmolLM2, fp32: ~46 KB per cached token and request).
+    COPY_BUDGET = 256 << 20
+
+    def __init__(self, n_layers: int, copy_budget: int = COPY_BUDGET) -> None:
         self.prefix: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         self.scratch: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
-        self.peak_transient_bytes = 0
+        self.copy_budget = copy_budget
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor, int, int] | None] = [None] * n_layers  # k, v, prefix, used
+        self.peak_transient_bytes = 0  # the most prefix-copy bytes held at once
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
         old = self.scratch[layer_idx]
@@ -202,9 +237,33 @@ class ScratchKV:
         pre = self.prefix[layer_idx]
         if pre is None:
             return k, v
+        layer_bytes = 2 * pre[0].numel() * pre[0].element_size()
+        if layer_bytes * len(self.prefix) <= self.copy_budget:
+            return self._buffered(layer_idx, pre, key, value)
         full_k, full_v = torch.cat([pre[0], k], 2), torch.cat([pre[1], v], 2)
         self.peak_transient_bytes = max(self.peak_transient_bytes, 2 * full_k.numel() * full_k.element_size())
         return full_k, full_v
+
+    def _buffered(self, layer_idx: int, pre: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor,
+                  value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        buf = self._buffers[layer_idx]
+        n = key.shape[2]
+        if buf is None or buf[3] + n > buf[0].shape[2]:
+            length = pre[0].shape[2]
+            have = length if buf is None else buf[3]
+            room = max(16, 2 * (have - length + n))
+            shape = (*pre[0].shape[:2], length + room, pre[0].shape[3])
+            bk, bv = pre[0].new_empty(shape), pre[1].new_empty(shape)
+            bk[:, :, :have] = pre[0] if buf is None else buf[0][:, :, :have]
+            bv[:, :, :have] = pre[1] if buf is None else buf[1][:, :, :have]
+            buf = (bk, bv, length, have)
+            held = sum(2 * b[0].numel() * b[0].element_size() for b in self._buffers if b is not None and b is not buf)
+            self.peak_transient_bytes = max(self.peak_transient_bytes, held + 2 * bk.numel() * bk.element_size())
+        bk, bv, length, used = buf
+        bk[:, :, used : used + n] = key
+        bv[:, :, used : used + n] = value
+        self._buffers[layer_idx] = (bk, bv, length, used + n)
+        return bk[:, :, : used + n], bv[:, :, : used + n]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         pre, scr = self.prefix[layer_idx], self.scratch[layer_idx]

@@ -345,6 +345,11 @@ class WeightKernel(Protocol):
         kernel takes (device, dtype); the layer then dequantizes."""
         ...
 
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The activation dtype the kernel computes in for ``dtype`` inputs: a caller that keeps
+        activations in it skips the casts in and out of every call."""
+        ...
+
 
 class QuantLinear(nn.Module):
     """``nn.Linear`` with a quantized weight (and optionally quantized input activations).
@@ -440,6 +445,16 @@ class QuantLinear(nn.Module):
         saving."""
         self._dense = dequantize_weight(self.quantized_weight, dtype)
         self.kernel = self._prepared = None
+
+    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, in]`` (in the kernel's :meth:`~WeightKernel.compute_dtype`) through the kernel,
+        bias added, in that dtype: a fused draft's hot path, without the module call and the
+        checks and fallbacks of :meth:`forward`."""
+        assert self.kernel is not None and self._prepared is not None
+        y = self.kernel.matmul(x, self._prepared)
+        if y is None:
+            raise RuntimeError(f"QuantLinear: the kernel refused a {x.dtype} call on {x.device}")
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

@@ -76,6 +76,9 @@ class CpuWeightOnly:
         scale_min = torch.stack((scales.t(), mins.t()), dim=-1).to(torch.bfloat16).contiguous()
         return CpuPacked(4, packed, scale_min, None, qw.group_size)
 
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.bfloat16
+
     def matmul(self, x: torch.Tensor, prepared: CpuPacked) -> torch.Tensor | None:
         if x.device.type != "cpu" or x.dim() != 2:
             return None

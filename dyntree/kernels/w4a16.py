@@ -171,6 +171,9 @@ class W4A16Kernel:
             return None
         return _Prepared(qw)
 
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
     def matmul(self, x: torch.Tensor, prepared: _Prepared) -> torch.Tensor | None:
         if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)):
             return None
