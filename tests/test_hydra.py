@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from dyntree.common.config import SpecConfig
 from dyntree.common.drafter import DraftRequest
@@ -534,6 +535,40 @@ def test_int8_heads_track_fp32_heads() -> None:
     assert heads.int8 and torch.equal(got_h, ref_h)
     for r, g in zip(ref, got):
         assert not torch.equal(g, r)  # the int8 product is in use
+        assert (g - r).abs().max() < 0.05 * (r.max() - r.min()), (g - r).abs().max()
+        assert (g.argmax(-1) == r.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.skipif(not int8_available(), reason="torch without FBGEMM")
+def test_weight_only_int8_layers_track_fp32_heads() -> None:
+    """With a weight-only kernel the heads' and the prefix layer's linears keep int8 weights too:
+    no fp32 linear is left, and the prefix states and every head's logits stay close to fp32."""
+    from dyntree.common.quant import QuantLinear
+    from dyntree.kernels.cpu_weight_only import CpuWeightOnly, cpu_kernels_available
+
+    if not cpu_kernels_available():
+        pytest.skip("torch without the CPU weight-only ops")
+    torch.manual_seed(0)
+    d, vocab = 64, 300
+    embed, lm_head = torch.randn(vocab, d), torch.randn(vocab, d) / d**0.5
+    cfg = HydraConfig(num_heads=3, num_layers=2, hidden_size=d, target=TargetIdentity("tiny", d, vocab, "ab" * 32),
+                      prefix_attention=True, prefix_heads=4)
+    heads = HydraHeads(cfg, embed, lm_head).eval()
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hidden, path, pos = torch.randn(1, 12, d), torch.randint(vocab, (12, 3)), torch.arange(12)[None]
+    with torch.inference_mode():
+        ref_h = heads.prefix_forward(hidden, pos)[0][0]
+        ref = [heads.head_logits(k, ref_h, path[:, :k]) for k in (1, 2, 3)]
+        linears = sum(isinstance(m, nn.Linear) for m in heads.modules())
+        heads.use_int8(CpuWeightOnly())
+        assert not any(isinstance(m, nn.Linear) for m in heads.modules())
+        assert sum(isinstance(m, QuantLinear) for m in heads.modules()) == linears
+        got_h = heads.prefix_forward(hidden, pos)[0][0]
+        got = [heads.head_logits(k, got_h, path[:, :k]) for k in (1, 2, 3)]
+    assert not torch.equal(got_h, ref_h) and (got_h - ref_h).abs().max() < 0.05 * ref_h.abs().max()
+    for r, g in zip(ref, got):
         assert (g - r).abs().max() < 0.05 * (r.max() - r.min()), (g - r).abs().max()
         assert (g.argmax(-1) == r.argmax(-1)).float().mean() >= 0.9
 

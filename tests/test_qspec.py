@@ -397,3 +397,50 @@ def test_fused_draft_layers_compute_what_the_hf_layers_do(tiny) -> None:
         backend.release()
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     assert not torch.allclose(outs[2], outs[0], atol=1e-2)
+
+
+def test_fused_norm_and_rotary_equal_the_references() -> None:
+    # the draft's RMSNorm (a layer norm of [x, -x]) and rotary (roll, sign folded into sin)
+    # against torch's RMSNorm and Hugging Face's rotate-half form; and they can fail
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from dyntree.common.fused_draft import doubled, hf_rope, rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 3, 64, generator=g) * 3, torch.rand(64, generator=g) + 0.5
+    torch.testing.assert_close(rms_norm(x, doubled(w), 1e-6), nn.functional.rms_norm(x, (64,), w, 1e-6))
+    assert not torch.allclose(rms_norm(x, doubled(w), 1e-6), nn.functional.layer_norm(x, (64,), w, None, 1e-6))
+    q, k = torch.randn(2, 4, 3, 16, generator=g), torch.randn(2, 2, 3, 16, generator=g)
+    angles = torch.rand(2, 3, 8, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, cos, sin)
+    rope = hf_rope(cos, sin)
+    torch.testing.assert_close(rope(q), ref_q)
+    torch.testing.assert_close(rope(k), ref_k)
+    assert not torch.allclose(hf_rope(cos, -sin)(q), ref_q, atol=1e-3)
+
+
+def test_scratch_kv_copy_once_equals_concatenating_every_call() -> None:
+    # a step's forwards against one prefix: the buffered cache (prefix copied once, room grown
+    # past its first 16 slots) returns exactly what per-call concatenation returns
+    from dyntree.common.fused_draft import ScratchKV
+
+    g = torch.Generator().manual_seed(0)
+    prefix = [(torch.randn(2, 3, 20, 8, generator=g), torch.randn(2, 3, 20, 8, generator=g)) for _ in range(2)]
+    caches = ScratchKV(2), ScratchKV(2, copy_budget=0)
+    for width in (1, 4, 10, 7):
+        new = [(torch.randn(2, 3, width, 8, generator=g), torch.randn(2, 3, width, 8, generator=g)) for _ in range(2)]
+        outs = []
+        for cache in caches:
+            cache.prefix = list(prefix)
+            outs.append([cache.update(k, v, i) for i, (k, v) in enumerate(new)])
+            cache.prefix = [None, None]
+        for (k0, v0), (k1, v1) in zip(*outs):
+            assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    assert outs[0][0][0].shape[2] == 20 + 22
+    assert caches[0].scratch_bytes == caches[1].scratch_bytes > 0
+    for cache in caches:
+        cache.prefix = list(prefix)
+    assert caches[0].get_seq_length(1) == caches[1].get_seq_length(1) == 20 + 22
+    assert caches[0].peak_transient_bytes >= 2 * 2 * (2 * 3 * 42 * 8 * 4)  # both layers' copies held
+    assert 0 < caches[1].peak_transient_bytes <= 2 * (2 * 3 * 42 * 8 * 4)  # one layer's, for one call

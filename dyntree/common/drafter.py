@@ -27,6 +27,7 @@ from dyntree.common.tree import DraftTree
 
 if TYPE_CHECKING:
     from dyntree.common.builder import PartialTree
+    from dyntree.common.quant import WeightKernel
     from dyntree.common.config import SamplingParams
 
 __all__ = ["DraftRequest", "Candidates", "top_candidates", "Drafter", "NoDrafter", "TargetInfo", "SelfDraftBackend"]
@@ -132,6 +133,8 @@ class TargetInfo:
         lm_head: ``[vocab, hidden]`` LM-head weight (frozen, shared).
         tokenizer_sha256: hash of the tokenizer's vocabulary
             (:func:`~dyntree.common.hydra.tokenizer_sha256`).
+        weight_kernel: a low-bit matmul the engine offers for a drafter's own weights on the
+            target's device (the standalone engine on a CPU: torch's weight-only int8), or ``None``.
     """
 
     name: str
@@ -139,13 +142,15 @@ class TargetInfo:
     embed: torch.Tensor
     lm_head: torch.Tensor
     tokenizer_sha256: str
+    weight_kernel: "WeightKernel | None" = None
 
     @property
     def vocab_size(self) -> int:
         return int(self.lm_head.shape[0])
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, tokenizer: Any, name: str, vocab: int | None = None) -> "TargetInfo":
+    def from_model(cls, model: torch.nn.Module, tokenizer: Any, name: str, vocab: int | None = None,
+                   weight_kernel: "WeightKernel | None" = None) -> "TargetInfo":
         """From a loaded causal LM of any engine (``model.model.embed_tokens``, else HF-style
         ``get_input_embeddings()``; ``lm_head``, else tied to the embedding), weights shared, rows
         cut to ``vocab`` (an engine's padded vocabulary). The decoder's own embedding comes first:
@@ -164,7 +169,8 @@ class TargetInfo:
         lm_head = head.weight if isinstance(getattr(head, "weight", None), torch.Tensor) else embed
         rows = slice(None) if vocab is None else slice(0, vocab)
         return cls(name=str(name), hidden_size=int(embed.shape[1]), embed=embed.detach()[rows],
-                   lm_head=lm_head.detach()[rows], tokenizer_sha256=tokenizer_sha256(tokenizer))
+                   lm_head=lm_head.detach()[rows], tokenizer_sha256=tokenizer_sha256(tokenizer),
+                   weight_kernel=weight_kernel)
 
 
 class SelfDraftBackend(Protocol):

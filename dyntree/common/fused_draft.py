@@ -246,19 +246,21 @@ class ScratchKV:
 
     def _buffered(self, layer_idx: int, pre: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor,
                   value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``key``/``value`` after the layer's prefix copy and earlier draft tokens; returns
+        views of everything written so far. The first call of a step copies the prefix; a call
+        that does not fit the room left moves the buffer to one with twice the draft slots."""
         buf = self._buffers[layer_idx]
         n = key.shape[2]
         if buf is None or buf[3] + n > buf[0].shape[2]:
             length = pre[0].shape[2]
-            have = length if buf is None else buf[3]
-            room = max(16, 2 * (have - length + n))
-            shape = (*pre[0].shape[:2], length + room, pre[0].shape[3])
+            src_k, src_v, used = (pre[0], pre[1], length) if buf is None else (buf[0], buf[1], buf[3])
+            shape = (*pre[0].shape[:2], length + max(16, 2 * (used - length + n)), pre[0].shape[3])
             bk, bv = pre[0].new_empty(shape), pre[1].new_empty(shape)
-            bk[:, :, :have] = pre[0] if buf is None else buf[0][:, :, :have]
-            bv[:, :, :have] = pre[1] if buf is None else buf[1][:, :, :have]
-            buf = (bk, bv, length, have)
-            held = sum(2 * b[0].numel() * b[0].element_size() for b in self._buffers if b is not None and b is not buf)
-            self.peak_transient_bytes = max(self.peak_transient_bytes, held + 2 * bk.numel() * bk.element_size())
+            bk[:, :, :used], bv[:, :, :used] = src_k[:, :, :used], src_v[:, :, :used]
+            buf = (bk, bv, length, used)
+            self._buffers[layer_idx] = buf
+            held = sum(2 * b[0].numel() * b[0].element_size() for b in self._buffers if b is not None)
+            self.peak_transient_bytes = max(self.peak_transient_bytes, held)
         bk, bv, length, used = buf
         bk[:, :, used : used + n] = key
         bv[:, :, used : used + n] = value

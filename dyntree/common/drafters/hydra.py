@@ -8,9 +8,11 @@ Spec: ``hydra[:OPTIONS]`` where OPTIONS is a comma-separated list of a checkpoin
 frontier; ``W`` defaults to ``ceil(max_nodes / depth)`` so the node budget is spread evenly over the
 depths, ``T`` to ``W``; and ``table=off`` to ignore the checkpoint's measured acceptance table
 (``acceptance.json``, the dynamic tree's calibration; an ablation); and ``int8=on|off``: run the
-heads' output-row product as an int8 GEMM (:meth:`~dyntree.common.hydra.HydraHeads.use_int8`;
-default on where the heads run in fp32 on a CPU with torch's FBGEMM engine; it changes the drafts
-slightly, never the output). Trees are at most ``num_heads`` deep.
+heads' output-row product as an int8 GEMM, and where the engine offers a weight-only kernel
+(``TargetInfo.weight_kernel``; the standalone engine on a CPU) the heads' and the prefix layer's
+linears with int8 weights (:meth:`~dyntree.common.hydra.HydraHeads.use_int8`; default on where the
+heads run in fp32 on a CPU with torch's FBGEMM engine; it changes the drafts slightly, never the
+output). Trees are at most ``num_heads`` deep.
 
 Head ``d`` reads the target's last-layer hidden state at the token before the root (pushed by the
 engine through :meth:`HydraDrafter.observe_hidden`) and the embeddings of the path's tokens. Heads
@@ -214,5 +216,5 @@ def make_hydra_drafter(options: str | None = None, *, target: TargetInfo | None 
                          + ("" if int8_available() else " and this torch has no FBGEMM"))
     heads = load_heads(opts.path, identity, target.embed, target.lm_head, dtype=dtype, device=device)
     if opts.int8 is not False and int8_fits:
-        heads.use_int8()
+        heads.use_int8(target.weight_kernel)
     return HydraDrafter(heads, opts.width, opts.topk, load_acceptance(opts.path) if opts.table else None)
