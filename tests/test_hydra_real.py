@@ -58,7 +58,7 @@ def test_prefix_attention_heads_greedy_equal_plain(smol, smol_prompts) -> None:
     (beam) trees and builder trees reproduce plain greedy decoding (verification makes any draft
     lossless), and the per-request prefix state is released."""
     model, tok = smol
-    heads = make_hf_drafter("hydra", model, tok).heads
+    heads = make_hf_drafter("hydra:int8=off", model, tok).heads  # fp32 weights, to perturb
     assert heads.prefix is not None  # the shipped heads are Hydra++ heads
     torch.manual_seed(0)
     with torch.no_grad():  # a layer unlike the trained one: the heads' input really changes
