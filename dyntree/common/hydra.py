@@ -461,8 +461,9 @@ class HydraHeads(nn.Module):
         inputs cost tau there (coding, 16-node dynamic trees: 2.75 with the output rows in int8,
         2.70 with the prefix layer's too, 2.64 with every linear; fp32 2.73); weight-only barely
         moves it (8 chat prompts, 16-node trees: 2.350 against 2.365 with fp32 layers) and takes
-        ~2 ms off each drafting step on a 2-core CPU. Linears the kernel does not serve stay as
-        they are. Returns ``self``."""
+        ~2 ms off each drafting step on a 2-core CPU. Only calls of at most :data:`INT8_MAX_ROWS`
+        rows take the int8 copy (the fp32 weights stay for larger ones); linears the kernel does
+        not serve stay as they are. Returns ``self``."""
         self._out_int8 = Int8Weight(self.out_weight)
         if kernel is not None:
             _int8_linears(self, kernel)
@@ -548,9 +549,26 @@ class HydraHeads(nn.Module):
         )
 
 
+#: The most rows a call of an int8 weight-only linear takes; larger ones (the prefix layer catching
+#: up on a prompt's positions) stay on the fp32 weight: with bf16 compute emulated on a CPU without
+#: native bf16, torch's int8 op loses to fp32 GEMM from ~32 rows on (2.5x at 400 rows).
+INT8_MAX_ROWS = 16
+
+
+class _Int8Rows(nn.Module):
+    """A linear with a weight-only int8 copy for calls of at most :data:`INT8_MAX_ROWS` rows."""
+
+    def __init__(self, dense: nn.Linear, small: nn.Module) -> None:
+        super().__init__()
+        self.dense, self.small = dense, small
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.small(x) if x.numel() <= INT8_MAX_ROWS * x.shape[-1] else self.dense(x)
+
+
 def _int8_linears(module: nn.Module, kernel: "WeightKernel") -> None:
-    """Replace every ``nn.Linear`` under ``module`` that ``kernel`` serves by a weight-only int8
-    :class:`~dyntree.common.quant.QuantLinear` (per output row; the fp32 weight is dropped)."""
+    """Give every ``nn.Linear`` under ``module`` that ``kernel`` serves a weight-only int8 copy
+    (:class:`~dyntree.common.quant.QuantLinear`, one scale per output row) for few-row calls."""
     from dyntree.common.quant import QSpec, QuantLinear
 
     spec = QSpec(weight_bits=8, group_size=None)
@@ -559,8 +577,8 @@ def _int8_linears(module: nn.Module, kernel: "WeightKernel") -> None:
             quantized = QuantLinear.from_linear(child, spec, kernel=kernel)
             if quantized.kernel is not None:
                 quantized.release_codes()
-                setattr(module, name, quantized)
-        else:
+                setattr(module, name, _Int8Rows(child, quantized))
+        elif not isinstance(child, _Int8Rows):
             _int8_linears(child, kernel)
 
 
