@@ -509,20 +509,26 @@ def test_measured_acceptance_table(tmp_path: Path) -> None:
         load_acceptance(tmp_path / "ckpt")
 
 
-@pytest.mark.skipif(not int8_available(), reason="torch without FBGEMM")
-def test_int8_heads_track_fp32_heads() -> None:
-    """Only the output rows run in int8: the prefix layer's states are the fp32 ones exactly, and
-    every head's logits stay within a few % of the fp32 logits' range with the same top choice on
-    nearly every row."""
+def _perturbed_heads(d: int = 64, vocab: int = 300) -> HydraHeads:
+    """Small Hydra++ heads with every weight moved off the identity start (every layer matters)."""
     torch.manual_seed(0)
-    d, vocab = 64, 300
     embed, lm_head = torch.randn(vocab, d), torch.randn(vocab, d) / d**0.5
     cfg = HydraConfig(num_heads=3, num_layers=2, hidden_size=d, target=TargetIdentity("tiny", d, vocab, "ab" * 32),
                       prefix_attention=True, prefix_heads=4)
     heads = HydraHeads(cfg, embed, lm_head).eval()
     with torch.no_grad():
         for p in heads.parameters():
-            p.add_(0.05 * torch.randn_like(p))  # off the identity start, so every layer matters
+            p.add_(0.05 * torch.randn_like(p))
+    return heads
+
+
+@pytest.mark.skipif(not int8_available(), reason="torch without FBGEMM")
+def test_int8_heads_track_fp32_heads() -> None:
+    """Only the output rows run in int8: the prefix layer's states are the fp32 ones exactly, and
+    every head's logits stay within a few % of the fp32 logits' range with the same top choice on
+    nearly every row."""
+    d, vocab = 64, 300
+    heads = _perturbed_heads(d, vocab)
     hidden, path = torch.randn(1, 12, d), torch.randint(vocab, (12, 3))
     pos = torch.arange(12)[None]
     with torch.inference_mode():
@@ -549,15 +555,8 @@ def test_weight_only_int8_layers_track_fp32_heads() -> None:
 
     if not cpu_kernels_available():
         pytest.skip("torch without the CPU weight-only ops")
-    torch.manual_seed(0)
     d, vocab = 64, 300
-    embed, lm_head = torch.randn(vocab, d), torch.randn(vocab, d) / d**0.5
-    cfg = HydraConfig(num_heads=3, num_layers=2, hidden_size=d, target=TargetIdentity("tiny", d, vocab, "ab" * 32),
-                      prefix_attention=True, prefix_heads=4)
-    heads = HydraHeads(cfg, embed, lm_head).eval()
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    heads = _perturbed_heads(d, vocab)
     hidden, path, pos = torch.randn(1, 12, d), torch.randint(vocab, (12, 3)), torch.arange(12)[None]
     long_hidden, long_pos = torch.randn(2, 20, d), torch.arange(20).expand(2, 20)  # 40 rows
     with torch.inference_mode():
