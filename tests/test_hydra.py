@@ -176,6 +176,9 @@ def test_malformed_checkpoints_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="int8='yes'"):
         parse_hydra_options(f"{tmp_path},int8=yes")
     assert [parse_hydra_options(f"{tmp_path}{o}").int8 for o in ("", ",int8=on", ",int8=off")] == [None, True, False]
+    assert [parse_hydra_options(f"{tmp_path}{o}").context for o in ("", ",context=0", ",context=200")] == [64, 0, 200]
+    with pytest.raises(ValueError, match="context must be >= 0, got -1"):
+        parse_hydra_options(f"{tmp_path},context=-1")
 
 
 def test_reduced_token_map_picks_most_frequent() -> None:

@@ -238,6 +238,35 @@ def test_drafter_feeds_the_heads_the_prefix_output_incrementally() -> None:
     assert sp.propose([one_token]).trees[0].size == 1
 
 
+def test_prefix_layer_starts_from_the_last_context_positions() -> None:
+    """A request's prefix layer starts on the last ``context`` committed positions only (then
+    grows step by step, as one pass over the history from there); ``context=0`` reads them all."""
+    heads = _prefix_heads(k=2)
+    h = _history(14)
+
+    def last_state(context: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        drafter = HydraDrafter(heads, width=2, topk=2, context=context)
+        sp = _speculator(drafter)
+        sp.observe_hidden(0, h[:12])
+        sp.propose([SpecRequest(0, [3] * 13)])
+        first = drafter._state[0].last
+        sp.observe_hidden(0, h[12:])
+        sp.propose([SpecRequest(0, [3] * 15)])
+        return first, drafter._state[0].last, drafter._state[0].kv.length
+
+    def one_pass(start: int, end: int) -> torch.Tensor:
+        return heads.prefix_forward(h[None, start:end], torch.arange(start, end)[None])[0][0, -1]
+
+    first, then, length = last_state(5)
+    assert torch.allclose(first, one_pass(7, 12), atol=1e-5) and torch.allclose(then, one_pass(7, 14), atol=1e-5)
+    assert length == 7 and not torch.allclose(first, one_pass(0, 12), atol=1e-3)
+    first, then, length = last_state(0)
+    assert torch.allclose(first, one_pass(0, 12), atol=1e-5) and torch.allclose(then, one_pass(0, 14), atol=1e-5)
+    assert length == 14
+    with pytest.raises(ValueError, match="context must be >= 0"):
+        HydraDrafter(heads, context=-1)
+
+
 @pytest.mark.parametrize("prefix", [True, False])
 def test_drafter_refuses_missing_rows(prefix: bool) -> None:
     heads = _prefix_heads()

@@ -12,7 +12,9 @@ heads' output-row product as an int8 GEMM, and where the engine offers a weight-
 (``TargetInfo.weight_kernel``; the standalone engine on a CPU) the heads' and the prefix layer's
 linears with int8 weights (:meth:`~dyntree.common.hydra.HydraHeads.use_int8`; default on where the
 heads run in fp32 on a CPU with torch's FBGEMM engine; it changes the drafts slightly, never the
-output). Trees are at most ``num_heads`` deep.
+output); ``context=N``: a request's prefix layer, when it starts (its first draft, or after the
+engine skipped positions), reads only the last ``N`` committed positions (default
+:data:`PREFIX_CONTEXT`; ``0``: all of them). Trees are at most ``num_heads`` deep.
 
 Head ``d`` reads the target's last-layer hidden state at the token before the root (pushed by the
 engine through :meth:`HydraDrafter.observe_hidden`) and the embeddings of the path's tokens. Heads
@@ -45,6 +47,13 @@ __all__ = ["HydraDrafter", "HydraOptions", "SHIPPED_HEADS", "make_hydra_drafter"
 #: The heads trained for SmolLM2-135M-Instruct that ship with the package.
 SHIPPED_HEADS = Path(__file__).resolve().parents[2] / "assets" / "hydra-smollm2"
 
+#: The most committed positions a request's prefix layer reads when it starts (its first draft, or
+#: after the engine skipped positions): the last ones. The shipped heads were trained on windows of
+#: 64 positions; reading a whole prompt costs one layer pass per prompt token (at batch 16 that
+#: was ~8% of a step on a 2-core CPU) and moved tau by nothing measurable (6 chat prompts of
+#: 210-769 tokens, 16-node trees: 1.7407 either way).
+PREFIX_CONTEXT = 64
+
 
 @dataclass(frozen=True)
 class HydraOptions:
@@ -53,11 +62,12 @@ class HydraOptions:
     topk: int | None = None
     table: bool = True
     int8: bool | None = None  # None: where the heads run fp32 on a CPU with FBGEMM
+    context: int = PREFIX_CONTEXT
 
 
 def parse_hydra_options(options: str | None) -> HydraOptions:
-    """Parse ``PATH``, ``width=W``, ``topk=T``, ``table=on|off``, ``int8=on|off`` (comma separated,
-    any order, all optional)."""
+    """Parse ``PATH``, ``width=W``, ``topk=T``, ``context=N``, ``table=on|off``, ``int8=on|off``
+    (comma separated, any order, all optional; ``context=0`` reads every position)."""
     path, ints, switches = SHIPPED_HEADS, {}, {}
     for item in (options or "").split(","):
         item = item.strip()
@@ -72,17 +82,19 @@ def parse_hydra_options(options: str | None) -> HydraOptions:
                 raise ValueError(f"hydra option {key}={value!r} must be 'on' or 'off'")
             switches[key] = value == "on"
             continue
-        if key not in ("width", "topk"):
-            raise ValueError(f"hydra option {key!r} is unknown; use PATH, width=W, topk=T, table=on|off, int8=on|off")
+        if key not in ("width", "topk", "context"):
+            raise ValueError(f"hydra option {key!r} is unknown; use PATH, width=W, topk=T, context=N, table=on|off, "
+                             "int8=on|off")
         try:
             ints[key] = int(value)
         except ValueError:
             raise ValueError(f"hydra option {key}={value!r} must be an integer") from None
-        if ints[key] < 1:
-            raise ValueError(f"hydra option {key} must be >= 1, got {ints[key]}")
+        if ints[key] < (0 if key == "context" else 1):
+            raise ValueError(f"hydra option {key} must be >= {0 if key == 'context' else 1}, got {ints[key]}")
     if not (path / "config.json").is_file():
         raise ValueError(f"hydra checkpoint {path} has no config.json (train one with `dyntree train-heads`)")
-    return HydraOptions(path, ints.get("width"), ints.get("topk"), switches.get("table", True), switches.get("int8"))
+    return HydraOptions(path, ints.get("width"), ints.get("topk"), switches.get("table", True), switches.get("int8"),
+                        ints.get("context", PREFIX_CONTEXT))
 
 
 @dataclass
@@ -103,8 +115,11 @@ class HydraDrafter(Drafter):
     needs_hidden = True
 
     def __init__(self, heads: HydraHeads, width: int | None = None, topk: int | None = None,
-                 table: AcceptanceTable | None = None) -> None:
+                 table: AcceptanceTable | None = None, context: int = PREFIX_CONTEXT) -> None:
+        if context < 0:
+            raise ValueError(f"hydra: context must be >= 0 (0: every position), got {context}")
         self.heads = heads.eval()
+        self.context = context
         self.acceptance_table = table
         self.beam_width, self.beam_topk = width, topk
         self.max_depth = heads.num_heads
@@ -156,6 +171,8 @@ class HydraDrafter(Drafter):
         if not todo:
             return
         rows = [torch.cat(s.pending) for s in todo]
+        if self.context:  # a layer that starts reads only the last ``context`` positions
+            rows = [x[-self.context :] if s.kv is None else x for s, x in zip(todo, rows)]
         width = max(x.shape[0] for x in rows)
         hidden = torch.zeros(len(todo), width, self.heads.config.hidden_size, device=self.device, dtype=self.dtype)
         valid = torch.zeros(len(todo), width, dtype=torch.bool, device=self.device)
@@ -217,4 +234,4 @@ def make_hydra_drafter(options: str | None = None, *, target: TargetInfo | None 
     heads = load_heads(opts.path, identity, target.embed, target.lm_head, dtype=dtype, device=device)
     if opts.int8 is not False and int8_fits:
         heads.use_int8(target.weight_kernel)
-    return HydraDrafter(heads, opts.width, opts.topk, load_acceptance(opts.path) if opts.table else None)
+    return HydraDrafter(heads, opts.width, opts.topk, load_acceptance(opts.path) if opts.table else None, opts.context)
