@@ -27,8 +27,8 @@ from dyntree.common.tree import DraftTree
 
 if TYPE_CHECKING:
     from dyntree.common.builder import PartialTree
-    from dyntree.common.quant import WeightKernel
     from dyntree.common.config import SamplingParams
+    from dyntree.common.quant import WeightKernel
 
 __all__ = ["DraftRequest", "Candidates", "top_candidates", "Drafter", "NoDrafter", "TargetInfo", "SelfDraftBackend"]
 

@@ -184,7 +184,9 @@ def run_layers(layers: Sequence[FusedLayer], hidden: torch.Tensor, rope: Rope, m
         return hidden
     b, w, d = hidden.shape
     dtype = hidden.dtype
-    act = layers[0].qkv.kernel.compute_dtype(dtype) if layers[0].qkv.kernel is not None else dtype
+    kernel = layers[0].qkv.kernel  # fused layers run only through their kernel (see fused_layer)
+    assert kernel is not None
+    act = kernel.compute_dtype(dtype)
     for i, f in enumerate(layers):
         x = rms_norm(hidden, f.attn_norm, f.attn_eps).reshape(b * w, d).to(act)
         qkv = f.qkv.kernel_forward(x).to(dtype).view(b, w, f.heads + 2 * f.kv_heads, f.head_dim).transpose(1, 2)
@@ -231,15 +233,14 @@ class ScratchKV:
         self.peak_transient_bytes = 0  # the most prefix-copy bytes held at once
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        pre = self.prefix[layer_idx]
+        if pre is not None and 2 * pre[0].numel() * pre[0].element_size() * len(self.prefix) <= self.copy_budget:
+            return self._buffered(layer_idx, pre, key, value)
         old = self.scratch[layer_idx]
         self.scratch[layer_idx] = (key, value) if old is None else (torch.cat([old[0], key], 2), torch.cat([old[1], value], 2))
         k, v = self.scratch[layer_idx]
-        pre = self.prefix[layer_idx]
         if pre is None:
             return k, v
-        layer_bytes = 2 * pre[0].numel() * pre[0].element_size()
-        if layer_bytes * len(self.prefix) <= self.copy_budget:
-            return self._buffered(layer_idx, pre, key, value)
         full_k, full_v = torch.cat([pre[0], k], 2), torch.cat([pre[1], v], 2)
         self.peak_transient_bytes = max(self.peak_transient_bytes, 2 * full_k.numel() * full_k.element_size())
         return full_k, full_v
@@ -267,10 +268,19 @@ class ScratchKV:
         self._buffers[layer_idx] = (bk, bv, length, used + n)
         return bk[:, :, : used + n], bv[:, :, : used + n]
 
+    def _drafted(self, layer_idx: int) -> torch.Tensor | None:
+        """The layer's draft-token keys so far (a view into its buffer, or its own scratch)."""
+        buf = self._buffers[layer_idx]
+        if buf is not None:
+            return buf[0][:, :, buf[2] : buf[3]]
+        scr = self.scratch[layer_idx]
+        return None if scr is None else scr[0]
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        pre, scr = self.prefix[layer_idx], self.scratch[layer_idx]
-        return (0 if pre is None else pre[0].shape[2]) + (0 if scr is None else scr[0].shape[2])
+        pre, drafted = self.prefix[layer_idx], self._drafted(layer_idx)
+        return (0 if pre is None else pre[0].shape[2]) + (0 if drafted is None else drafted.shape[2])
 
     @property
     def scratch_bytes(self) -> int:
-        return sum(2 * s[0].numel() * s[0].element_size() for s in self.scratch if s is not None)
+        keys = [self._drafted(i) for i in range(len(self.scratch))]
+        return sum(2 * k.numel() * k.element_size() for k in keys if k is not None)
