@@ -460,8 +460,9 @@ class HydraHeads(nn.Module):
         row) and take their inputs rounded to the kernel's compute dtype, not quantized. Quantized
         inputs cost tau there (coding, 16-node dynamic trees: 2.75 with the output rows in int8,
         2.70 with the prefix layer's too, 2.64 with every linear; fp32 2.73); weight-only barely
-        moves it (8 chat prompts, 16-node trees: 2.350 against 2.365 with fp32 layers) and takes
-        ~2 ms off each drafting step on a 2-core CPU. Only calls of at most :data:`INT8_MAX_ROWS`
+        moves it (8 chat prompts, 16-node trees: 2.395 against 2.41 with fp32 layers; drafting
+        12.7 vs 15.0 ms per step on a 2-core CPU with int8 for every call, unclear with the row
+        cap below: 19.9 / 14.5 vs 18.4 / 17.8 ms in alternated runs on a slow, noisy VM). Only calls of at most :data:`INT8_MAX_ROWS`
         rows take the int8 copy (the fp32 weights stay for larger ones); linears the kernel does
         not serve stay as they are. Returns ``self``."""
         self._out_int8 = Int8Weight(self.out_weight)
