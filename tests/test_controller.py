@@ -110,18 +110,42 @@ def test_cost_model_prices_attention_over_the_cached_tokens(monkeypatch) -> None
     assert cm(16) == pytest.approx(25.0, abs=0.05) and cm.copy()(16, 1256) == pytest.approx(57.0, abs=0.05)
     with pytest.raises(ValueError, match="attn_ms"):
         CostModel({1: 1.0}, attn_ms=-1.0)
-    # measure(): the same size against a longer prefix gives the attention term (a fake clock)
+    # measure(): one request's and a batch's forwards against a longer prefix give the two
+    # attention terms (a fake clock: 0.003 ms per query-token pair, 0.01 per request and token)
     now = [0.0]
     monkeypatch.setattr(controller_module.time, "perf_counter", lambda: now[0])
 
-    def forward_at(kv: int):
-        def forward(n: int) -> None:
-            now[0] += (10.0 + n + 0.003 * n * kv) / 1e3
-        return forward
+    def forward(rows: int, n: int, kv: int) -> None:
+        now[0] += (10.0 + rows * n + 0.003 * rows * n * kv + 0.01 * rows * kv) / 1e3
 
-    fitted = CostModel.measure(forward_at(256), [1, 8, 64], repeats=2, long_forward=forward_at(1024), kv_ref=256,
-                               kv_long=1024)
-    assert fitted.attn_ms == pytest.approx(0.003) and fitted(8, 256) == pytest.approx(18.0 + 0.003 * 8 * 256)
+    fitted = CostModel.measure(lambda n: forward(1, n, 256), [1, 8, 64], repeats=2, kv_forward=forward, kv_ref=256,
+                               kv_long=1024, rows=4)
+    assert fitted.attn_ms == pytest.approx(0.003) and fitted.row_ms == pytest.approx(0.01)
+    assert fitted(8, 256) == pytest.approx(18.0 + 0.003 * 8 * 256 + 0.01 * 256)
+    # 4 requests x 2 tokens against 1024 cost the knots' 8 tokens plus both terms over 768 more tokens
+    assert fitted(8, 1024, rows=4) == pytest.approx(fitted(8, 256) + 768 * (0.003 * 8 + 0.01 * 4))
+    assert CostModel.measure(lambda n: forward(1, n, 256), [1, 8], repeats=1).row_ms == 0.0  # no probe: no terms
+
+
+def test_batch_attention_makes_wide_verifies_dear() -> None:
+    # Knots measured for one request; 12 requests against 800 cached tokens read 12 caches. With
+    # the row term that reading is priced for plain steps and verifies alike, and a padded 12 x 2
+    # verify costs the knots' 12 extra tokens on top (+22%), more than a drafter accepted 20% of
+    # the time returns. The same knots without the row term learn the batch's reading as the cost
+    # of any 12-token forward (the 24-token knot is lifted to it by monotonicity): a 2-token
+    # verify then looks nearly free, and that drafter speculates.
+    knots = {1: 55.0, 8: 100.0, 16: 102.0, 24: 123.0, 32: 133.0, 64: 240.0}
+    batch = list(range(12))
+    opts = ControllerOptions(alpha_prior=0.2, max_nodes=4, max_depth=4)
+    with_rows = SpeculationController(CostModel(knots, attn_ms=0.0011, kv_ref=256, row_ms=0.004), opts, padded=True)
+    without = SpeculationController(CostModel(knots, attn_ms=0.0011, kv_ref=256), opts, padded=True)
+    measured_plain = with_rows.cost(12, 800, 12)
+    for _ in range(40):
+        without.observe_step(12, measured_plain, 800, 12)
+        with_rows.observe_step(12, measured_plain, 800, 12)
+    assert with_rows.cost(24, 800, 12) / measured_plain > 1.2 > 1.1 > without.cost(24, 800, 12) / measured_plain
+    assert all(p == Plan("none", 0, 0) for p in with_rows.plan(batch, kv=800))
+    assert any(p.max_nodes > 0 for p in without.plan(batch, kv=800))
 
 
 def test_long_prefixes_make_padded_speculation_dear() -> None:
@@ -364,3 +388,12 @@ def test_outcome_check_vetoes_marginal_speculation_that_does_not_deliver() -> No
     # the check is bounded: speculation predicted to pay well beyond the bound is not overruled
     cheap = CostModel({1: 10.0, 2: 10.0, 64: 10.0}, lr=0.0)  # predicted 2x
     assert all(_outcome_run(SpeculationController(cheap, opts), 100, spec_ms=15.0, plain_ms=10.0))
+    # ... and it only vetoes: speculative steps faster than predicted, or plain steps slower than
+    # predicted (a cost model still learning a new batch shape), never make speculation look better
+    fast = SpeculationController(cost, opts)
+    _outcome_run(fast, 50, spec_ms=8.0, plain_ms=10.0)
+    assert fast.outcome_factor() == 1.0
+    dear = CostModel({1: 10.0, 2: 40.0, 64: 40.0}, lr=0.0)  # predicted not to pay
+    mispriced = SpeculationController(dear, opts)
+    assert not any(_outcome_run(mispriced, 50, spec_ms=40.0, plain_ms=30.0))
+    assert mispriced.outcome_factor() == 1.0

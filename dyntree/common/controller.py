@@ -28,15 +28,17 @@
   online to the measured drafting time of each step (tree building included), so a drafter
   whose overhead eats the gain is turned down. When a forward's cost grows in proportion to its
   tokens (compute-bound, high batch) no prefix pays and every request decodes plainly.
-* The outcome check: what each step really committed per measured millisecond (drafting and
-  verify), over what its plan predicted, is tracked for speculative and for plain steps apart; a
-  speculative plan's predicted rate is scaled by the speculative steps' ratio over the plain
-  steps' (:meth:`SpeculationController.outcome_factor`, kept per batch size: a power-of-two
-  bucket, and bounded: a correction, not a second model). Whatever the models miss (a padded
-  batch's shape, a start-up timing taken in a slow spell, an optimistic acceptance) then shows
-  up as speculative steps that deliver less than predicted, and marginal speculation at that
-  batch size backs off until it delivers; while no request speculates the factor drifts back
-  toward 1, so it is retried now and then.
+* The outcome check: what each speculative step really committed per measured millisecond
+  (drafting and verify) over what its plan predicted, as an EMA kept per batch size (a
+  power-of-two bucket); below 1 it scales speculative plans' predicted rates down
+  (:meth:`SpeculationController.outcome_factor`, bounded: a correction, not a second model, and
+  never above 1). Whatever the models miss (a verify shape the cost model prices too cheaply, an
+  optimistic acceptance) then shows up as speculative steps that deliver less than predicted, and
+  marginal speculation at that batch size backs off until it delivers; while no request
+  speculates the ratio drifts back toward 1, so it is retried now and then. Plain steps are not
+  compared: their errors are the cost model's, which learns them, and a comparison with plain
+  steps taken while it still learned a new batch shape once made speculation look better than
+  plain decoding at batch 13 (0.92x).
 """
 
 from __future__ import annotations
@@ -70,14 +72,19 @@ class CostModel:
 
     Between measured sizes the cost is interpolated; below the smallest it is that size's cost;
     above the largest the last segment is extended (with one point: proportional to tokens). The
-    knots hold forwards against ``kv_ref`` cached tokens; a forward against ``kv`` cached tokens
-    per query row adds ``attn_ms * tokens * (kv - kv_ref)`` (attention reads every cached token for
-    every query token: measured ~1.9 us per pair for SmolLM2 on a 2-core CPU, so 13 requests x 4
-    tokens against 800 cached tokens cost 145 ms, not the 85 ms they cost against 256).
+    knots hold one request's forwards against ``kv_ref`` cached tokens; a forward of ``rows``
+    requests against ``kv`` cached tokens each adds ``(kv - kv_ref) * (attn_ms * tokens + row_ms *
+    rows)``. Attention computes with every cached token for every query token (``attn_ms``), and
+    reads every request's cached keys and values once, however many query tokens the request has
+    (``row_ms``: memory-bound). On a 2-core CPU with SmolLM2 in fp32 the first is ~1.1 us per pair
+    and the second ~4 us per request and cached token: 12 requests x 1 token against 800 cached
+    tokens spend ~45 ms in attention, while one request x 24 tokens against 256 spends ~2 ms, though
+    both are 12-24 query tokens to the knots. Without the row term the knots learned the batch's
+    attention as the cost of any forward of that many tokens, so wider verifies looked free.
     """
 
     def __init__(self, points: Mapping[int, float] | Sequence[tuple[int, float]], lr: float = 0.2,
-                 attn_ms: float = 0.0, kv_ref: int = 0) -> None:
+                 attn_ms: float = 0.0, kv_ref: int = 0, row_ms: float = 0.0) -> None:
         items = sorted(dict(points).items())
         if not items:
             raise ValueError("CostModel needs at least one (n_tokens, ms) point")
@@ -87,10 +94,10 @@ class CostModel:
         self.xs = [int(n) for n, _ in items]
         self.ys = [float(ms) for _, ms in items]
         self._monotone()
-        if not attn_ms >= 0 or kv_ref < 0:
-            raise ValueError(f"CostModel: attn_ms ({attn_ms}) and kv_ref ({kv_ref}) must be >= 0")
+        if not attn_ms >= 0 or not row_ms >= 0 or kv_ref < 0:
+            raise ValueError(f"CostModel: attn_ms ({attn_ms}), row_ms ({row_ms}) and kv_ref ({kv_ref}) must be >= 0")
         self.lr = lr
-        self.attn_ms, self.kv_ref = float(attn_ms), int(kv_ref)
+        self.attn_ms, self.row_ms, self.kv_ref = float(attn_ms), float(row_ms), int(kv_ref)
         self._unseen = False  # set by :meth:`online`: the first observation sets every knot
 
     @classmethod
@@ -106,29 +113,42 @@ class CostModel:
     @classmethod
     def measure(
         cls, forward: Callable[[int], object], sizes: Sequence[int], repeats: int = 5, lr: float = 0.2,
-        long_forward: Callable[[int], object] | None = None, kv_ref: int = 0, kv_long: int = 0,
+        kv_forward: Callable[[int, int, int], object] | None = None, kv_ref: int = 0, kv_long: int = 0,
+        rows: int = 8,
     ) -> "CostModel":
         """Time ``forward(n)`` (which must block until the forward is done) at each size, against
-        ``kv_ref`` cached tokens; with ``long_forward(n)`` (the same against ``kv_long`` cached
-        tokens) also time the largest size below 64 that way and fit ``attn_ms`` from the two.
+        ``kv_ref`` cached tokens. With ``kv_forward(r, n, kv)`` (a forward of ``r`` requests x
+        ``n`` query tokens against ``kv`` cached tokens each) also fit the attention terms: one
+        request x the largest size below 64 and ``rows`` requests x 1 token, each against
+        ``kv_ref`` and ``kv_long`` cached tokens; the first difference is ``row_ms + n * attn_ms``
+        per extra cached token, the second ``rows * (row_ms + attn_ms)``.
 
         Each size keeps its fastest of ``repeats`` timings, taken in interleaved rounds over all
         sizes: noise only ever adds time, and a slow spell of a shared machine then has to hit one
         size in every round to distort it (timed back to back, one spell priced 2- and 4-token
         verifies at 1.6x a 1-token step on a CPU where they cost 1.05x, and the controller hardly
         speculated for a whole run)."""
-        timed = [(forward, int(n)) for n in sizes]
+        timed: list[Callable[[], object]] = [lambda n=int(n): forward(n) for n in sizes]
         n_long = max((int(m) for m in sizes if m < 64), default=min(int(m) for m in sizes))
-        if long_forward is not None and kv_long > kv_ref:
-            timed.append((long_forward, n_long))
+        probe = kv_forward is not None and kv_long > kv_ref and n_long > 1 and rows > 1
+        if probe:
+            assert kv_forward is not None
+            timed += [lambda r=r, n=n, kv=kv: kv_forward(r, n, kv)
+                      for r, n in ((1, n_long), (rows, 1)) for kv in (kv_ref, kv_long)]
         best = _fastest_ms(timed, repeats)
-        points = dict(zip((n for _, n in timed[: len(sizes)]), best[: len(sizes)]))
-        attn = max(best[-1] - points[n_long], 0.0) / (n_long * (kv_long - kv_ref)) if len(timed) > len(sizes) else 0.0
-        return cls(points, lr, attn, kv_ref)
+        points = dict(zip((int(n) for n in sizes), best[: len(sizes)]))
+        attn = row = 0.0
+        if probe:
+            span = kv_long - kv_ref
+            per_token = max(best[-3] - best[-4], 0.0) / span  # row_ms + n_long * attn_ms
+            per_row = max(best[-1] - best[-2], 0.0) / (rows * span)  # row_ms + attn_ms
+            attn = max(per_token - per_row, 0.0) / (n_long - 1)
+            row = max(per_row - attn, 0.0)
+        return cls(points, lr, attn, kv_ref, row)
 
     def copy(self) -> "CostModel":
         """An independent copy (knots, attention term, learning rate)."""
-        model = CostModel(list(zip(self.xs, self.ys)), self.lr, self.attn_ms, self.kv_ref)
+        model = CostModel(list(zip(self.xs, self.ys)), self.lr, self.attn_ms, self.kv_ref, self.row_ms)
         model._unseen = self._unseen
         return model
 
@@ -144,32 +164,33 @@ class CostModel:
         i = min(bisect.bisect_right(xs, n) - 1, len(xs) - 2)
         return i, (n - xs[i]) / (xs[i + 1] - xs[i])
 
-    def __call__(self, n_tokens: float, kv: int | None = None) -> float:
-        """Predicted ms of a forward of ``n_tokens`` query tokens, each against ``kv`` cached
-        tokens (``None``: ``kv_ref``, the knots' own)."""
+    def __call__(self, n_tokens: float, kv: int | None = None, rows: int = 1) -> float:
+        """Predicted ms of a forward of ``n_tokens`` query tokens from ``rows`` requests, each
+        against ``kv`` cached tokens (``None``: ``kv_ref``, the knots' own)."""
         xs, ys = self.xs, self.ys
         if len(xs) == 1:
             base = ys[0] * max(n_tokens, xs[0]) / xs[0]
         else:
             i, w = self._segment(n_tokens)
             base = ys[i] + w * (ys[i + 1] - ys[i])  # w > 1 extends the last segment
-        return base + self._attention(n_tokens, kv, base)
+        return base + self._attention(n_tokens, kv, rows, base)
 
-    def _attention(self, n_tokens: float, kv: int | None, base: float) -> float:
-        """The attention term: ms beyond (or, with fewer cached tokens, short of) the knots'."""
-        if kv is None or not self.attn_ms:
+    def _attention(self, n_tokens: float, kv: int | None, rows: int, base: float) -> float:
+        """The attention terms: ms beyond (or, with fewer cached tokens, short of) the knots'."""
+        if kv is None or not (self.attn_ms or self.row_ms):
             return 0.0
-        return max(self.attn_ms * n_tokens * (kv - self.kv_ref), -0.5 * base)
+        return max((kv - self.kv_ref) * (self.attn_ms * n_tokens + self.row_ms * rows), -0.5 * base)
 
-    def observe(self, n_tokens: int, ms: float, kv: int | None = None) -> None:
-        """Move the knots toward one measured forward (``ms`` for ``n_tokens`` query tokens
-        against ``kv`` cached tokens each; the attention term is taken as measured)."""
+    def observe(self, n_tokens: int, ms: float, kv: int | None = None, rows: int = 1) -> None:
+        """Move the knots toward one measured forward (``ms`` for ``n_tokens`` query tokens of
+        ``rows`` requests against ``kv`` cached tokens each; the attention terms are taken as
+        measured)."""
         if n_tokens < 1 or not ms > 0:
             raise ValueError(f"observe({n_tokens}, {ms}): n_tokens must be >= 1 and ms > 0")
         if self._unseen:
             self.ys, self._unseen = [float(ms)] * len(self.xs), False
             return
-        err = ms - self(n_tokens, kv)
+        err = ms - self(n_tokens, kv, rows)
         i, w = self._segment(n_tokens)
         if len(self.xs) == 1:
             self.ys[0] += self.lr * err * self.xs[0] / max(n_tokens, self.xs[0])
@@ -181,16 +202,16 @@ class CostModel:
         self._monotone()
 
 
-def _fastest_ms(calls: Sequence[tuple[Callable[[int], object], int]], repeats: int) -> list[float]:
-    """The fastest wall-clock ms of each ``forward(n)`` in ``calls`` over ``repeats`` rounds that
-    time every call once (in order), after one warm-up call each."""
-    for forward, n in calls:
-        forward(n)
+def _fastest_ms(calls: Sequence[Callable[[], object]], repeats: int) -> list[float]:
+    """The fastest wall-clock ms of each call over ``repeats`` rounds that time every call once
+    (in order), after one warm-up call each."""
+    for call in calls:
+        call()
     best = [math.inf] * len(calls)
     for _ in range(max(repeats, 1)):
-        for i, (forward, n) in enumerate(calls):
+        for i, call in enumerate(calls):
             t0 = time.perf_counter()
-            forward(n)
+            call()
             best[i] = min(best[i], (time.perf_counter() - t0) * 1e3)
     return best
 
@@ -282,12 +303,12 @@ class SpeculationController:
         self._lvl_expected = [0.0] * o.max_depth
         self._lvl_prior = [o.prior_weight] * o.max_depth
         self._tables: dict[tuple, tuple[list[float], list[int]]] = {}  # expected_table, by rounded inputs
-        # The outcome check, per batch size (rounded down to a power of two): EMAs of measured over
-        # predicted tokens per ms of speculative [0] and plain [1] steps. Their ratio corrects a
-        # speculative plan's predicted rate for whatever the models miss (a padded batch's shape,
-        # a start-up timing taken in a slow spell, an optimistic acceptance).
-        self._outcome: dict[int, list[float]] = {}
-        self._pending: tuple[bool, float, int] | None = None  # the last plan: (speculative, rate, rows)
+        # The outcome check, per batch size (rounded down to a power of two): the EMA of measured
+        # over predicted tokens per ms of speculative steps. Below 1 it scales a speculative plan's
+        # predicted rate down for whatever the models miss (a verify shape the cost model prices
+        # too cheaply, an optimistic acceptance).
+        self._outcome: dict[int, float] = {}
+        self._pending: tuple[float, int] | None = None  # the last speculative plan: (predicted rate, rows)
 
     # -- estimates ------------------------------------------------------------------------------
     def _state(self, rid: Hashable) -> _RequestState:
@@ -324,17 +345,18 @@ class SpeculationController:
             profile.append(above)
         return profile
 
-    def _outcomes(self, rows: int) -> list[float]:
-        """The outcome check's ratios for batches of ``rows`` requests (their power-of-two bucket)."""
-        return self._outcome.setdefault(1 << (max(rows, 1).bit_length() - 1), [1.0, 1.0])
+    @staticmethod
+    def _bucket(rows: int) -> int:
+        """The outcome check's batch-size bucket: ``rows`` rounded down to a power of two."""
+        return 1 << (max(rows, 1).bit_length() - 1)
 
     def outcome_factor(self, rows: int = 1) -> float:
         """At batches of ``rows`` requests, the measured over predicted throughput of speculative
-        steps relative to that of plain steps (1.0 until observed): what a speculative plan's
-        predicted rate is multiplied by, within ``[1 / outcome_bound, outcome_bound]``."""
-        spec, plain = self._outcomes(rows)
-        bound = self.options.outcome_bound
-        return min(max(spec / plain, 1 / bound), bound)
+        steps (1.0 until observed): what a speculative plan's predicted rate is multiplied by,
+        within ``[1 / outcome_bound, 1]``. It only ever vetoes: a measured rate above the
+        prediction does not talk the planner into speculation its models say does not pay."""
+        ratio = self._outcome.get(self._bucket(rows), 1.0)
+        return min(max(ratio, 1 / self.options.outcome_bound), 1.0)
 
     @property
     def sibling_gain(self) -> float:
@@ -408,7 +430,7 @@ class SpeculationController:
         segments = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
         segments.sort(key=lambda s: (-s[0], s[1], s[2]))
         cost = self.cost
-        plain_ms = cost(b, kv)
+        plain_ms = cost(b, kv, b)
         plain = b / plain_ms
         factor = self.outcome_factor(b)
         best_rate, best_k = plain, 0
@@ -424,7 +446,7 @@ class SpeculationController:
             if lo == 0:  # this request's first segment: its tree arrives with its delivery ratio
                 no_tree *= 1.0 - keys[r][1]
                 drafting += 1
-            forward = (1.0 - no_tree) * cost(tokens, kv) + no_tree * plain_ms
+            forward = (1.0 - no_tree) * cost(tokens, kv, b) + no_tree * plain_ms
             rate = factor * expected / (forward + self.draft_cost(max_depth, nodes, drafting))
             if rate > best_rate:
                 best_rate, best_k = rate, k
@@ -434,11 +456,12 @@ class SpeculationController:
         speculate = best_k > 0 and best_rate >= plain * o.min_gain
         if not speculate:
             alloc = [0] * b
-            # idle: the speculative outcome drifts back toward the plain one, so a bad spell (or
-            # a wrong cost model) does not end speculation at this batch size for good
-            ratios = self._outcomes(b)
-            ratios[0] += o.outcome_relax * (ratios[1] - ratios[0])
-        self._pending = (speculate, best_rate / factor if speculate else plain, b)
+            # idle: the speculative outcome drifts back toward 1, so a bad spell (or a cost model
+            # that was wrong and has learned since) does not end speculation at this batch size
+            bucket = self._bucket(b)
+            if bucket in self._outcome:
+                self._outcome[bucket] += o.outcome_relax * (1.0 - self._outcome[bucket])
+        self._pending = (best_rate / factor, b) if speculate else None
         plans = []
         for r, (rid, n) in enumerate(zip(request_ids, alloc)):
             self._planned[rid] = n
@@ -527,22 +550,22 @@ class SpeculationController:
 
     def observe_outcome(self, tokens: int, ms: float) -> None:
         """The last plan's outcome: ``tokens`` committed over all its requests in ``ms`` (drafting
-        and the verify forward), against the rate the plan predicted."""
+        and the verify forward); a speculative plan's is compared with the rate it predicted."""
         pending, self._pending = self._pending, None
-        o = self.options
-        if pending is None or not ms > 0 or o.outcome_ema == 0:
+        if pending is None or not ms > 0 or self.options.outcome_ema == 0:
             return
-        speculative, rate, rows = pending
-        ratios = self._outcomes(rows)
+        rate, rows = pending
         # one step's ratio, clipped: a first call's one-time costs (or one preempted step) must
         # not outweigh the steps around it
         ratio = min(max(tokens / (ms * rate), 0.25), 4.0)
-        k = 0 if speculative else 1
-        ratios[k] += o.outcome_ema * (ratio - ratios[k])
+        bucket = self._bucket(rows)
+        old = self._outcome.get(bucket, 1.0)
+        self._outcome[bucket] = old + self.options.outcome_ema * (ratio - old)
 
-    def observe_step(self, n_query_tokens: int, ms: float, kv: int | None = None) -> None:
-        """Refine the cost model with one measured verify forward (``kv``: as for :meth:`plan`)."""
-        self.cost.observe(n_query_tokens, ms, kv)
+    def observe_step(self, n_query_tokens: int, ms: float, kv: int | None = None, rows: int = 1) -> None:
+        """Refine the cost model with one measured verify forward of ``rows`` requests (``kv``:
+        as for :meth:`plan`)."""
+        self.cost.observe(n_query_tokens, ms, kv, rows)
 
     def observe_draft(self, depth: int, nodes: int, ms: float, rows: int = 1) -> None:
         """Refine the drafting-cost model with one measured drafting step of ``rows`` drafting
@@ -566,5 +589,6 @@ class SpeculationController:
                 depth = max(depth, p.max_depth)
                 no_tree *= 1.0 - self.delivery(rid)
         tokens = self._verify_tokens(len(plans), nodes, max((p.max_nodes for p in plans), default=0))
-        forward = (1.0 - no_tree) * self.cost(tokens, kv) + no_tree * self.cost(len(plans), kv)
+        b = len(plans)
+        forward = (1.0 - no_tree) * self.cost(tokens, kv, b) + no_tree * self.cost(b, kv, b)
         return expected / (forward + self.draft_cost(depth, nodes, drafting))

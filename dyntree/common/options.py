@@ -162,22 +162,22 @@ class ControllerOptions(BaseModel):
         ge=0,
         le=1,
         description="weight of the newest step in the planner's outcome check: the committed tokens per "
-        "measured ms of speculative and of plain steps, each over what the plan predicted (one step's "
-        "ratio clipped to [0.25, 4]); speculation must beat plain decoding by min_gain after the "
-        "correction (0: trust the predictions as they are)",
+        "measured ms of speculative steps over what their plans predicted (one step's ratio clipped to "
+        "[0.25, 4]); speculation must beat plain decoding by min_gain after the correction (0: trust the "
+        "predictions as they are)",
     )
     outcome_relax: float = Field(
         1e-3,
         ge=0,
         le=1,
-        description="per step without speculation, the outcome check's speculative ratio moves this far back "
-        "toward the plain one (so speculation is retried now and then)",
+        description="per step without speculation, the outcome check's ratio moves this far back toward 1 "
+        "(so speculation is retried now and then)",
     )
     outcome_bound: float = Field(
         1.25,
         ge=1,
-        description="the outcome check scales predicted speculative rates by at most this factor either way "
-        "(it vetoes marginal speculation; a plan predicted to pay 1.25 x min_gain is not overruled)",
+        description="the outcome check scales predicted speculative rates down by at most this factor, never "
+        "up (it vetoes marginal speculation; a plan predicted to pay 1.25 x min_gain is not overruled)",
     )
 
     @model_validator(mode="after")

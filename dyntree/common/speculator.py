@@ -409,6 +409,6 @@ class Speculator:
         if self.controller is not None and forward_ms is not None and forward_ms > 0:
             width = max(t.size for t in batch.trees)
             n_query = batch.batch_size * width if self._padded else batch.num_nodes
-            self.controller.observe_step(n_query, forward_ms, self._kv)
+            self.controller.observe_step(n_query, forward_ms, self._kv, batch.batch_size)
         if forward_ms is not None:
             st.forward_s += forward_ms / 1e3

@@ -364,5 +364,6 @@ def run_bench(
         "attention": plain.attention.summary() if plain.attention else None,
         "cost_model_ms": dict(zip(cost.xs, [round(y, 3) for y in cost.ys])) if cost is not None else None,
         "cost_model_attn_us_per_query_kv": round(cost.attn_ms * 1e3, 4) if cost is not None else None,
+        "cost_model_attn_us_per_row_kv": round(cost.row_ms * 1e3, 4) if cost is not None else None,
         "runs": runs,
     }

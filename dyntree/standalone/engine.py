@@ -55,6 +55,8 @@ COST_SIZES = (1, 2, 4, 8, 16, 64, 256)
 COST_KV_LEN = 256
 #: ... and one of them against this many, which prices attention over longer prefixes.
 COST_KV_LONG = 1024
+#: ... and batches of this many one-token requests against both (each request reads its own cache).
+COST_ROWS = 8
 #: Prompts joining at once are prefilled together only while padding adds at most 25% to their tokens.
 PREFILL_SLACK = 1.25
 
@@ -164,7 +166,7 @@ class SpecEngine:
         self.lm_head = model.get_output_embeddings()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.cache = DynamicCache()
+        self.cache = kv.GrowingCache()
         self._live: list[_Live] = []
         self.prefill_s = 0.0  # seconds the last ``generate`` spent in prefills
         cpu = self.device.type == "cpu"
@@ -222,7 +224,7 @@ class SpecEngine:
         done: dict[Hashable, RequestOutput] = {}
         waiting = list(zip(ids, prompts))
         bar = tqdm(total=len(prompts), desc="requests", disable=not progress, leave=False)
-        self.cache, self._live = DynamicCache(), []
+        self.cache, self._live = kv.GrowingCache(), []
         with torch.inference_mode():
             while waiting or self._live:
                 if waiting and len(self._live) < max_batch:
@@ -236,7 +238,7 @@ class SpecEngine:
                     self._step(params, gen, eos, on_commit)
                 self._retire(done, bar)
         bar.close()
-        self.cache = DynamicCache()
+        self.cache = kv.GrowingCache()
         outs = [done[i] for i in ids]
         for o in outs:
             o.text = self._text(o, params)
@@ -337,33 +339,40 @@ class SpecEngine:
     # -- cost model ------------------------------------------------------------------------------
     def measure_cost(self, sizes: Sequence[int] | None = None, kv_len: int = COST_KV_LEN, repeats: int = 2) -> CostModel:
         """Time target forwards (decoder + LM head) of ``sizes`` query tokens against a dummy KV
-        cache of ``kv_len`` tokens, and one size against ``COST_KV_LONG`` tokens (the attention
-        term); the cost model the adaptive controller starts from. By default :data:`COST_SIZES`
-        and the token counts on either side of each step of the CPU linear routing (e.g. 3 and 4
-        where 4 rows switch to packed weights), which interpolation would smooth over."""
+        cache of ``kv_len`` tokens, and forwards of one request and of :data:`COST_ROWS` requests
+        against ``kv_len`` and ``COST_KV_LONG`` tokens (the attention terms); the cost model the
+        adaptive controller starts from. By default :data:`COST_SIZES` and the token counts on
+        either side of each step of the CPU linear routing (e.g. 3 and 4 where 4 rows switch to
+        packed weights), which interpolation would smooth over."""
         if sizes is None:
             steps = self.linear.steps() if self.linear is not None else []
             sizes = sorted(set(COST_SIZES) | {n for n in steps if n <= max(COST_SIZES)})
         g = torch.Generator().manual_seed(0)
+        caches: dict[tuple[int, int], kv.GrowingCache] = {}
 
-        def forward_at(length: int) -> Callable[[int], None]:
-            cache = DynamicCache()
-            dummy = torch.randint(0, self.lm_head.out_features, (1, length), generator=g)
-            causal = torch.tril(torch.ones(length, length, dtype=torch.bool))[None]
-            self._forward(dummy, torch.arange(length)[None], self._additive(causal), cache)
+        def cache_for(rows: int, length: int) -> kv.GrowingCache:
+            """A dummy cache of ``rows`` copies of one ``length``-token prefix (built once)."""
+            if (rows, length) not in caches:
+                cache = kv.GrowingCache()
+                dummy = torch.randint(0, self.lm_head.out_features, (1, length), generator=g)
+                causal = torch.tril(torch.ones(length, length, dtype=torch.bool))[None]
+                self._forward(dummy, torch.arange(length)[None], self._additive(causal), cache)
+                kv.select_rows(cache, torch.zeros(rows, dtype=torch.int64, device=self.device))
+                caches[rows, length] = cache
+            return caches[rows, length]
 
-            def forward(n: int) -> None:
-                toks = torch.randint(0, self.lm_head.out_features, (1, n), generator=g)
-                allowed = torch.ones(1, n, length + n, dtype=torch.bool)
-                self.lm_head(self._forward(toks, length + torch.arange(n)[None], self._additive(allowed), cache))
-                self._sync()
-                kv.crop(cache, length)
-
-            return forward
+        def forward(rows: int, n: int, length: int) -> None:
+            cache = cache_for(rows, length)
+            toks = torch.randint(0, self.lm_head.out_features, (rows, n), generator=g)
+            allowed = torch.ones(rows, n, length + n, dtype=torch.bool)
+            positions = (length + torch.arange(n))[None].expand(rows, n)
+            self.lm_head(self._forward(toks, positions, self._additive(allowed), cache))
+            self._sync()
+            kv.crop(cache, length)
 
         with torch.inference_mode(), self.kernel_scope():
-            return CostModel.measure(forward_at(kv_len), sizes, repeats, lr=self.spec.controller.cost_lr,
-                                     long_forward=forward_at(COST_KV_LONG), kv_ref=kv_len, kv_long=COST_KV_LONG)
+            return CostModel.measure(lambda n: forward(1, n, kv_len), sizes, repeats, lr=self.spec.controller.cost_lr,
+                                     kv_forward=forward, kv_ref=kv_len, kv_long=COST_KV_LONG, rows=COST_ROWS)
 
     def _sync(self) -> None:
         """Wait for queued GPU work, so that wall-clock timings measure it."""
@@ -377,7 +386,7 @@ class SpecEngine:
         """Cache every prompt token and commit the first new token from the last one's logits
         (as plain decoding does); the first verify step then starts from that token. The new
         requests join the live batch as its last rows (their cache rows appended)."""
-        cache = DynamicCache()
+        cache = kv.GrowingCache()
         lens = torch.tensor([len(p) for p in prompts])
         width = int(lens.max())
         joining = [_Live(RequestOutput(i, list(p)), list(p), int(n)) for i, p, n in zip(ids, prompts, lens)]
