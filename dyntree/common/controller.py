@@ -23,7 +23,8 @@
   that beats plain decoding by ``min_gain``. An engine that pads every tree of a batch to the
   widest one (the standalone engine; ``padded=True``) pays ``batch x (1 + widest)`` query tokens,
   and the plan is priced that way, with attention over the cached tokens (the longest request's
-  in a padded batch) as a term of its own. Drafting is priced too: a :class:`DraftCost`
+  in a padded batch) as terms of their own: per query token and per request (each request's
+  cache is read once, whatever its query tokens). Drafting is priced too: a :class:`DraftCost`
   (ms vs. tree depth and batch draft nodes) starts from the ``draft_ms_*`` options and is fitted
   online to the measured drafting time of each step (tree building included), so a drafter
   whose overhead eats the gain is turned down. When a forward's cost grows in proportion to its

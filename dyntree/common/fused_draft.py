@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dyntree.common.attention import attend
+from dyntree.common.kv_store import KVStore, append_kv
 from dyntree.common.quant import QSpec, QuantLinear, WeightKernel
 
 __all__ = ["LM_HEAD_SPEC", "FusedLayer", "fused_layer", "fuse_layers", "hf_rope", "run_layers", "attention_mask",
@@ -229,7 +230,7 @@ class ScratchKV:
         self.prefix: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         self.scratch: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         self.copy_budget = copy_budget
-        self._buffers: list[tuple[torch.Tensor, torch.Tensor, int, int] | None] = [None] * n_layers  # k, v, prefix, used
+        self._buffers: list[tuple[KVStore, int] | None] = [None] * n_layers  # storage, prefix length
         self.peak_transient_bytes = 0  # the most prefix-copy bytes held at once
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
@@ -250,29 +251,25 @@ class ScratchKV:
         """Write ``key``/``value`` after the layer's prefix copy and earlier draft tokens; returns
         views of everything written so far. The first call of a step copies the prefix; a call
         that does not fit the room left moves the buffer to one with twice the draft slots."""
-        buf = self._buffers[layer_idx]
-        n = key.shape[2]
-        if buf is None or buf[3] + n > buf[0].shape[2]:
-            length = pre[0].shape[2]
-            src_k, src_v, used = (pre[0], pre[1], length) if buf is None else (buf[0], buf[1], buf[3])
-            shape = (*pre[0].shape[:2], length + max(16, 2 * (used - length + n)), pre[0].shape[3])
-            bk, bv = pre[0].new_empty(shape), pre[1].new_empty(shape)
-            bk[:, :, :used], bv[:, :, :used] = src_k[:, :, :used], src_v[:, :, :used]
-            buf = (bk, bv, length, used)
-            self._buffers[layer_idx] = buf
-            held = sum(2 * b[0].numel() * b[0].element_size() for b in self._buffers if b is not None)
+        entry = self._buffers[layer_idx]
+        if entry is None:
+            keys, values, store, length = pre[0], pre[1], None, pre[0].shape[2]
+        else:
+            store, length = entry
+            keys, values = store.keys[:, :, : store.used], store.values[:, :, : store.used]
+        drafted = keys.shape[2] - length + key.shape[2]
+        k, v, new = append_kv(keys, values, key, value, store, max(16, 2 * drafted) - drafted)
+        self._buffers[layer_idx] = (new, length)
+        if new is not store:
+            held = sum(b[0].nbytes for b in self._buffers if b is not None)
             self.peak_transient_bytes = max(self.peak_transient_bytes, held)
-        bk, bv, length, used = buf
-        bk[:, :, used : used + n] = key
-        bv[:, :, used : used + n] = value
-        self._buffers[layer_idx] = (bk, bv, length, used + n)
-        return bk[:, :, : used + n], bv[:, :, : used + n]
+        return k, v
 
     def _drafted(self, layer_idx: int) -> torch.Tensor | None:
         """The layer's draft-token keys so far (a view into its buffer, or its own scratch)."""
-        buf = self._buffers[layer_idx]
-        if buf is not None:
-            return buf[0][:, :, buf[2] : buf[3]]
+        entry = self._buffers[layer_idx]
+        if entry is not None:
+            return entry[0].keys[:, :, entry[1] : entry[0].used]
         scr = self.scratch[layer_idx]
         return None if scr is None else scr[0]
 

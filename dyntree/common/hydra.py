@@ -42,6 +42,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dyntree.common.calibration import AcceptanceTable
+from dyntree.common.kv_store import KVStore, append_kv
 from dyntree.common.linear import Int8Weight, install, linear
 
 if TYPE_CHECKING:
@@ -204,16 +205,6 @@ def default_prefix_heads(hidden_size: int) -> int:
     return hidden_size // 64 if hidden_size % 64 == 0 else 1
 
 
-@dataclass
-class _KVStore:
-    """Storage a single-row :class:`PrefixKV` grows into: ``[1, H, capacity, head_dim]`` keys and
-    values, of which the first ``used`` slots belong to the newest cache made from it."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    used: int
-
-
 @dataclass(frozen=True)
 class PrefixKV:
     """The prefix layer's KV cache for a batch of sequences: every prefix position processed so far.
@@ -230,7 +221,7 @@ class PrefixKV:
     keys: torch.Tensor
     values: torch.Tensor
     mask: torch.Tensor
-    store: "_KVStore | None" = field(default=None, repr=False, compare=False)
+    store: KVStore | None = field(default=None, repr=False, compare=False)
 
     @property
     def length(self) -> int:
@@ -253,16 +244,10 @@ class PrefixKV:
         if keys.shape[0] != 1:
             return PrefixKV(torch.cat([self.keys, keys], dim=2), torch.cat([self.values, values], dim=2),
                             torch.cat([self.mask, valid], dim=1))
-        n, t = self.length, keys.shape[2]
-        st = self.store
-        if st is None or st.used != n or st.keys.shape[2] < n + t:
-            room = max(2 * (n + t), 64)
-            st = _KVStore(self.keys.new_empty(*keys.shape[:2], room, keys.shape[3]),
-                          self.values.new_empty(*values.shape[:2], room, values.shape[3]), n)
-            st.keys[:, :, :n], st.values[:, :, :n] = self.keys, self.values
-        st.keys[:, :, n : n + t], st.values[:, :, n : n + t] = keys, values
-        st.used = n + t
-        return PrefixKV(st.keys[:, :, : n + t], st.values[:, :, : n + t], torch.cat([self.mask, valid], dim=1), st)
+        total = self.length + keys.shape[2]
+        k, v, store = append_kv(self.keys if self.length else None, self.values if self.length else None, keys,
+                                values, self.store, max(total, 64 - total))
+        return PrefixKV(k, v, torch.cat([self.mask, valid], dim=1), store)
 
     @staticmethod
     def stack(rows: Sequence["PrefixKV"]) -> "PrefixKV":

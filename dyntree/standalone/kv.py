@@ -23,6 +23,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from dyntree.common.kv_store import KVStore, append_kv
+
 __all__ = ["GrowingCache", "GrowingLayer", "seq_len", "append_rows", "compact", "crop", "select_rows"]
 
 #: Slots a buffer keeps free beyond what it holds when it is (re)allocated, at least.
@@ -30,39 +32,22 @@ HEADROOM = 128
 
 
 class GrowingLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose ``keys`` / ``values`` are views of the first slots of buffers with
-    free slots after them; :meth:`update` writes the new tokens into those slots."""
+    """A ``DynamicLayer`` whose ``keys`` / ``values`` are views of the first slots of a
+    :class:`~dyntree.common.kv_store.KVStore`; :meth:`update` writes the new tokens into its free
+    slots (the store grows by a quarter when they run out)."""
+
+    store: KVStore | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.keys, self.values, self._bufs = _append(self.keys, self.values, self._bufs, key_states, value_states)
+        n = self.keys.shape[2] if self.keys.dim() == 4 else 0
+        total = n + key_states.shape[2]
+        self.keys, self.values, self.store = append_kv(self.keys if n else None, self.values if n else None,
+                                                       key_states, value_states, self.store,
+                                                       max(HEADROOM, total // 4))
         return self.keys, self.values
-
-
-def _append(keys: torch.Tensor, values: torch.Tensor, bufs: tuple[torch.Tensor, torch.Tensor] | None,
-            new_k: torch.Tensor, new_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """``keys``/``values`` with ``new_k``/``new_v`` appended along the slots, written into
-    ``bufs`` when the current tensors are their leading slots and the new ones fit, else into new
-    buffers (the old content copied once)."""
-    n = keys.shape[2] if keys.dim() == 4 else 0
-    t = new_k.shape[2]
-    if bufs is None or not (_leads(keys, bufs[0]) and _leads(values, bufs[1]) and n + t <= bufs[0].shape[2]):
-        shape = (*new_k.shape[:2], n + t + max(HEADROOM, (n + t) // 4), new_k.shape[3])
-        bufs = (new_k.new_empty(shape), new_v.new_empty(shape))
-        if n:
-            bufs[0][:, :, :n], bufs[1][:, :, :n] = keys, values
-    bufs[0][:, :, n : n + t] = new_k
-    bufs[1][:, :, n : n + t] = new_v
-    return bufs[0][:, :, : n + t], bufs[1][:, :, : n + t], bufs
-
-
-def _leads(view: torch.Tensor, buf: torch.Tensor) -> bool:
-    """Whether ``view`` is ``buf[:, :, :n]`` for some ``n`` (so ``buf``'s later slots are free)."""
-    return (view.dim() == 4 and view.data_ptr() == buf.data_ptr() and view.shape[:2] == buf.shape[:2]
-            and view.shape[3] == buf.shape[3] and view.stride() == buf.stride())
 
 
 class GrowingCache(DynamicCache):
@@ -88,10 +73,14 @@ def compact(cache: DynamicCache, rows: torch.Tensor, src: torch.Tensor, dst: tor
 
 
 def crop(cache: DynamicCache, length: int) -> None:
-    """Drop every slot at or beyond ``length``."""
+    """Drop every slot at or beyond ``length`` (a :class:`GrowingLayer`'s become free slots)."""
     for layer in cache.layers:
-        layer.keys = layer.keys[:, :, :length]
-        layer.values = layer.values[:, :, :length]
+        store = getattr(layer, "store", None)
+        if store is not None and store.holds(layer.keys, layer.values):
+            layer.keys, layer.values = store.crop(length)
+        else:
+            layer.keys = layer.keys[:, :, :length]
+            layer.values = layer.values[:, :, :length]
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
