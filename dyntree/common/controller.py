@@ -78,7 +78,7 @@ class CostModel:
     rows)``. Attention computes with every cached token for every query token (``attn_ms``), and
     reads every request's cached keys and values once, however many query tokens the request has
     (``row_ms``: memory-bound). On a 2-core CPU with SmolLM2 in fp32 the first is ~1.1 us per pair
-    and the second ~4 us per request and cached token: 12 requests x 1 token against 800 cached
+    and the second ~2.6-3.1 us per request and cached token: 12 requests x 1 token against 800 cached
     tokens spend ~45 ms in attention, while one request x 24 tokens against 256 spends ~2 ms, though
     both are 12-24 query tokens to the knots. Without the row term the knots learned the batch's
     attention as the cost of any forward of that many tokens, so wider verifies looked free.

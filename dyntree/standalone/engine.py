@@ -337,7 +337,7 @@ class SpecEngine:
             kv.compact(self.cache, as_t(rows), as_t(src), as_t(dst))
 
     # -- cost model ------------------------------------------------------------------------------
-    def measure_cost(self, sizes: Sequence[int] | None = None, kv_len: int = COST_KV_LEN, repeats: int = 2) -> CostModel:
+    def measure_cost(self, sizes: Sequence[int] | None = None, kv_len: int = COST_KV_LEN, repeats: int = 3) -> CostModel:
         """Time target forwards (decoder + LM head) of ``sizes`` query tokens against a dummy KV
         cache of ``kv_len`` tokens, and forwards of one request and of :data:`COST_ROWS` requests
         against ``kv_len`` and ``COST_KV_LONG`` tokens (the attention terms); the cost model the
