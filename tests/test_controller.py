@@ -393,6 +393,8 @@ def test_outcome_check_vetoes_marginal_speculation_that_does_not_deliver() -> No
     fast = SpeculationController(cost, opts)
     _outcome_run(fast, 50, spec_ms=8.0, plain_ms=10.0)
     assert fast.outcome_factor() == 1.0
+    _outcome_run(fast, 20, spec_ms=24.0, plain_ms=10.0)  # ... nor bank credit against a later veto
+    assert fast.outcome_factor() < 0.9
     dear = CostModel({1: 10.0, 2: 40.0, 64: 40.0}, lr=0.0)  # predicted not to pay
     mispriced = SpeculationController(dear, opts)
     assert not any(_outcome_run(mispriced, 50, spec_ms=40.0, plain_ms=30.0))

@@ -77,10 +77,10 @@ class CostModel:
     requests against ``kv`` cached tokens each adds ``(kv - kv_ref) * (attn_ms * tokens + row_ms *
     rows)``. Attention computes with every cached token for every query token (``attn_ms``), and
     reads every request's cached keys and values once, however many query tokens the request has
-    (``row_ms``: memory-bound). On a 2-core CPU with SmolLM2 in fp32 the first is ~1.1 us per pair
-    and the second ~2.6-3.1 us per request and cached token: 12 requests x 1 token against 800 cached
-    tokens spend ~45 ms in attention, while one request x 24 tokens against 256 spends ~2 ms, though
-    both are 12-24 query tokens to the knots. Without the row term the knots learned the batch's
+    (``row_ms``: memory-bound). On a 2-core CPU with SmolLM2 in fp32, timed at start-up, the first
+    is 0.5-2.2 us per pair and the second 2.6-3.4 us per request and cached token: 12 requests x 1
+    token against 800 cached tokens spend ~45 ms of a forward in attention, one request x 8 tokens
+    against 300 ~3 ms (30 layers x 100 us), though both are just query tokens to the knots. Without the row term the knots learned the batch's
     attention as the cost of any forward of that many tokens, so wider verifies looked free.
     """
 
@@ -561,7 +561,8 @@ class SpeculationController:
         ratio = min(max(tokens / (ms * rate), 0.25), 4.0)
         bucket = self._bucket(rows)
         old = self._outcome.get(bucket, 1.0)
-        self._outcome[bucket] = old + self.options.outcome_ema * (ratio - old)
+        # at most 1: steps faster than predicted must not bank credit that delays a later veto
+        self._outcome[bucket] = min(old + self.options.outcome_ema * (ratio - old), 1.0)
 
     def observe_step(self, n_query_tokens: int, ms: float, kv: int | None = None, rows: int = 1) -> None:
         """Refine the cost model with one measured verify forward of ``rows`` requests (``kv``:
