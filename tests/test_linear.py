@@ -26,28 +26,26 @@ def test_routing_picks_the_cheapest_calibrated_option() -> None:
     assert [d.route(m) for m in (1, 2)] == [(TRANSPOSED, 2)] * 2  # one row pads to two
     assert [d.route(m) for m in range(3, 17)] == [(TRANSPOSED, 16)] * 14  # 3..16 pad up to the fast 16
     assert d.route(17) == (LINEAR, 17) and d.route(0) == (LINEAR, 0)  # beyond the calibration: F.linear
-    assert d.pack_rows == ()  # no packed timings: never routed there
+    assert not d.packs  # no packed timings: never routed there
     assert LinearDispatch(_timings({})).summary() == "F.linear everywhere"
     with pytest.raises(ValueError, match="1 row"):
         LinearDispatch({2: (1.0, 1.0)})
 
 
-def test_packed_route_keeps_at_most_two_pack_sizes_and_only_for_packed_weights() -> None:
-    # rows -> F.linear, transposed, packed (at exactly that many rows) ms
+def test_packed_route_runs_at_the_row_count_and_only_for_packed_weights() -> None:
+    # rows -> F.linear, transposed, packed (the one copy packed for PACK_ROWS rows) ms
     t = {1: (10.0, 15.0, 11.0), 2: (10.0, 15.0, 11.0), 4: (20.0, 15.0, 11.0), 8: (30.0, 16.0, 12.0),
          16: (40.0, 18.0, 13.0), 32: (60.0, 30.0, 20.0)}
     d = LinearDispatch(t)
-    assert d.pack_rows == (16, 32) and "MKL packed GEMM" in d.summary()  # 8 and 32 would serve 9-16 slower
+    assert d.packs and "MKL packed GEMM for rows 3-32" in d.summary()
     assert [d.route(m) for m in (1, 2, 3, 8, 9, 17, 33)] == [
-        (LINEAR, 1), (LINEAR, 2), (PACKED, 16), (PACKED, 16), (PACKED, 16), (PACKED, 32), (LINEAR, 33)]
-    # without packed copies: the best of F.linear and the transposed product
+        (LINEAR, 1), (LINEAR, 2), (PACKED, 3), (PACKED, 8), (PACKED, 9), (PACKED, 17), (LINEAR, 33)]
+    # without a packed copy: the best of F.linear and the transposed product
     assert [d.route(m, packed=False) for m in (1, 3, 9)] == [(LINEAR, 1), (TRANSPOSED, 4), (TRANSPOSED, 16)]
-    assert LinearDispatch(t, max_packs=1).pack_rows == (16,)
-    assert d.steps() == [2, 3, 16, 17]  # where the routes change (a cost model's knots)
-    w, x = torch.randn(8, 4), torch.randn(9, 4)
-    with d.active():  # copies packed for other row counts (another dispatch's): the unpacked route
-        torch.testing.assert_close(linear.linear(x, w, None, {8: PackedWeight(w, 8)}), F.linear(x, w))
-    assert LinearDispatch(t, max_packs=0).pack_rows == ()
+    assert d.steps() == [2, 3]  # the packed form runs unpadded: its cost has no steps of its own
+    assert not LinearDispatch({r: ms[:2] for r, ms in t.items()}).packs  # no packed timings: never packed
+    with pytest.raises(ValueError, match="up to"):
+        LinearDispatch({1: (1.0, 1.0), linear.PACK_ROWS + 1: (1.0, 1.0)})
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 13, 16, 40])
@@ -64,7 +62,7 @@ def test_routed_products_equal_f_linear(rows: int, bias: bool) -> None:
         timings.append({r: (10.0, 5.0, 1.0) for r in (1, 2, 4, 8, 16)})  # packed everywhere it can
     for t in timings:
         d = LinearDispatch(t)
-        packed = {r: PackedWeight(w, r) for r in d.pack_rows}
+        packed = PackedWeight(w) if d.packs else None
         with d.active():
             got = linear.linear(x, w, b, packed)
         assert got.shape == want.shape and got.is_contiguous()
@@ -72,24 +70,40 @@ def test_routed_products_equal_f_linear(rows: int, bias: bool) -> None:
 
 
 @pytest.mark.skipif(not linear.mkl_packed_available(), reason="needs torch with MKL")
-def test_packed_rows_do_not_depend_on_their_padding() -> None:
+@pytest.mark.parametrize("shape", [(40, 24), (576, 576), (192, 1536)])
+def test_one_packed_copy_serves_every_row_count(shape: tuple[int, int]) -> None:
+    """What the single packed copy rests on: packed once, it computes products of any row count up
+    to PACK_ROWS like F.linear (MKL documents it for the row count it was packed for)."""
     g = torch.Generator().manual_seed(0)
-    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
-    x = torch.randn(5, 24, generator=g)
-    d = LinearDispatch({1: (10.0, 20.0, 20.0), 8: (10.0, 20.0, 1.0)}, max_packs=1)
-    assert d.pack_rows == (8,) and d.route(5) == (PACKED, 8)
-    packed = {8: PackedWeight(w, 8)}
-    with d.active():
-        five = linear.linear(x, w, b, packed)
-        assert torch.equal(linear.linear(x[:3], w, b, packed), five[:3])  # 3 rows padded to 8 differently
+    w, b = torch.randn(*shape, generator=g), torch.randn(shape[0], generator=g)
+    x = torch.randn(linear.PACK_ROWS, shape[1], generator=g)
+    packed = PackedWeight(w)
+    d = LinearDispatch({r: (10.0, 20.0, 1.0) for r in (1, 2, 4, 8, 16, 64)})
+    with torch.inference_mode(), d.active():
+        for m in range(1, linear.PACK_ROWS + 1):
+            assert d.route(m) == (PACKED, m)
+            torch.testing.assert_close(linear.linear(x[:m], w, b, packed), F.linear(x[:m], w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_calibration_never_routes_to_a_packed_copy_that_disagrees(monkeypatch, tmp_path) -> None:
+    if not linear.mkl_packed_available():
+        pytest.skip("needs torch with MKL")
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
+    right = linear._packed
+    monkeypatch.setattr(linear, "_packed", lambda x, w, p, b: right(x, w, p, b) * (1.0 if x.shape[0] < 3 else 1.01))
+    d = linear.calibrate(model, rows=(1, 2, 4), repeats=1, cache_dir=tmp_path)
+    assert not d.packs and all(len(ms) == 2 for ms in json.loads(next(tmp_path.glob("*.json")).read_text()).values())
+    monkeypatch.setattr(linear, "_packed", right)
+    assert len(linear.calibrate(model, rows=(1, 2, 4), repeats=1).timings_ms[4]) == 3
 
 
 @pytest.mark.skipif(not linear.mkl_packed_available(), reason="needs torch with MKL")
 def test_packed_copy_follows_in_place_changes() -> None:
-    model = linear.install(nn.Sequential(nn.Linear(16, 24)), pack_rows=(8,))
+    model = linear.install(nn.Sequential(nn.Linear(16, 24)), packed=True)
     lin = model[0]
     x = torch.randn(5, 16)
-    d = LinearDispatch({1: (10.0, 20.0, 20.0), 8: (10.0, 20.0, 1.0)}, max_packs=1)
+    d = LinearDispatch({1: (10.0, 20.0, 20.0), 8: (10.0, 20.0, 1.0)})
+    assert d.route(5) == (PACKED, 5)
     with torch.no_grad(), d.active():
         torch.testing.assert_close(model(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
         lin.weight.mul_(2.0)  # in place: repacked

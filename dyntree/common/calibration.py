@@ -37,6 +37,7 @@ no information and are skipped.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,10 +62,10 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
     return -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
 
 
-def bin_confidence(conf: torch.Tensor, edges: Sequence[float] = CONFIDENCE_EDGES) -> torch.Tensor:
+def bin_confidence(conf: torch.Tensor, edges: Sequence[float] | torch.Tensor = CONFIDENCE_EDGES) -> torch.Tensor:
     """Each confidence's bin among those that ``edges`` (increasing inner edges) split [0, 1] into:
     int64, same shape; bin ``i`` holds ``edges[i-1] <= conf < edges[i]``."""
-    return torch.bucketize(torch.as_tensor(conf, dtype=torch.float32), torch.tensor(edges, dtype=torch.float32),
+    return torch.bucketize(torch.as_tensor(conf, dtype=torch.float32), torch.as_tensor(edges, dtype=torch.float32),
                            right=True)
 
 
@@ -103,7 +104,11 @@ class AcceptanceTable:
         n_c = self.acceptance.shape[2]
         if self.edges is None:
             return (conf * n_c).long().clamp(max=n_c - 1)
-        return bin_confidence(conf, self.edges)
+        return bin_confidence(conf, self._edge_tensor)
+
+    @functools.cached_property
+    def _edge_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.edges, dtype=torch.float32)
 
     @property
     def ranks(self) -> int:
@@ -164,11 +169,10 @@ class Calibrator:
         o = self.options
         self._edges = torch.tensor(o.entropy_edges, dtype=torch.float32)
         shape = (o.max_depth, len(o.entropy_edges) + 1, o.confidence_bins, o.rank_bins)
-        self.weight = torch.zeros(shape, dtype=torch.float64)  # W: observations
-        self.accepted = torch.zeros(shape, dtype=torch.float64)  # A: accepted among them
-        self.expected = torch.zeros(shape, dtype=torch.float64)  # E: their base estimates, summed
+        self._stats = torch.zeros((3, *shape), dtype=torch.float64)  # W, A, E: one tensor, one update
+        self.weight, self.accepted, self.expected = self._stats.unbind(0)  # views: observations, accepted, base sum
         self.observations = 0
-        self._parent: torch.Tensor | None = None  # pooled ratios [depth, rank], until the next update
+        self._ratios: torch.Tensor | None = None  # every bin's ratio (flat), until the next update
 
     def _bins(self, depth: torch.Tensor, conf: torch.Tensor, ent: torch.Tensor,
               rank: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,11 +186,11 @@ class Calibrator:
                 f"depth, conf, entropy and rank must have one shape, got {tuple(depth.shape)}, "
                 f"{tuple(conf.shape)}, {tuple(ent.shape)}, {tuple(rank.shape)}"
             )
-        if bool((depth < 1).any()):
+        if depth.numel() and int(depth.min()) < 1:
             raise ValueError("depth must be >= 1 (draft nodes; the root is not calibrated)")
         d = depth.clamp(max=o.max_depth) - 1
         e = torch.bucketize(ent, self._edges, right=True)
-        c = (conf.clamp(0, 1) * o.confidence_bins).long().clamp(max=o.confidence_bins - 1)
+        c = (conf.clamp(0, 1) * o.confidence_bins).long().clamp_(max=o.confidence_bins - 1)
         r = rank.clamp(0, o.rank_bins - 1)
         n_e, n_c, n_r = len(o.entropy_edges) + 1, o.confidence_bins, o.rank_bins
         return ((d * n_e + e) * n_c + c) * n_r + r
@@ -203,27 +207,25 @@ class Calibrator:
                 rank: torch.Tensor | None = None) -> torch.Tensor:
         """Calibrated acceptance probability, same shape as ``conf`` (float32, CPU). ``rank``: each
         candidate's rank among its siblings' candidates (0 = most likely; default 0)."""
-        flat = self._bins(depth, conf, ent, rank)
-        n_d, n_r = self.weight.shape[0], self.weight.shape[-1]
-        d, r = flat // (self.weight.numel() // n_d), flat % n_r
-        w, a, e = (x.view(-1)[flat] for x in (self.weight, self.accepted, self.expected))
-        ratio = self._ratio(w, a, e, self._parents()[d, r])
-        return (self.base(depth, conf, rank) * ratio).clamp(0, 1).float()
+        ratio = self._bin_ratios()[self._bins(depth, conf, ent, rank)]
+        return (self.base(depth, conf, rank) * ratio).clamp_(0, 1).float()
 
-    def _parents(self) -> torch.Tensor:
-        """``[depth, rank]`` pooled ratios a cell shrinks toward (kept until the next update: the
-        builder predicts once per depth per step and updates once per step)."""
-        if self._parent is None:
-            n_d, n_r = self.weight.shape[0], self.weight.shape[-1]
-            cells = [x.sum(dim=(1, 2)) for x in (self.weight, self.accepted, self.expected)]  # [depth, rank]
+    def _bin_ratios(self) -> torch.Tensor:
+        """Every bin's ratio (flat), each shrunk toward its pooled parent; computed once per update
+        (the builder predicts once per depth per step and updates once per step)."""
+        if self._ratios is None:
+            w, a, e = self._stats.unbind(0)
+            n_d, n_r = w.shape[0], w.shape[-1]
+            cells = [x.sum(dim=(1, 2)) for x in (w, a, e)]  # [depth, rank]
             overall = self._ratio(*(x.sum() for x in cells), torch.ones(()))
             if self.table is not None:  # the table prices ranks: what drifts is each depth's level
                 by_depth = self._ratio(*(x.sum(1) for x in cells), overall.expand(n_d))
-                self._parent = by_depth[:, None].expand(n_d, n_r)
+                parent = by_depth[:, None].expand(n_d, n_r)
             else:  # the bare confidence ignores rank, the largest error of a near-exact self-draft
                 by_rank = self._ratio(*(x.sum(0) for x in cells), overall.expand(n_r))
-                self._parent = self._ratio(*cells, by_rank.expand(n_d, n_r))
-        return self._parent
+                parent = self._ratio(*cells, by_rank.expand(n_d, n_r))
+            self._ratios = self._ratio(w, a, e, parent[:, None, None, :]).flatten()
+        return self._ratios
 
     def _ratio(self, w: torch.Tensor, a: torch.Tensor, e: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
         """Measured over predicted acceptance of ``w`` observations (``a`` accepted, base estimates
@@ -241,14 +243,11 @@ class Calibrator:
         n = flat.numel()
         if n == 0:
             return
-        keep = self.options.decay**n
-        self._parent = None
-        for x in (self.weight, self.accepted, self.expected):
-            x.mul_(keep)
+        self._ratios = None
+        self._stats.mul_(self.options.decay**n)
         base = self.base(depth, conf, rank).reshape(flat.shape)
-        self.weight.view(-1).index_add_(0, flat, torch.ones(n, dtype=torch.float64))
-        self.accepted.view(-1).index_add_(0, flat, acc)
-        self.expected.view(-1).index_add_(0, flat, base)
+        seen = torch.stack([torch.ones(n, dtype=torch.float64), acc.reshape(-1), base.reshape(-1)])
+        self._stats.view(3, -1).index_add_(1, flat.reshape(-1), seen)
         self.observations += n
 
     def observe(

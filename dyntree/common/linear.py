@@ -5,27 +5,27 @@ that on a CPU without AMX runs far from the memory bound: SmolLM2's 210 decoder 
 for 1 row, ~70-77 ms for 2-4 rows and ~79 ms for 16 rows (fp32, 2 AVX2 cores, one calibration),
 while the same product computed as ``(W @ x.T).T`` costs ~33 ms for 1-4 rows (1 row padded to 2),
 ~52 ms for 8 and ~66 ms for 16. A GEMM lays the weight out in its blocked format on every call
-(our reading of why both stay slow); a third form, MKL's
-packed GEMM (``torch.ops.mkl._mkl_linear``, what torch's own compiler uses for frozen fp32
-linears), packs each weight once, for products of exactly ``p`` rows. On a 2-core AVX-512 Xeon,
-linears of SmolLM2's decoder shapes cost ~25 ms at 1-2 rows any way, and packed 26 / 29 / 34 / 37
-ms at 4 / 8 / 16 / 17 rows against 53 / 63 / 108 / 110 with ``F.linear``; in a whole SmolLM2
-forward (256 cached tokens, attention and the rest included) 4-10 tokens then cost ~1.4 one-token
-forwards and 11-17 ~1.55, against ~1.8-2.3 with the transposed form. In between it is irregular
-(13 rows ~106 ms on the AVX2 CPU), so a row count may be padded up to a larger one that runs
-faster. Which form is faster
-depends on the CPU, the dtype and the row count, so :func:`calibrate` times all three on the
-model's own linears at every row count up to 17 and a few beyond (~25-35 s for SmolLM2 in fp32 on
-2 cores, once: kept on disk per CPU, torch version, threads, dtype and linear shapes), and
-:class:`LinearDispatch` then routes each call by its row count. Each packed row count costs one
-more copy of the weights (~540 MB for SmolLM2 in fp32 with its LM head), so the dispatch keeps at
-most two, the pair that serves row counts up to :data:`PACK_HORIZON` fastest, and only where they
-beat the other forms; a packed copy follows in-place changes of its weight (it is repacked when
-the weight's version or storage changes). Routing is per thread and only inside
-:meth:`LinearDispatch.active`: :func:`linear` (what core code such as the Hydra heads' LM-head
-product calls) and the ``nn.Linear`` modules that :func:`install` reroutes through it run stock
-``F.linear`` anywhere else (``model.generate`` in benchmarks, another engine). A weight without
-packed copies (the Hydra heads') takes the best of the other two forms.
+(our reading of why both stay slow); a third form, MKL's packed GEMM
+(``torch.ops.mkl._mkl_linear``, what torch's own compiler uses for frozen fp32 linears), packs each
+weight once. MKL packs a weight for a row count, but the packed layout has the same size for every
+row count, and a copy packed for ``P`` rows computes products of any ``m <= P`` rows correctly and
+about as fast as a copy packed for exactly ``m`` (a 2-core AVX-512 Xeon, all of SmolLM2's linears
+with its LM head, interleaved: packed for 64 rows, 28 / 31 / 34 / 41 / 54 ms at 1 / 4 / 8 / 16 /
+32 rows against 29 / 30 / 34 / 41 / 53 packed for exactly those rows and 28 / 64 / 79 / 130 / 146
+with ``F.linear``; a copy packed for 8 rows used at 16 costs 55 ms, so the copy is packed for the
+largest row count it serves). So the routing keeps ONE packed copy per weight, packed for
+:data:`PACK_ROWS` rows, and calls it with the input's own row count (no padding). The forms'
+speeds depend on the CPU, the dtype and the row count, so :func:`calibrate` times all three on the
+model's own linears at every row count up to 17 and a few beyond (once: kept on disk per CPU, torch
+version, threads, dtype and linear shapes; it also checks that the packed copy reproduces
+``F.linear`` at every row count, and never routes there where it does not), and
+:class:`LinearDispatch` then routes each call by its row count. The packed copy costs one more copy
+of the weights (~540 MB for SmolLM2 in fp32 with its LM head); it follows in-place changes of its
+weight (it is repacked when the weight's version or storage changes). Routing is per thread and
+only inside :meth:`LinearDispatch.active`: :func:`linear` (what core code such as the Hydra heads'
+LM-head product calls) and the ``nn.Linear`` modules that :func:`install` reroutes through it run
+stock ``F.linear`` anywhere else (``model.generate`` in benchmarks, another engine). A weight
+without a packed copy (the Hydra heads') takes the best of the other two forms.
 
 The forms compute the same products with a different summation order, like any two GEMM
 kernels: fp32 results agree to rounding, and plain and speculative decoding both go through it.
@@ -41,7 +41,6 @@ which tokens are drafted now and then, never the output (the target verifies eve
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import platform
 import threading
@@ -57,11 +56,13 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["Int8Weight", "LinearDispatch", "PackedWeight", "calibrate", "cpu_name", "install", "int8_available",
-           "linear", "mkl_packed_available", "thread_scope", "CALIBRATION_ROWS", "PACK_HORIZON"]
+           "linear", "mkl_packed_available", "thread_scope", "CALIBRATION_ROWS", "PACK_ROWS"]
 
 #: Row counts timed by :func:`calibrate`; a call with more rows than the last uses ``F.linear``.
 CALIBRATION_ROWS = (*range(1, 18), 24, 32, 48, 64)
-_CACHE_VERSION = 4
+#: The row count weights are packed for: a packed copy serves products of up to this many rows.
+PACK_ROWS = CALIBRATION_ROWS[-1]
+_CACHE_VERSION = 5
 
 #: The forms :class:`LinearDispatch` routes between.
 LINEAR, TRANSPOSED, PACKED = "linear", "transposed", "packed"
@@ -107,26 +108,25 @@ def mkl_packed_available(dtype: torch.dtype = torch.float32) -> bool:
             and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight") and hasattr(torch.ops.mkl, "_mkl_linear"))
 
 
-def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+def _pack(weight: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), rows)
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
-def _packed(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-            rows: int) -> torch.Tensor:
-    """``x @ W.T (+ b)`` through MKL's packed GEMM, ``x`` padded to exactly the ``rows`` the weight
-    was packed for (each output row depends on its own input row only)."""
-    padded, m = _padded(x, rows)
-    out = torch.ops.mkl._mkl_linear(padded.contiguous(), packed, weight, bias, rows)
-    return out[:m].reshape(*x.shape[:-1], weight.shape[0])
+def _packed(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T (+ b)`` through MKL's packed GEMM over ``packed`` (``weight`` packed for
+    :data:`PACK_ROWS` rows), at ``x``'s own row count (at most :data:`PACK_ROWS`)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0])
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class PackedWeight:
-    """A weight in MKL's packed GEMM layout for products of ``rows`` rows, re-packed when the
-    weight changes in place or gets new storage (so a routed product never uses stale numbers)."""
+    """A weight in MKL's packed GEMM layout (packed for :data:`PACK_ROWS` rows), re-packed when
+    the weight changes in place or gets new storage (so a routed product never uses stale numbers)."""
 
-    def __init__(self, weight: torch.Tensor, rows: int) -> None:
-        self.weight, self.rows = weight, rows
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
         self._key: tuple[int, int] | None = None
         self._packed: torch.Tensor | None = None
 
@@ -138,7 +138,7 @@ class PackedWeight:
             version = -1
         key = (version, w.data_ptr())
         if key != self._key or self._packed is None:
-            self._packed, self._key = _pack(w, self.rows), key
+            self._packed, self._key = _pack(w), key
         return self._packed
 
 
@@ -157,99 +157,80 @@ def thread_scope(store: threading.local, dispatch: object) -> Iterator[None]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: Mapping[int, PackedWeight] | None = None) -> torch.Tensor:
+           packed: PackedWeight | None = None) -> torch.Tensor:
     """``F.linear``, routed by the dispatch active in this thread (if any); ``packed``: the
-    weight's packed copies by row count, where :func:`install` made them."""
+    weight's packed copy, where :func:`install` made one."""
     dispatch = getattr(_ACTIVE, "dispatch", None)
     return dispatch.linear(x, weight, bias, packed) if dispatch is not None else F.linear(x, weight, bias)
 
 
-Route = tuple[str, int]  # (form, rows the product is padded to)
-
-#: Row counts a packed copy is chosen for, each weighing the same: up to a default tree verify at
-#: batch 1 (16 draft nodes and the root).
-PACK_HORIZON = 17
+Route = tuple[str, int]  # (form, rows the product runs at: the transposed form pads)
 
 
 class LinearDispatch:
     """Routes a linear by its input row count ``m`` to the cheapest calibrated form: ``F.linear``
     at ``m`` rows, ``(W @ x.T).T`` padded to some calibrated ``p >= m`` rows (at least 2), or MKL's
-    packed GEMM over a copy of the weight packed for ``p >= m`` rows (``m`` padded to ``p``).
+    packed GEMM at ``m`` rows over the weight's packed copy. A weight without a packed copy (the
+    Hydra heads') takes the best of the first two forms. Beyond the last calibrated row count,
+    ``F.linear``."""
 
-    Each packed row count costs one more copy of the weights, so at most ``max_packs`` of them are
-    kept: the set that minimizes the summed time of every row count up to :data:`PACK_HORIZON`
-    (verify trees and decode batches). A weight without packed copies (the Hydra heads') takes the
-    best of the first two forms. Beyond the last calibrated row count, ``F.linear``."""
-
-    def __init__(self, timings_ms: Mapping[int, Sequence[float]], max_packs: int = 2) -> None:
+    def __init__(self, timings_ms: Mapping[int, Sequence[float]]) -> None:
         """``timings_ms``: rows -> (``F.linear`` ms, transposed ms[, packed ms]) over all of a
-        model's linears (packed at exactly that many rows; none: never routed there)."""
+        model's linears (packed: the one copy packed for :data:`PACK_ROWS` rows, at that many
+        rows; missing: never routed there)."""
         rows = sorted(int(r) for r in timings_ms)
         if not rows or rows[0] != 1:
             raise ValueError("LinearDispatch needs timings for 1 row")
+        if rows[-1] > PACK_ROWS:
+            raise ValueError(f"LinearDispatch timings go up to {PACK_ROWS} rows (packed copies serve no more), "
+                             f"got {rows[-1]}")
         inf = float("inf")
         self.timings_ms = {r: tuple(float(t) for t in (*timings_ms[r], inf)[:3]) for r in rows}
         self._rows = rows
-        self._rowmajor = [self._best(m, ()) for m in range(1, rows[-1] + 1)]  # m - 1 -> route without packs
-        horizon = [m for m in range(1, rows[-1] + 1) if m <= PACK_HORIZON]
-        choices = [r for r in rows if self.timings_ms[r][2] < inf]
-        best: tuple[float, tuple[int, ...]] = (sum(self._cost(m, ()) for m in horizon), ())
-        for k in range(1, max_packs + 1):
-            for packs in itertools.combinations(choices, k):
-                total = sum(self._cost(m, packs) for m in horizon)
-                if total < best[0] * 0.99:  # a pack size must earn its memory
-                    best = (total, packs)
-        self.pack_rows: tuple[int, ...] = best[1]
-        self._routes = [self._best(m, self.pack_rows) for m in range(1, rows[-1] + 1)]  # with packs
+        self._rowmajor = [self._pick(m, False)[1] for m in range(1, rows[-1] + 1)]  # m - 1 -> route
+        self._routes = [self._pick(m, True)[1] for m in range(1, rows[-1] + 1)]  # with a packed copy
+        #: Whether any row count takes the packed form (:func:`install` then packs the weights).
+        self.packs = any(form == PACKED for form, _ in self._routes)
 
-    def _options(self, m: int, packs: Sequence[int]) -> list[tuple[float, Route]]:
+    def _pick(self, m: int, packed: bool) -> tuple[float, Route]:
+        """The cheapest route for ``m`` rows (with a packed copy or not), and its ms: another form
+        only where it beats ``F.linear`` by 5%."""
         above = [r for r in self._rows if r >= m]
         t = min(above, key=lambda r: self.timings_ms[r][1])
-        options = [(self.timings_ms[above[0]][0], (LINEAR, m)), (self.timings_ms[t][1], (TRANSPOSED, max(t, 2)))]
-        options += [(self.timings_ms[p][2], (PACKED, p)) for p in packs if p >= m]
-        return options
-
-    def _pick(self, m: int, packs: Sequence[int]) -> tuple[float, Route]:
-        """The cheapest route for ``m`` rows with weights packed for ``packs``, and its ms: another
-        form only where it beats ``F.linear`` by 5%."""
-        plain, *others = self._options(m, packs)
+        plain = self.timings_ms[above[0]][0]
+        others = [(self.timings_ms[t][1], (TRANSPOSED, max(t, 2)))]
+        if packed:
+            others.append((self.timings_ms[above[0]][2], (PACKED, m)))
         ms, route = min(others, key=lambda o: o[0])
-        return (ms, route) if ms < 0.95 * plain[0] else plain
-
-    def _best(self, m: int, packs: Sequence[int]) -> Route:
-        return self._pick(m, packs)[1]
-
-    def _cost(self, m: int, packs: Sequence[int]) -> float:
-        return self._pick(m, packs)[0]
+        return (ms, route) if ms < 0.95 * plain else (plain, (LINEAR, m))
 
     def active(self) -> ContextManager[None]:
         """Within this block (this thread), :func:`linear` uses this routing."""
         return thread_scope(_ACTIVE, self)
 
     def route(self, m: int, packed: bool = True) -> Route:
-        """``(form, padded rows)`` for ``m`` input rows, for a weight with (``packed``) or without
-        packed copies."""
+        """``(form, rows it runs at)`` for ``m`` input rows, for a weight with (``packed``) or
+        without a packed copy."""
         table = self._routes if packed else self._rowmajor
         return table[m - 1] if 0 < m <= len(table) else (LINEAR, m)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               packed: Mapping[int, PackedWeight] | None = None) -> torch.Tensor:
+               packed: PackedWeight | None = None) -> torch.Tensor:
         # the common case first, with the fewest checks: this runs for every linear of a forward
         # (~210 calls per SmolLM2 step), and each check costs ~1 us of a 35 us one-row product
         m = x.numel() // x.shape[-1] if x.dim() >= 2 else 0
-        form, rows = self.route(m, bool(packed))
+        form, rows = self.route(m, packed is not None)
         if form == LINEAR or x.device.type != "cpu":
             return F.linear(x, weight, bias)
         if form == PACKED:
-            if packed is not None and rows in packed:
-                return _packed(x, weight, packed[rows].get(), bias, rows)
-            form, rows = self.route(m, packed=False)  # packed by another dispatch: not for this one
-        return _transposed(x, weight, bias, rows) if form == TRANSPOSED else F.linear(x, weight, bias)
+            return _packed(x, weight, packed.get(), bias)
+        return _transposed(x, weight, bias, rows)
 
     def steps(self) -> list[int]:
         """Row counts on either side of each change of route (where a product's cost jumps):
-        what a cost model of the forward should time rather than interpolate."""
-        keys = [(form, 0 if form == LINEAR else rows) for form, rows in self._routes]  # F.linear: one route
+        what a cost model of the forward should time rather than interpolate. The transposed form
+        changes route with its padding; the other two run at the row count itself."""
+        keys = [(form, rows if form == TRANSPOSED else 0) for form, rows in self._routes]
         return sorted({n for m in range(1, len(keys)) if keys[m] != keys[m - 1] for n in (m, m + 1)})
 
     @property
@@ -263,8 +244,8 @@ class LinearDispatch:
             rows = [m for m, (f, _) in enumerate(self._routes, 1) if f == form]
             if rows:
                 parts.append(f"{label} for rows {_spans(rows)}")
-        if self.pack_rows:
-            parts.append(f"weights packed for {', '.join(map(str, self.pack_rows))} rows")
+        if self.packs:
+            parts.append(f"weights packed once (for {PACK_ROWS} rows)")
         return "; ".join(parts) if parts else "F.linear everywhere"
 
 
@@ -297,33 +278,54 @@ def cpu_name() -> str:
 def _fingerprint(linears: Sequence[nn.Linear], rows: Sequence[int]) -> str:
     p = linears[0].weight
     key = json.dumps([_CACHE_VERSION, cpu_name(), torch.__version__, torch.get_num_threads(), str(p.dtype),
-                      sorted(tuple(m.weight.shape) for m in linears), list(rows)])
+                      sorted(tuple(m.weight.shape) for m in linears), list(rows), PACK_ROWS])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def calibrate(model: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats: int = 3,
-              cache_dir: Path | None = None, max_packs: int = 2) -> LinearDispatch:
+def _packs_agree(linears: Sequence[nn.Linear], packs: Sequence[torch.Tensor], inputs: Mapping[int, torch.Tensor],
+                 rows: Sequence[int]) -> bool:
+    """Whether the packed copies reproduce ``F.linear`` (to fp32 rounding) at every row count: MKL
+    documents a packed copy for the row count it was packed for; we use it at fewer."""
+    seen: set[tuple[int, ...]] = set()
+    for lin, packed in zip(linears, packs):
+        if tuple(lin.weight.shape) in seen:
+            continue
+        seen.add(tuple(lin.weight.shape))
+        for m in rows:
+            x = inputs[lin.in_features][:m]
+            want = F.linear(x, lin.weight, lin.bias)
+            if not torch.allclose(_packed(x, lin.weight, packed, lin.bias), want, rtol=1e-4,
+                                  atol=1e-5 * float(want.abs().max().clamp(min=1.0))):
+                return False
+    return True
+
+
+def calibrate(model: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats: int = 4,
+              cache_dir: Path | None = None) -> LinearDispatch:
     """Time the three forms over all of ``model``'s linears (each with its own weights, so memory
-    traffic is real) at each row count: best of ``repeats`` rounds after a warm-up round, the forms
-    interleaved within each round so that a slow spell of the machine hits all of them. The packed
-    form (fp32 with MKL only) needs a packed copy of every weight per row count, so row counts are
-    timed one after another, each with its own copies (holding them all at once would take one
-    copy of the model per row count). With ``cache_dir``, timings are read from / written to a JSON
-    file there keyed by the CPU, torch version, thread count, dtype and linear shapes."""
+    traffic is real) at each row count: best of ``repeats`` rounds after a warm-up round, every
+    form at every row count within each round, so that a slow spell of the machine hits all of
+    them alike. The packed form (fp32 with MKL only) runs over one packed copy of every weight,
+    and only where :func:`_packs_agree`. With ``cache_dir``, timings are read from / written to a
+    JSON file there keyed by the CPU, torch version, thread count, dtype and linear shapes."""
     linears = _linears(model)
     if not linears:
-        return LinearDispatch({r: (1.0, 1.0) for r in rows}, max_packs)
+        return LinearDispatch({r: (1.0, 1.0) for r in rows})
     path = cache_dir / f"linear-{_fingerprint(linears, rows)}.json" if cache_dir is not None else None
     if path is not None and path.is_file():
         try:
-            return LinearDispatch({int(r): tuple(ms) for r, ms in json.loads(path.read_text()).items()}, max_packs)
+            return LinearDispatch({int(r): tuple(ms) for r, ms in json.loads(path.read_text()).items()})
         except (ValueError, TypeError, AttributeError):
-            pass  # a damaged cache file is re-measured and rewritten
+            pass  # a damaged cache file is measured again and rewritten
     p = linears[0].weight
     with torch.inference_mode():
         inputs = {k: torch.randn(max(rows), k, dtype=p.dtype, device=p.device) for k in {m.in_features for m in linears}}
+        packing = p.device.type == "cpu" and mkl_packed_available(p.dtype)
+        packs = [_pack(lin.weight) for lin in linears] if packing else []
+        if packing and not _packs_agree(linears, packs, inputs, rows):
+            packing, packs = False, []
 
-        def run(form: str, m: int, packs: Sequence[torch.Tensor] = ()) -> float:
+        def run(form: str, m: int) -> float:
             t0 = time.perf_counter()
             for i, lin in enumerate(linears):
                 x = inputs[lin.in_features][:m]
@@ -332,24 +334,22 @@ def calibrate(model: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats:
                 elif form == TRANSPOSED:
                     _transposed(x, lin.weight, lin.bias, 2)
                 else:
-                    _packed(x, lin.weight, packs[i], lin.bias, m)
+                    _packed(x, lin.weight, packs[i], lin.bias)
             return (time.perf_counter() - t0) * 1e3
 
-        packing = p.device.type == "cpu" and mkl_packed_available(p.dtype)
         forms = (LINEAR, TRANSPOSED, PACKED) if packing else (LINEAR, TRANSPOSED)
-        best = {m: [float("inf")] * 3 for m in rows}
-        for m in rows:
-            packs = [_pack(lin.weight, m) for lin in linears] if packing else []
-            for rep in range(repeats + 1):  # the first round warms up
-                for i, form in enumerate(forms):  # the forms interleave (see above)
-                    ms = run(form, m, packs)
+        best = {m: [float("inf")] * len(forms) for m in rows}
+        for rep in range(repeats + 1):  # the first round warms up
+            for m in rows:
+                for i, form in enumerate(forms):
+                    ms = run(form, m)
                     best[m][i] = min(best[m][i], ms) if rep else best[m][i]
-            del packs
-        timings = {m: [round(t, 3) for t in b if t < float("inf")] for m, b in best.items()}
+        del packs
+        timings = {m: [round(t, 3) for t in b] for m, b in best.items()}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(timings))
-    return LinearDispatch(timings, max_packs)
+    return LinearDispatch(timings)
 
 
 def _routed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -359,16 +359,15 @@ def _routed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return dispatch.linear(x, self.weight, self.bias, self._dyntree_packed)
 
 
-def install(module: nn.Module, pack_rows: Sequence[int] = ()) -> nn.Module:
+def install(module: nn.Module, packed: bool = False) -> nn.Module:
     """Route ``module``'s ``nn.Linear`` calls through :func:`linear` (idempotent; without an
-    active dispatch they compute exactly what ``F.linear`` does); with ``pack_rows`` (a dispatch's
-    :attr:`LinearDispatch.pack_rows`), each also gets its weight packed for those row counts (one
-    more copy of the weights in memory per count, made at the first call that needs it).
-    Returns ``module``."""
+    active dispatch they compute exactly what ``F.linear`` does); with ``packed`` (a dispatch's
+    :attr:`LinearDispatch.packs`), each also gets a packed copy of its weight (one more copy of
+    the weights in memory, made at the first call that needs it). Returns ``module``."""
     for lin in _linears(module):
         lin.forward = types.MethodType(_routed_forward, lin)
-        if pack_rows:
-            lin._dyntree_packed = {r: PackedWeight(lin.weight, r) for r in pack_rows}
+        if packed:
+            lin._dyntree_packed = PackedWeight(lin.weight)
         else:  # set, not looked up with a default: a missing module attribute raises inside
             lin.__dict__.setdefault("_dyntree_packed", None)  # nn.Module.__getattr__ (~6 us a call)
     return module

@@ -82,7 +82,7 @@ def _cpu_linears(model: torch.nn.Module) -> linear.LinearDispatch | None:
     if not hasattr(model, "_dyntree_linear_dispatch"):
         dispatch = linear.calibrate(model, cache_dir=cache_root() / "linear")
         if dispatch.routes:
-            linear.install(model, dispatch.pack_rows)
+            linear.install(model, dispatch.packs)
         model._dyntree_linear_dispatch = dispatch if dispatch.routes else None
     return model._dyntree_linear_dispatch
 
