@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+import statistics
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -360,6 +363,23 @@ def _outcome_run(ctrl: SpeculationController, steps: int, spec_ms: float, plain_
             ctrl.observe_outcome(1, plain_ms)
         speculated.append(plan.max_nodes > 0)
     return speculated
+
+
+def test_outcome_check_is_not_biased_by_noisy_steps() -> None:
+    """Steps that take the predicted time and commit the predicted tokens on average, but 1 or 7
+    of them each: the factor stays near 1 (a ratio of EMAs; an EMA of per-step ratios capped at 1
+    averaged 0.89 here, taxing speculation that delivers)."""
+    rng = random.Random(0)
+    ctrl = SpeculationController(CostModel({1: 10.0, 2: 10.0, 64: 10.0}, lr=0.0),
+                                 ControllerOptions(max_nodes=4, max_depth=4, alpha_prior=0.9))
+    factors = []
+    for _ in range(2000):
+        plans = ctrl.plan([0])
+        assert plans[0].max_nodes  # predicted to pay far beyond the bound: always speculates
+        ms = 3.0 / ctrl.predicted_rate([0], plans)  # the plan predicts 3 tokens in this time
+        ctrl.observe_outcome(7 if rng.random() < 1 / 3 else 1, ms)
+        factors.append(ctrl.outcome_factor())
+    assert statistics.mean(factors[200:]) > 0.915
 
 
 def test_outcome_check_vetoes_marginal_speculation_that_does_not_deliver() -> None:

@@ -304,11 +304,14 @@ class SpeculationController:
         self._lvl_expected = [0.0] * o.max_depth
         self._lvl_prior = [o.prior_weight] * o.max_depth
         self._tables: dict[tuple, tuple[list[float], list[int]]] = {}  # expected_table, by rounded inputs
-        # The outcome check, per batch size (rounded down to a power of two): the EMA of measured
-        # over predicted tokens per ms of speculative steps. Below 1 it scales a speculative plan's
-        # predicted rate down for whatever the models miss (a verify shape the cost model prices
-        # too cheaply, an optimistic acceptance).
-        self._outcome: dict[int, float] = {}
+        # The outcome check, per batch size (rounded down to a power of two): EMAs of the tokens
+        # speculative steps committed and of the tokens their plans predicted for the time they
+        # took. Their ratio, below 1, scales a speculative plan's predicted rate down for whatever
+        # the models miss (a verify shape the cost model prices too cheaply, an optimistic
+        # acceptance). A ratio of EMAs, not an EMA of per-step ratios: a step's tokens are random
+        # (1 or 5 where 3 were expected), and an EMA of ratios kept at most 1 sat below 1 on
+        # noise alone.
+        self._outcome: dict[int, tuple[float, float]] = {}  # bucket -> (got, predicted)
         self._pending: tuple[float, int] | None = None  # the last speculative plan: (predicted rate, rows)
 
     # -- estimates ------------------------------------------------------------------------------
@@ -356,8 +359,8 @@ class SpeculationController:
         steps (1.0 until observed): what a speculative plan's predicted rate is multiplied by,
         within ``[1 / outcome_bound, 1]``. It only ever vetoes: a measured rate above the
         prediction does not talk the planner into speculation its models say does not pay."""
-        ratio = self._outcome.get(self._bucket(rows), 1.0)
-        return min(max(ratio, 1 / self.options.outcome_bound), 1.0)
+        got, want = self._outcome.get(self._bucket(rows), (1.0, 1.0))
+        return min(max(got / want, 1 / self.options.outcome_bound), 1.0)
 
     @property
     def sibling_gain(self) -> float:
@@ -461,7 +464,8 @@ class SpeculationController:
             # that was wrong and has learned since) does not end speculation at this batch size
             bucket = self._bucket(b)
             if bucket in self._outcome:
-                self._outcome[bucket] += o.outcome_relax * (1.0 - self._outcome[bucket])
+                got, want = self._outcome[bucket]
+                self._outcome[bucket] = (got + o.outcome_relax * (want - got), want)
         self._pending = (best_rate / factor, b) if speculate else None
         plans = []
         for r, (rid, n) in enumerate(zip(request_ids, alloc)):
@@ -556,13 +560,14 @@ class SpeculationController:
         if pending is None or not ms > 0 or self.options.outcome_ema == 0:
             return
         rate, rows = pending
-        # one step's ratio, clipped: a first call's one-time costs (or one preempted step) must
-        # not outweigh the steps around it
-        ratio = min(max(tokens / (ms * rate), 0.25), 4.0)
-        bucket = self._bucket(rows)
-        old = self._outcome.get(bucket, 1.0)
-        # at most 1: steps faster than predicted must not bank credit that delays a later veto
-        self._outcome[bucket] = min(old + self.options.outcome_ema * (ratio - old), 1.0)
+        # what the plan predicted for the time the step took, within [1/4, 4] x what it got: a
+        # first call's one-time costs (or one preempted step) must not outweigh the steps around it
+        want = min(max(ms * rate, tokens / 4), tokens * 4)
+        e = self.options.outcome_ema
+        got0, want0 = self._outcome.get(self._bucket(rows), (want, want))  # starts at ratio 1
+        # the factor is capped at 1 where it is read, and credit from steps faster than predicted
+        # fades with the EMA (~1 / outcome_ema steps): it cannot hold off a later veto for long
+        self._outcome[self._bucket(rows)] = (got0 + e * (tokens - got0), want0 + e * (want - want0))
 
     def observe_step(self, n_query_tokens: int, ms: float, kv: int | None = None, rows: int = 1) -> None:
         """Refine the cost model with one measured verify forward of ``rows`` requests (``kv``:

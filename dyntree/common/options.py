@@ -161,10 +161,10 @@ class ControllerOptions(BaseModel):
         0.05,
         ge=0,
         le=1,
-        description="weight of the newest step in the planner's outcome check: the committed tokens per "
-        "measured ms of speculative steps over what their plans predicted (one step's ratio clipped to "
-        "[0.25, 4]); speculation must beat plain decoding by min_gain after the correction (0: trust the "
-        "predictions as they are)",
+        description="weight of the newest step in the planner's outcome check: the tokens speculative steps "
+        "committed over the tokens their plans predicted for the measured ms (EMAs of both; one step's "
+        "prediction clipped to [0.25, 4] x its tokens); speculation must beat plain decoding by min_gain "
+        "after the correction (0: trust the predictions as they are)",
     )
     outcome_relax: float = Field(
         1e-3,
