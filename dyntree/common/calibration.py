@@ -169,8 +169,9 @@ class Calibrator:
         o = self.options
         self._edges = torch.tensor(o.entropy_edges, dtype=torch.float32)
         shape = (o.max_depth, len(o.entropy_edges) + 1, o.confidence_bins, o.rank_bins)
-        self._stats = torch.zeros((3, *shape), dtype=torch.float64)  # W, A, E: one tensor, one update
-        self.weight, self.accepted, self.expected = self._stats.unbind(0)  # views: observations, accepted, base sum
+        # W (observations), A (accepted among them), E (their base estimates, summed) per bin, as
+        # one tensor: one decay and one scatter per update
+        self._stats = torch.zeros((3, *shape), dtype=torch.float64)
         self.observations = 0
         self._ratios: torch.Tensor | None = None  # every bin's ratio (flat), until the next update
 
