@@ -563,11 +563,11 @@ class SpeculationController:
         # what the plan predicted for the time the step took, within [1/4, 4] x what it got: a
         # first call's one-time costs (or one preempted step) must not outweigh the steps around it
         want = min(max(ms * rate, tokens / 4), tokens * 4)
-        e = self.options.outcome_ema
-        got0, want0 = self._outcome.get(self._bucket(rows), (want, want))  # starts at ratio 1
+        e, bucket = self.options.outcome_ema, self._bucket(rows)
+        got0, want0 = self._outcome.get(bucket, (want, want))  # starts at ratio 1
         # the factor is capped at 1 where it is read, and credit from steps faster than predicted
         # fades with the EMA (~1 / outcome_ema steps): it cannot hold off a later veto for long
-        self._outcome[self._bucket(rows)] = (got0 + e * (tokens - got0), want0 + e * (want - want0))
+        self._outcome[bucket] = (got0 + e * (tokens - got0), want0 + e * (want - want0))
 
     def observe_step(self, n_query_tokens: int, ms: float, kv: int | None = None, rows: int = 1) -> None:
         """Refine the cost model with one measured verify forward of ``rows`` requests (``kv``:
