@@ -80,8 +80,9 @@ class CostModel:
     (``row_ms``: memory-bound). On a 2-core CPU with SmolLM2 in fp32, timed at start-up, the first
     is 0.5-2.2 us per pair and the second 2.6-3.4 us per request and cached token: 12 requests x 1
     token against 800 cached tokens spend ~45 ms of a forward in attention, one request x 8 tokens
-    against 300 ~3 ms (30 layers x 100 us), though both are just query tokens to the knots. Without the row term the knots learned the batch's
-    attention as the cost of any forward of that many tokens, so wider verifies looked free.
+    against 300 ~3 ms (30 layers x 100 us), though both are just query tokens to the knots. Without
+    the row term the knots learned the batch's attention as the cost of any forward of that many
+    tokens, so wider verifies looked free.
     """
 
     def __init__(self, points: Mapping[int, float] | Sequence[tuple[int, float]], lr: float = 0.2,
@@ -309,7 +310,7 @@ class SpeculationController:
         # took. Their ratio, below 1, scales a speculative plan's predicted rate down for whatever
         # the models miss (a verify shape the cost model prices too cheaply, an optimistic
         # acceptance). A ratio of EMAs, not an EMA of per-step ratios: a step's tokens are random
-        # (1 or 5 where 3 were expected), and an EMA of ratios kept at most 1 sat below 1 on
+        # (1 or 7 where 3 were expected), and an EMA of ratios kept at most 1 sat below 1 on
         # noise alone.
         self._outcome: dict[int, tuple[float, float]] = {}  # bucket -> (got, predicted)
         self._pending: tuple[float, int] | None = None  # the last speculative plan: (predicted rate, rows)
