@@ -386,3 +386,36 @@ def test_options_validate_and_name_fields() -> None:
     with pytest.raises(ValidationError, match="entropy_edges"):
         CalibrationOptions(entropy_edges=(2.0, 1.0))
     TreeOptions(static_shape=((0,), (1,), (0, 0)))
+
+
+@pytest.mark.parametrize("vocab,k", [(49152, 1), (49152, 4), (49152, 10), (8192, 4), (8192, 5), (1000, 4)])
+def test_topk_rows_equals_torch_topk(vocab: int, k: int) -> None:
+    # the two-stage top-k (block maxima, then the k best blocks) against torch.topk, on rows whose
+    # best entries share a block or sit in the last one; (8192, 5) and (1000, 4) take the fallback
+    from dyntree.common.drafter import topk_rows
+
+    g = torch.Generator().manual_seed(vocab + k)
+    x = torch.randn(6, vocab, generator=g)
+    x[1, 7:7 + k] += 10.0  # all of them in the first block
+    x[2, -k:] += 10.0  # in the last block
+    x[3] = torch.log_softmax(x[3] * 8, -1).exp()  # peaked probabilities
+    values, ids = topk_rows(x, k)
+    ref = torch.topk(x, k, dim=-1)
+    assert torch.equal(values, ref.values) and torch.equal(ids, ref.indices)
+
+
+def test_top_candidates_probs_and_entropy_match_softmax() -> None:
+    # greedy candidates: probabilities and entropy from log_softmax agree with softmax and entropy()
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 49152, generator=g) * 4
+    logits[2] = float("-inf")  # a dead row: no candidates, zero entropy
+    cand = top_candidates(logits, 4)
+    probs = torch.softmax(logits[:2], -1)
+    ref = torch.topk(probs, 4, dim=-1)
+    assert torch.equal(cand.ids[:2], ref.indices)
+    torch.testing.assert_close(cand.probs[:2], ref.values)
+    torch.testing.assert_close(cand.entropy[:2], entropy(probs), rtol=1e-5, atol=1e-5)
+    assert float(cand.probs[2].sum()) == 0.0 and float(cand.entropy[2]) == 0.0
+    some_inf = logits[:1].clone()
+    some_inf[0, :100] = float("-inf")  # tokens the drafter rules out: still a finite entropy
+    assert torch.isfinite(top_candidates(some_inf, 4).entropy).all()

@@ -390,26 +390,31 @@ def test_fused_draft_layers_compute_what_the_hf_layers_do(tiny) -> None:
     tokens = torch.tensor([[p[-1], 5] for p in PROMPTS])  # each root and one child
     positions = torch.tensor([[len(p) - 1, len(p)] for p in PROMPTS])
     mask = torch.tensor([[True, False], [True, True]]).expand(3, 2, 2)
+    committed = [(layer.keys.clone(), layer.values.clone()) for layer in engine.cache.layers]
     outs = []
     for backend, shift in ((fused, 0), (hf, 0), (fused, 3)):
         backend.reset(reqs)
+        assert all(backend._kv._lent)  # the draft writes into the engine's free cache slots
         outs.append(backend.forward(tokens, positions + shift, mask))
         backend.release()
+    for layer, (k, v) in zip(engine.cache.layers, committed):  # and never into its committed ones
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v) and layer.store.used == k.shape[2]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     assert not torch.allclose(outs[2], outs[0], atol=1e-2)
 
 
 def test_fused_norm_and_rotary_equal_the_references() -> None:
-    # the draft's RMSNorm (a layer norm of [x, -x]) and rotary (roll, sign folded into sin)
-    # against torch's RMSNorm and Hugging Face's rotate-half form; and they can fail
+    # the draft's RMSNorm (x / ||x|| times the scaled weight, no epsilon) and rotary (roll, sign
+    # folded into sin) against torch's RMSNorm and Hugging Face's rotate-half form; and they can fail
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from dyntree.common.fused_draft import doubled, hf_rope, rms_norm
+    from dyntree.common.fused_draft import hf_rope, norm_weight, rms_norm
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 3, 64, generator=g) * 3, torch.rand(64, generator=g) + 0.5
-    torch.testing.assert_close(rms_norm(x, doubled(w), 1e-6), nn.functional.rms_norm(x, (64,), w, 1e-6))
-    assert not torch.allclose(rms_norm(x, doubled(w), 1e-6), nn.functional.layer_norm(x, (64,), w, None, 1e-6))
+    torch.testing.assert_close(rms_norm(x, norm_weight(w)), nn.functional.rms_norm(x, (64,), w, 1e-6))
+    assert not torch.allclose(rms_norm(x, norm_weight(w)), nn.functional.layer_norm(x, (64,), w, None, 1e-6))
+    assert not torch.allclose(rms_norm(x, w), nn.functional.rms_norm(x, (64,), w, 1e-6))  # the weight is scaled
     q, k = torch.randn(2, 4, 3, 16, generator=g), torch.randn(2, 2, 3, 16, generator=g)
     angles = torch.rand(2, 3, 8, generator=g) * 6
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
@@ -422,12 +427,19 @@ def test_fused_norm_and_rotary_equal_the_references() -> None:
 
 def test_scratch_kv_copy_once_equals_concatenating_every_call() -> None:
     # a step's forwards against one prefix: the buffered cache (prefix copied once, room grown
-    # past its first 16 slots) returns exactly what per-call concatenation returns
+    # past its first 16 slots) and one writing into a lent buffer (the prefix's own, 6 free slots:
+    # it moves to a copy at the third call) return exactly what per-call concatenation returns,
+    # and the lent buffer's prefix slots are never written
     from dyntree.common.fused_draft import ScratchKV
+    from dyntree.common.kv_store import KVStore
 
     g = torch.Generator().manual_seed(0)
-    prefix = [(torch.randn(2, 3, 20, 8, generator=g), torch.randn(2, 3, 20, 8, generator=g)) for _ in range(2)]
-    caches = ScratchKV(2), ScratchKV(2, copy_budget=0)
+    lent = [KVStore(torch.randn(2, 3, 26, 8, generator=g), torch.randn(2, 3, 26, 8, generator=g), 20) for _ in range(2)]
+    prefix = [(s.keys[:, :, :20], s.values[:, :, :20]) for s in lent]
+    before = [(k.clone(), v.clone()) for k, v in prefix]
+    caches = ScratchKV(2), ScratchKV(2, copy_budget=0), ScratchKV(2)
+    for i, store in enumerate(lent):
+        caches[2].lend(i, store, 20)
     for width in (1, 4, 10, 7):
         new = [(torch.randn(2, 3, width, 8, generator=g), torch.randn(2, 3, width, 8, generator=g)) for _ in range(2)]
         outs = []
@@ -435,8 +447,14 @@ def test_scratch_kv_copy_once_equals_concatenating_every_call() -> None:
             cache.prefix = list(prefix)
             outs.append([cache.update(k, v, i) for i, (k, v) in enumerate(new)])
             cache.prefix = [None, None]
-        for (k0, v0), (k1, v1) in zip(*outs):
-            assert torch.equal(k0, k1) and torch.equal(v0, v1)
+        for other in outs[1:]:
+            for (k0, v0), (k1, v1) in zip(outs[0], other):
+                assert torch.equal(k0, k1) and torch.equal(v0, v1)
+        if width == 4:  # 5 draft slots: still in the lent buffers
+            assert all(o[0].data_ptr() == s.keys.data_ptr() for o, s in zip(outs[2], lent))
+    assert all(o[0].data_ptr() != s.keys.data_ptr() for o, s in zip(outs[2], lent))  # moved to a copy
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(prefix, before))
+    assert [s.used for s in lent] == [20, 20]
     assert outs[0][0][0].shape[2] == 20 + 22
     assert caches[0].scratch_bytes == caches[1].scratch_bytes > 0
     for cache in caches:

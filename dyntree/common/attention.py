@@ -131,9 +131,17 @@ class AttentionDispatch:
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
            scaling: float) -> torch.Tensor:
     """``[b, h, q, d]`` attention (additive ``mask`` or none) by the dispatch active in this
-    thread, ``gqa`` without one."""
+    thread, ``gqa`` without one. Under a dispatch, one query row without a mask (a draft chain's
+    forward) always takes ``rows``: unmasked, it beat ``gqa`` at every calibration shape with one
+    query row on a 2-core AVX-512 CPU in fp32 (b=1: 57 vs 79 us at 301 keys, 87 vs 140 at 1024;
+    b=4: 87 vs 155, 265 vs 475), while the calibration times masked calls."""
     dispatch: AttentionDispatch | None = getattr(_ACTIVE, "dispatch", None)
-    name = dispatch.pick(query.shape[0], query.shape[2], key.shape[2]) if dispatch is not None else "gqa"
+    if dispatch is None:
+        name = "gqa"
+    elif mask is None and query.shape[2] == 1:
+        name = "rows"
+    else:
+        name = dispatch.pick(query.shape[0], query.shape[2], key.shape[2])
     return IMPLS[name](query, key, value, mask, scaling)
 
 

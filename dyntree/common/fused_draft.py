@@ -10,10 +10,10 @@ module computes the same layer:
     y = h + down(silu(gate) * up)          with gate, up = split(gate_up(rms_norm(h)))
 
 with the target's projections stacked and quantized as one weight each (the same codes and scales
-as quantizing them one by one: every output row has its own), torch's fused ``rms_norm`` and
+as quantizing them one by one: every output row has its own), :func:`rms_norm` as three ops and
 :func:`~dyntree.common.attention.attend` (grouped-query attention, routed like the engine's). It
-reads the target's norms and rotary, so it is the draft the HF path runs, up to float rounding,
-without the HF path's per-projection copies; :func:`fuse_layers` returns ``None`` (and the caller
+reads the target's norms and rotary, so it is the draft the HF path runs, up to float rounding and
+the norms' epsilon, without the HF path's per-projection copies; :func:`fuse_layers` returns ``None`` (and the caller
 keeps the HF path) for any layer that is not exactly that shape, or whose stacked projections no
 kernel serves. An engine whose layers already hold stacked weights (vLLM's
 ``qkv_proj`` / ``gate_up_proj``) builds the same layers with :func:`fused_layer`.
@@ -37,7 +37,7 @@ from dyntree.common.kv_store import KVStore, append_kv
 from dyntree.common.quant import QSpec, QuantLinear, WeightKernel
 
 __all__ = ["LM_HEAD_SPEC", "FusedLayer", "fused_layer", "fuse_layers", "hf_rope", "run_layers", "attention_mask",
-           "ScratchKV", "Rope", "rms_norm", "doubled"]
+           "ScratchKV", "Rope", "rms_norm", "norm_weight"]
 
 #: The draft's LM head: per-channel int8 (its top-1 barely moves).
 LM_HEAD_SPEC = QSpec(weight_bits=8, group_size=None)
@@ -51,14 +51,12 @@ _MODEL_TYPES = ("llama",)
 @dataclass(frozen=True)
 class FusedLayer:
     """One decoder layer's weights in fused form (the norms' weights as :func:`rms_norm` takes
-    them: ``cat([w, w])``, a 2 x hidden copy of the target's)."""
+    them: :func:`norm_weight`, a scaled copy of the target's)."""
 
-    attn_norm: torch.Tensor  # doubled (see :func:`rms_norm`)
-    attn_eps: float
+    attn_norm: torch.Tensor
     qkv: QuantLinear
     o: QuantLinear
-    mlp_norm: torch.Tensor  # doubled
-    mlp_eps: float
+    mlp_norm: torch.Tensor
     gate_up: QuantLinear
     down: QuantLinear
     heads: int
@@ -97,15 +95,16 @@ def fused_layer(
     spec: QSpec,
     kernel: WeightKernel,
 ) -> FusedLayer | None:
-    """One Llama layer from its weights (``(weight, eps)`` norms, ``(weight, bias)`` projections:
+    """One Llama layer from its weights (``(weight, eps)`` norms, eps unused (see :func:`rms_norm`);
+    ``(weight, bias)`` projections:
     q/k/v stacked in that order, gate/up stacked), quantized as ``spec`` says; ``None`` when
     ``kernel`` does not serve a stacked weight."""
 
     def quantized(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear:
         return QuantLinear.from_weight(weight, bias, spec, kernel=kernel)
 
-    fused = FusedLayer(doubled(attn_norm[0]), attn_norm[1], quantized(*qkv), quantized(*o), doubled(mlp_norm[0]),
-                       mlp_norm[1], quantized(*gate_up), quantized(*down), heads, kv_heads, head_dim, scaling)
+    fused = FusedLayer(norm_weight(attn_norm[0]), quantized(*qkv), quantized(*o), norm_weight(mlp_norm[0]),
+                       quantized(*gate_up), quantized(*down), heads, kv_heads, head_dim, scaling)
     if any(p.kernel is None for p in (fused.qkv, fused.o, fused.gate_up, fused.down)):
         return None
     return fused
@@ -146,20 +145,18 @@ def fuse_layers(layers: Sequence[nn.Module], config: Any, spec: QSpec,
     return fused
 
 
-def doubled(weight: torch.Tensor) -> torch.Tensor:
-    """An RMSNorm weight as :func:`rms_norm` takes it."""
-    return torch.cat([weight, weight]).detach()
+def norm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm weight ``w`` (over ``d`` features) as :func:`rms_norm` takes it: ``w * sqrt(d)``."""
+    return (weight * weight.shape[-1] ** 0.5).detach()
 
 
-def rms_norm(x: torch.Tensor, weight2: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of ``x [..., d]`` with weight ``w`` given as ``weight2 = cat([w, w])``.
-
-    Computed as the first half of a layer norm of ``cat([x, -x])``, whose mean is zero and whose
-    variance is ``mean(x**2)``: the same numbers up to float rounding, and on a CPU about half the
-    time of ``F.rms_norm`` for one token's row (torch's layer norm is one fused kernel; its RMSNorm
-    is a chain of reductions), which a draft forward pays twice per layer."""
-    d = x.shape[-1]
-    return F.layer_norm(torch.cat([x, -x], -1), (2 * d,), weight2, None, eps)[..., :d]
+def rms_norm(x: torch.Tensor, scaled_weight: torch.Tensor) -> torch.Tensor:
+    """RMSNorm of ``x [..., d]`` with weight ``w`` given as :func:`norm_weight` ``(w)``, without the
+    epsilon: ``x / ||x|| * w * sqrt(d)`` (three ops, against a chain of reductions for torch's
+    ``rms_norm``; a draft forward pays two per layer). Leaving out the epsilon changes a row by a
+    relative ``eps / (2 mean(x**2))``: for SmolLM2 (eps 1e-5, the smallest ``mean(x**2)`` of an
+    embedding row 0.0056) at most ~1e-3, and the residual stream only grows from there."""
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True) * scaled_weight
 
 
 def hf_rope(cos: torch.Tensor, sin: torch.Tensor) -> Rope:
@@ -171,7 +168,8 @@ def hf_rope(cos: torch.Tensor, sin: torch.Tensor) -> Rope:
     return lambda x: torch.addcmul(x * cos, x.roll(half, -1), signed)
 
 
-def run_layers(layers: Sequence[FusedLayer], hidden: torch.Tensor, rope: Rope, mask: torch.Tensor, kv: Any) -> torch.Tensor:
+def run_layers(layers: Sequence[FusedLayer], hidden: torch.Tensor, rope: Rope, mask: torch.Tensor | None,
+               kv: Any) -> torch.Tensor:
     """``hidden [b, w, d]`` through ``layers``; ``rope`` rotates queries and keys (``[b, heads, w,
     head_dim]``, rotated together) at this forward's positions, ``mask [b, 1, w, keys]`` is
     additive, ``kv.update(k, v, layer_idx)`` appends this call's keys/values and returns every
@@ -180,7 +178,9 @@ def run_layers(layers: Sequence[FusedLayer], hidden: torch.Tensor, rope: Rope, m
     The residual stream, rotary and attention stay in ``hidden``'s dtype; each projection's input
     is cast once to the kernel's compute dtype and its output is used in that dtype (added to the
     residual or split), which gives the numbers of casting in and out of every call with fewer
-    casts (on a CPU: bf16 for torch's int8/int4 ops)."""
+    casts (on a CPU: bf16 for torch's int8/int4 ops). The MLP's ``silu(gate) * up`` runs in the
+    kernel's dtype (its input to ``down`` is rounded there anyway). ``mask=None`` (every query sees
+    every key) lets attention take its unmasked kernels."""
     if not layers:
         return hidden
     b, w, d = hidden.shape
@@ -189,25 +189,29 @@ def run_layers(layers: Sequence[FusedLayer], hidden: torch.Tensor, rope: Rope, m
     assert kernel is not None
     act = kernel.compute_dtype(dtype)
     for i, f in enumerate(layers):
-        x = rms_norm(hidden, f.attn_norm, f.attn_eps).reshape(b * w, d).to(act)
+        x = rms_norm(hidden, f.attn_norm).reshape(b * w, d).to(act)
         qkv = f.qkv.kernel_forward(x).to(dtype).view(b, w, f.heads + 2 * f.kv_heads, f.head_dim).transpose(1, 2)
         q, k = rope(qkv[:, : f.heads + f.kv_heads]).split([f.heads, f.kv_heads], dim=1)
         keys, values = kv.update(k, qkv[:, f.heads + f.kv_heads :], i)
         att = attend(q, keys, values, mask, f.scaling).transpose(1, 2).reshape(b * w, f.heads * f.head_dim)
         hidden = hidden + f.o.kernel_forward(att.to(act)).view(b, w, d)
-        x = rms_norm(hidden, f.mlp_norm, f.mlp_eps).reshape(b * w, d).to(act)
+        x = rms_norm(hidden, f.mlp_norm).reshape(b * w, d).to(act)
         gate, up = f.gate_up.kernel_forward(x).chunk(2, dim=-1)
         hidden = hidden + f.down.kernel_forward((F.silu(gate.to(dtype)) * up).to(act)).view(b, w, d)
     return hidden
 
 
-def attention_mask(kv_lens: torch.Tensor, prefix_len: int, scratch_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def attention_mask(kv_lens: torch.Tensor, prefix_len: int, scratch_mask: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor | None:
     """``[B, 1, W, prefix_len + S + W]`` additive mask of a draft forward: query ``(b, w)`` sees the
     first ``kv_lens[b]`` of the ``prefix_len`` prefix columns (its committed KV) and the scratch
-    slots ``scratch_mask [B, W, S + W]`` allows."""
+    slots ``scratch_mask [B, W, S + W]`` allows; ``None`` when it would hide nothing (a chain's
+    forward at batch 1, or rows of one length)."""
     b, w, _ = scratch_mask.shape
     see_prefix = (torch.arange(prefix_len)[None, :] < kv_lens[:, None])[:, None, :].expand(b, w, prefix_len)
     allowed = torch.cat([see_prefix, scratch_mask], dim=-1)
+    if bool(allowed.all()):
+        return None
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
@@ -231,11 +235,26 @@ class ScratchKV:
         self.scratch: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         self.copy_budget = copy_budget
         self._buffers: list[tuple[KVStore, int] | None] = [None] * n_layers  # storage, prefix length
+        self._lent = [False] * n_layers  # the layer's storage is the engine's (not a copy)
         self.peak_transient_bytes = 0  # the most prefix-copy bytes held at once
+
+    def lend(self, layer_idx: int, store: KVStore, length: int) -> None:
+        """This step, the layer's draft tokens' KV may go into ``store``'s slots from ``length`` on,
+        after its first ``length`` slots, which must be the layer's prefix (an engine lends the free
+        slots of its own cache buffer, which its next forward overwrites): no prefix copy. When the
+        draft outgrows the free slots, the layer moves to a copy of its own, as without a loan."""
+        self._buffers[layer_idx] = (KVStore(store.keys, store.values, length), length)
+        self._lent[layer_idx] = True
+
+    @property
+    def needs_prefix(self) -> bool:
+        """Whether some layer still reads its prefix from :attr:`prefix` (neither lent nor copied)."""
+        return any(b is None for b in self._buffers)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
         pre = self.prefix[layer_idx]
-        if pre is not None and 2 * pre[0].numel() * pre[0].element_size() * len(self.prefix) <= self.copy_budget:
+        if self._buffers[layer_idx] is not None or (
+                pre is not None and 2 * pre[0].numel() * pre[0].element_size() * len(self.prefix) <= self.copy_budget):
             return self._buffered(layer_idx, pre, key, value)
         old = self.scratch[layer_idx]
         self.scratch[layer_idx] = (key, value) if old is None else (torch.cat([old[0], key], 2), torch.cat([old[1], value], 2))
@@ -246,22 +265,31 @@ class ScratchKV:
         self.peak_transient_bytes = max(self.peak_transient_bytes, 2 * full_k.numel() * full_k.element_size())
         return full_k, full_v
 
-    def _buffered(self, layer_idx: int, pre: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor,
+    def _buffered(self, layer_idx: int, pre: tuple[torch.Tensor, torch.Tensor] | None, key: torch.Tensor,
                   value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``key``/``value`` after the layer's prefix copy and earlier draft tokens; returns
-        views of everything written so far. The first call of a step copies the prefix; a call
-        that does not fit the room left moves the buffer to one with twice the draft slots."""
+        """Write ``key``/``value`` after the layer's prefix (lent, or copied) and earlier draft
+        tokens; returns views of everything written so far. The first call of a step copies the
+        prefix unless it was lent; a call that does not fit the room left moves the buffer to one
+        with twice the draft slots."""
         entry = self._buffers[layer_idx]
         if entry is None:
+            assert pre is not None
             keys, values, store, length = pre[0], pre[1], None, pre[0].shape[2]
         else:
             store, length = entry
-            keys, values = store.keys[:, :, : store.used], store.values[:, :, : store.used]
+            n, t = store.used, key.shape[2]
+            if n + t <= store.keys.shape[2]:  # room left (this object's own count): write in place
+                store.keys.narrow(2, n, t).copy_(key)
+                store.values.narrow(2, n, t).copy_(value)
+                store.used = n + t
+                return store.keys.narrow(2, 0, n + t), store.values.narrow(2, 0, n + t)
+            keys, values = store.keys.narrow(2, 0, n), store.values.narrow(2, 0, n)
         drafted = keys.shape[2] - length + key.shape[2]
         k, v, new = append_kv(keys, values, key, value, store, max(16, 2 * drafted) - drafted)
         self._buffers[layer_idx] = (new, length)
         if new is not store:
-            held = sum(b[0].nbytes for b in self._buffers if b is not None)
+            self._lent[layer_idx] = False
+            held = sum(b[0].nbytes for b, lent in zip(self._buffers, self._lent) if b is not None and not lent)
             self.peak_transient_bytes = max(self.peak_transient_bytes, held)
         return k, v
 

@@ -127,7 +127,8 @@ class StackedSelfDraft(ABC):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, scratch_mask: torch.Tensor) -> torch.Tensor:
         device = self.embed.device
         length = int(self._kv_lens.max()) if self._kv_lens.numel() else 0
-        mask = attention_mask(self._kv_lens, length, scratch_mask, self.dtype).to(device)
+        mask = attention_mask(self._kv_lens, length, scratch_mask, self.dtype)
+        mask = None if mask is None else mask.to(device)
         tokens, positions = tokens.to(device), positions.to(device)
         table = self.rope.cos_sin_cache
         cos, sin = table[positions.to(table.device)].to(device=device, dtype=self.dtype).chunk(2, dim=-1)

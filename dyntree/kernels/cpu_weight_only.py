@@ -82,11 +82,13 @@ class CpuWeightOnly:
     def matmul(self, x: torch.Tensor, prepared: CpuPacked) -> torch.Tensor | None:
         if x.device.type != "cpu" or x.dim() != 2:
             return None
-        xb = x.to(torch.bfloat16).contiguous()
+        # a fused draft passes bf16 rows already: no casts then (each is a dispatcher call)
+        xb = x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
         if prepared.bits == 8:
-            y = torch.ops.aten._weight_int8pack_mm(xb, prepared.weight, prepared.scales).to(x.dtype)
+            y = torch.ops.aten._weight_int8pack_mm(xb, prepared.weight, prepared.scales)
+            y = y if y.dtype == x.dtype else y.to(x.dtype)
             if prepared.offset is not None:
                 y = y + x.float().sum(-1, keepdim=True).to(x.dtype) * prepared.offset.to(x.dtype)
             return y
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, prepared.weight, prepared.group_size,
-                                                          prepared.scales).to(x.dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, prepared.weight, prepared.group_size, prepared.scales)
+        return y if y.dtype == x.dtype else y.to(x.dtype)

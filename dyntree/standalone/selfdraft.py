@@ -25,7 +25,8 @@ from torch import nn
 
 from dyntree.common.drafter import DraftRequest
 from dyntree.common.drafters.qspec import build_draft_layers, kept_layers
-from dyntree.common.fused_draft import LM_HEAD_SPEC, ScratchKV, attention_mask, fuse_layers, hf_rope, run_layers
+from dyntree.common.fused_draft import (LM_HEAD_SPEC, ScratchKV, attention_mask, fuse_layers, hf_rope, norm_weight,
+                                         rms_norm, run_layers)
 from dyntree.common.quant import QSpec, QSpecError, QuantLinear
 from dyntree.kernels.cpu_weight_only import CpuWeightOnly
 from dyntree.kernels.w4a16 import W4A16Kernel
@@ -70,6 +71,7 @@ class HFSelfDraft:
         self.decoder.config = copy.copy(decoder.config)
         self.decoder.config.num_hidden_layers = len(draft_layers)
         if self.fused is not None:
+            self._norm = norm_weight(decoder.norm.weight)  # the final norm, as the fused layers take it
             self.quant_layers = [m for f in self.fused for m in (f.qkv, f.o, f.gate_up, f.down)]
             head = QuantLinear.from_linear(self.lm_head, LM_HEAD_SPEC, kernel=kernel)
             if head.kernel is not None:  # the fast path reads an int8 copy of the LM head as well
@@ -104,6 +106,7 @@ class HFSelfDraft:
         self._rows = rows
         self._kv_lens = torch.tensor([r.kv_len for r in requests])
         self._kv = ScratchKV(len(self.decoder.layers))
+        self._lend(max((r.kv_len for r in requests), default=0))
 
     def release(self) -> None:
         self._kv = ScratchKV(len(self.decoder.layers))
@@ -111,15 +114,20 @@ class HFSelfDraft:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, scratch_mask: torch.Tensor) -> torch.Tensor:
         prefix_len = int(self._kv_lens.max()) if self._kv_lens.numel() else 0
         mask = attention_mask(self._kv_lens, prefix_len, scratch_mask, self.dtype)
-        self._kv.prefix = self._prefix(prefix_len)
+        if self._kv.needs_prefix or self.fused is None:  # the HF path counts the prefix's length
+            self._kv.prefix = self._prefix(prefix_len)
         try:
             with torch.inference_mode():
-                tokens, positions, mask = tokens.to(self.device), positions.to(self.device), mask.to(self.device)
+                tokens, positions = tokens.to(self.device), positions.to(self.device)
+                mask = None if mask is None else mask.to(self.device)
                 if self.fused is not None:
                     hidden = self.decoder.embed_tokens(tokens)
                     cos, sin = self.decoder.rotary_emb(hidden, positions)
-                    hidden = self.decoder.norm(run_layers(self.fused, hidden, hf_rope(cos, sin), mask, self._kv))
+                    hidden = rms_norm(run_layers(self.fused, hidden, hf_rope(cos, sin), mask, self._kv), self._norm)
                 else:
+                    if mask is None:  # the decoder's own default would be causal
+                        mask = torch.zeros(tokens.shape[0], 1, tokens.shape[1], self._kv.get_seq_length() + tokens.shape[1],
+                                           dtype=self.dtype, device=self.device)
                     hidden = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask,
                                           past_key_values=self._kv, use_cache=True).last_hidden_state
                 logits = self.lm_head(hidden)
@@ -128,6 +136,21 @@ class HFSelfDraft:
         self.last_scratch_bytes = self._kv.scratch_bytes
         self.last_transient_bytes = self._kv.peak_transient_bytes
         return logits
+
+    def _lend(self, prefix_len: int) -> None:
+        """Let the draft write its tokens' KV into the free slots after each layer's committed
+        prefix in the engine's own cache buffers (slots the verify forward overwrites), instead of
+        copying the prefix once per step: when the requests are the cache's rows in order and
+        every row is ``prefix_len`` long or padded to it."""
+        if self._rows != list(range(len(self._rows))) or prefix_len == 0:
+            return
+        layers = getattr(self.engine.cache, "layers", [])
+        for i in range(min(len(self.decoder.layers), len(layers))):
+            layer = layers[i]
+            store = getattr(layer, "store", None)
+            if (store is not None and layer.keys.dim() == 4 and layer.keys.shape[0] == len(self._rows)
+                    and layer.keys.shape[2] == prefix_len and store.holds(layer.keys, layer.values)):
+                self._kv.lend(i, store, prefix_len)
 
     def _prefix(self, prefix_len: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Per draft layer, the target's keys/values for the requests' rows, sliced to the
