@@ -16,8 +16,11 @@ draft computes exactly what the target computes.
 
 Step: a call to :meth:`QSpecDrafter.expand` whose partial trees hold only their roots starts a
 step (the backend drops its scratch); each call forwards one depth's frontier of every request in
-one batched draft forward. Own trees (``SpecConfig.tree`` unset) are the builder's ``beam`` shape
-with ``width``/``topk`` 4.
+one batched draft forward. Own trees (``SpecConfig.tree`` unset) are the builder's ``beam`` shape,
+its width spread over the depths of the budget (``ceil(max_nodes / max_depth)``, ``topk`` = width),
+so a chain budget drafts a chain. A fixed width of 4 (the default until this change) filled a
+chain budget of 8 at depth 2: 13 raw Spec-Bench prompts x 64 tokens on a 2-core AVX-512 CPU,
+adaptive, tau 5.12 and 1.17x plain with width 4, 6.69 and 1.32x spread.
 """
 
 from __future__ import annotations
@@ -122,8 +125,8 @@ class QSpecDrafter(Drafter):
     name = "qspec"
     needs_self_draft = True
 
-    def __init__(self, spec: QSpec, topk: int = 4, width: int = 4) -> None:
-        if topk < 1 or width < 1:
+    def __init__(self, spec: QSpec, topk: int | None = None, width: int | None = None) -> None:
+        if (topk is not None and topk < 1) or (width is not None and width < 1):
             raise ValueError(f"qspec: topk and width must be >= 1, got topk={topk}, width={width}")
         self.spec = spec
         self.beam_width, self.beam_topk = width, topk
