@@ -15,6 +15,7 @@ from dyntree.common import attention
 from dyntree.common.attention import IMPLS, AttentionDispatch, attend
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafters import make_drafter
+from dyntree.standalone import attention as engine_attention
 from dyntree.standalone.engine import SpecEngine
 
 
@@ -80,6 +81,10 @@ def test_attend_follows_the_active_dispatch_only(monkeypatch: pytest.MonkeyPatch
         attend(q, k, v, mask, 0.25)
     attend(q, k, v, mask, 0.25)
     assert calls == ["gqa", "matmul", "gqa"]
+    with d.active():  # one query row without a mask: always the stacked-rows form
+        attend(q[:, :, :1], k, v, None, 0.25)
+        attend(q, k, v, None, 0.25)  # several rows without a mask: the calibrated pick
+    assert calls[3:] == ["rows", "matmul"]
 
 
 def test_calibration_is_cached_per_shape_and_grid(tmp_path) -> None:
@@ -100,9 +105,11 @@ def test_calibration_is_cached_per_shape_and_grid(tmp_path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(IMPLS))
-def test_engine_with_each_attention_equals_transformers_generate(smol, smol_prompts, name: str) -> None:
-    """Plain decoding (batch 1) and n-gram trees (batch 2) with every attention forced equal
-    transformers' own greedy ``generate()`` (sdpa) in fp32; the model's attention is restored."""
+def test_engine_with_each_attention_equals_transformers_generate(smol, smol_prompts, name: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain decoding (batch 1, one-token forwards unmasked) and n-gram trees (batch 2) with every
+    attention forced equal transformers' own greedy ``generate()`` (sdpa) in fp32; the model's
+    attention is restored."""
     model, tok = smol
     prompts, new = smol_prompts[:4], 24
     params = SamplingParams(max_new_tokens=new)
@@ -115,6 +122,10 @@ def test_engine_with_each_attention_equals_transformers_generate(smol, smol_prom
                                  eos_token_id=eos, pad_token_id=eos[0])
             want.append(out[0, len(p):].tolist())
     forced = AttentionDispatch({(1, q, 64): {n: (1.0 if n == name else 9.0) for n in IMPLS} for q in (1, 64)})
+    unmasked: list[int] = []  # query rows of the calls without a mask
+    real = engine_attention.attend
+    monkeypatch.setattr(engine_attention, "attend",
+                        lambda q, k, v, m, s: (m is None and unmasked.append(q.shape[2])) or real(q, k, v, m, s))
     for drafter, spec, batch in (("none", SpecConfig(drafter="none"), 1), ("ngram", SpecConfig(max_nodes=8), 2)):
         engine = SpecEngine(model, tok, make_drafter(drafter), spec)
         engine.attention = forced
@@ -123,3 +134,6 @@ def test_engine_with_each_attention_equals_transformers_generate(smol, smol_prom
             got += [o.token_ids for o in engine.generate(prompts[i:i + batch], params)]
         assert got == want, f"{name}, {drafter}: differs from transformers generate()"
         assert model.config._attn_implementation == "sdpa"
+        if drafter == "none":  # plain decoding at batch 1 attends unmasked, one row at a time
+            assert len(unmasked) == model.config.num_hidden_layers * sum(len(w) - 1 for w in want)
+            assert set(unmasked) == {1}

@@ -2,9 +2,10 @@
 model to it.
 
 ``"dyntree"`` runs :func:`dyntree.common.attention.attend` (the calibrated choice among three
-K/V-copy-free implementations; see that module) on the additive 4-D masks the engine passes;
-anything it does not handle (soft-capping, sliding windows, attention sinks, dropout, no mask)
-goes to transformers' own ``sdpa``. ``"dyntree_grouped"`` is always the two-matmul form, which
+K/V-copy-free implementations; see that module) on the additive 4-D masks the engine passes, and
+unmasked on one-token forwards the engine passes no mask for (its mask function then builds none:
+every row sees its whole cache); anything it does not handle (soft-capping, sliding windows,
+attention sinks, dropout, no mask for several tokens) goes to transformers' own ``sdpa``. ``"dyntree_grouped"`` is always the two-matmul form, which
 distillation-data generation uses for its batched greedy decoding.
 """
 
@@ -31,7 +32,8 @@ _UNHANDLED = ("softcap", "sliding_window", "s_aux")
 def _engine_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
-    plain = (attention_mask is not None and attention_mask.dtype != torch.bool and dropout == 0.0
+    masked = attention_mask is not None and attention_mask.dtype != torch.bool
+    plain = ((masked or (attention_mask is None and query.shape[2] == 1)) and dropout == 0.0
              and scaling is not None and not any(kwargs.get(k) is not None for k in _UNHANDLED))
     if not plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
@@ -48,8 +50,17 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     return grouped_matmul(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
 
 
+def _engine_mask(*args: Any, q_length: int, attention_mask: torch.Tensor | None = None,
+                 **kwargs: Any) -> torch.Tensor | None:
+    """transformers' eager 4-D mask, except none for one query token without a padding mask (the
+    engine passes ``attention_mask=None`` only for a token that sees its whole cache row)."""
+    if q_length == 1 and attention_mask is None:
+        return None
+    return eager_mask(*args, q_length=q_length, attention_mask=attention_mask, **kwargs)
+
+
 AttentionInterface.register(ENGINE, _engine_attention)
-AttentionMaskInterface.register(ENGINE, eager_mask)
+AttentionMaskInterface.register(ENGINE, _engine_mask)
 AttentionInterface.register(GROUPED, grouped_attention)
 AttentionMaskInterface.register(GROUPED, eager_mask)
 

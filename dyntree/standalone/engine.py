@@ -309,8 +309,10 @@ class SpecEngine:
             if on_commit is not None:
                 on_commit(req.out.request_id, req.out.token_ids[before:])
 
-    def _tree_mask(self, batch: TreeBatch, kv_lens: torch.Tensor, prefix: int) -> torch.Tensor:
-        """``[B, 1, T, prefix + T]`` additive mask: committed prefix + ancestors (or causal)."""
+    def _tree_mask(self, batch: TreeBatch, kv_lens: torch.Tensor, prefix: int) -> torch.Tensor | None:
+        """``[B, 1, T, prefix + T]`` additive mask: committed prefix + ancestors (or causal);
+        ``None`` for a one-token forward that hides nothing (plain decoding at batch 1, or of rows
+        of one length), which the engine's attention runs unmasked."""
         b, t = batch.tokens.shape
         see_prefix = (torch.arange(prefix)[None, :] < kv_lens[:, None])[:, None, :].expand(b, t, prefix)
         if "mask" in self.ablate:  # control: plain causal attention over the flattened tree
@@ -319,6 +321,8 @@ class SpecEngine:
         else:
             see_tree = batch.mask
         allowed = torch.cat([see_prefix & batch.valid[:, :, None], see_tree], dim=-1)
+        if t == 1 and self.attention is not None and bool(allowed.all()):
+            return None
         return self._additive(allowed)
 
     def _compact(self, batch: DraftBatch, result: AcceptResult, prefix: int) -> None:
@@ -429,11 +433,14 @@ class SpecEngine:
                 return
 
     # -- helpers -------------------------------------------------------------------------------
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                 cache: DynamicCache) -> torch.Tensor:
+        """The decoder over ``tokens``; ``mask`` ``None`` only for one token per row that sees its
+        whole row of the cache (the engine's attention scope then skips the mask)."""
         out = self.decoder(
             input_ids=tokens.to(self.device),
             position_ids=positions.to(self.device),
-            attention_mask=mask.to(self.device),
+            attention_mask=None if mask is None else mask.to(self.device),
             past_key_values=cache,
             use_cache=True,
         )
