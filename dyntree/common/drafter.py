@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from dyntree.common.config import SamplingParams
     from dyntree.common.quant import WeightKernel
 
-__all__ = ["DraftRequest", "Candidates", "top_candidates", "topk_rows", "Drafter", "NoDrafter", "TargetInfo", "SelfDraftBackend"]
+__all__ = ["DraftRequest", "Candidates", "top_candidates", "topk_rows", "Drafter", "NoDrafter", "TargetInfo",
+           "SelfDraftBackend"]
 
 
 @dataclass(frozen=True)

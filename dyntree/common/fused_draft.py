@@ -12,9 +12,9 @@ module computes the same layer:
 with the target's projections stacked and quantized as one weight each (the same codes and scales
 as quantizing them one by one: every output row has its own), :func:`rms_norm` as three ops and
 :func:`~dyntree.common.attention.attend` (grouped-query attention, routed like the engine's). It
-reads the target's norms and rotary, so it is the draft the HF path runs, up to float rounding and
-the norms' epsilon, without the HF path's per-projection copies; :func:`fuse_layers` returns ``None`` (and the caller
-keeps the HF path) for any layer that is not exactly that shape, or whose stacked projections no
+reads the target's norms and rotary, so it is the draft the HF path runs, up to float rounding
+and the norms' epsilon, without the HF path's per-projection copies; :func:`fuse_layers` returns
+``None`` (and the caller keeps the HF path) for any layer that is not exactly that shape, or whose stacked projections no
 kernel serves. An engine whose layers already hold stacked weights (vLLM's
 ``qkv_proj`` / ``gate_up_proj``) builds the same layers with :func:`fused_layer`.
 
@@ -178,9 +178,8 @@ def run_layers(layers: Sequence[FusedLayer], hidden: torch.Tensor, rope: Rope, m
     The residual stream, rotary and attention stay in ``hidden``'s dtype; each projection's input
     is cast once to the kernel's compute dtype and its output is used in that dtype (added to the
     residual or split), which gives the numbers of casting in and out of every call with fewer
-    casts (on a CPU: bf16 for torch's int8/int4 ops). The MLP's ``silu(gate) * up`` runs in the
-    kernel's dtype (its input to ``down`` is rounded there anyway). ``mask=None`` (every query sees
-    every key) lets attention take its unmasked kernels."""
+    casts (on a CPU: bf16 for torch's int8/int4 ops). ``mask=None`` (every query sees every key)
+    lets attention take its unmasked kernels."""
     if not layers:
         return hidden
     b, w, d = hidden.shape
@@ -225,7 +224,8 @@ class ScratchKV:
     a buffer with room for the draft tokens, and later calls only write their own keys into it
     (a draft step runs several forwards against the same prefix). Past the budget (long contexts,
     large batches) nothing is kept: every call concatenates the layer's prefix with its scratch for
-    the duration of the call, so the draft never holds a second full cache."""
+    the duration of the call, so the draft never holds a second full cache. An engine whose cache
+    buffer has free slots after a layer's prefix lends them (:meth:`lend`): no copy at all."""
 
     #: Bytes of prefix copies a step may hold (SmolLM2, fp32: ~46 KB per cached token and request).
     COPY_BUDGET = 256 << 20

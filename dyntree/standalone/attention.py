@@ -5,8 +5,9 @@ model to it.
 K/V-copy-free implementations; see that module) on the additive 4-D masks the engine passes, and
 unmasked on one-token forwards the engine passes no mask for (its mask function then builds none:
 every row sees its whole cache); anything it does not handle (soft-capping, sliding windows,
-attention sinks, dropout, no mask for several tokens) goes to transformers' own ``sdpa``. ``"dyntree_grouped"`` is always the two-matmul form, which
-distillation-data generation uses for its batched greedy decoding.
+attention sinks, dropout, no mask for several tokens) goes to transformers' own ``sdpa``.
+``"dyntree_grouped"`` is always the two-matmul form, which distillation-data generation uses for
+its batched greedy decoding.
 """
 
 from __future__ import annotations

@@ -8,9 +8,11 @@ with quantization off it computes exactly what the target computes. Where a weig
 the quantized layers (torch's int8/int4 ops on CPU, the W4A16 Triton kernel on CUDA) and the
 layers are Llama's, the same layers run fused instead (:mod:`dyntree.common.fused_draft`)
 and the draft reads an int8 copy of the LM head: on a 2-core AVX-512 CPU in fp32, SmolLM2's draft
-forward of one token costs ~30 ms against ~56 ms for a target forward, two thirds of it the
+forward of one token costs ~25 ms against ~51 ms for a target forward, about half of it the
 low-bit matmuls. KV: the draft reads the engine's committed prefix KV (its cache rows, read-only)
-and keeps its draft tokens' KV in a scratch cache for one step
+and writes its draft tokens' KV into the free slots after that prefix in the engine's own cache
+buffers, which the verify forward overwrites (:meth:`~dyntree.common.fused_draft.ScratchKV.lend`);
+where the requests are not the cache's rows in order, a scratch cache for one step
 (:class:`~dyntree.common.fused_draft.ScratchKV`: the prefix copied once per step while that fits
 its budget, else concatenated per layer call, never a second full cache).
 """
@@ -126,8 +128,9 @@ class HFSelfDraft:
                     hidden = rms_norm(run_layers(self.fused, hidden, hf_rope(cos, sin), mask, self._kv), self._norm)
                 else:
                     if mask is None:  # the decoder's own default would be causal
-                        mask = torch.zeros(tokens.shape[0], 1, tokens.shape[1], self._kv.get_seq_length() + tokens.shape[1],
-                                           dtype=self.dtype, device=self.device)
+                        keys = self._kv.get_seq_length() + tokens.shape[1]
+                        mask = torch.zeros(*tokens.shape[:1], 1, tokens.shape[1], keys, dtype=self.dtype,
+                                           device=self.device)
                     hidden = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask,
                                           past_key_values=self._kv, use_cache=True).last_hidden_state
                 logits = self.lm_head(hidden)
