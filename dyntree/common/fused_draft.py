@@ -65,10 +65,11 @@ class FusedLayer:
     scaling: float
 
 
-def _norm(module: nn.Module) -> tuple[torch.Tensor, float] | None:
+def _norm(module: nn.Module) -> torch.Tensor | None:
+    """An RMSNorm module's weight (``None`` for any other module)."""
     weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
     if type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and isinstance(eps, float):
-        return weight, eps
+        return weight
     return None
 
 
@@ -82,10 +83,10 @@ def _stacked(parts: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | N
 
 
 def fused_layer(
-    attn_norm: tuple[torch.Tensor, float],
+    attn_norm: torch.Tensor,
     qkv: tuple[torch.Tensor, torch.Tensor | None],
     o: tuple[torch.Tensor, torch.Tensor | None],
-    mlp_norm: tuple[torch.Tensor, float],
+    mlp_norm: torch.Tensor,
     gate_up: tuple[torch.Tensor, torch.Tensor | None],
     down: tuple[torch.Tensor, torch.Tensor | None],
     heads: int,
@@ -95,15 +96,15 @@ def fused_layer(
     spec: QSpec,
     kernel: WeightKernel,
 ) -> FusedLayer | None:
-    """One Llama layer from its weights (``(weight, eps)`` norms, eps unused (see :func:`rms_norm`);
-    ``(weight, bias)`` projections:
-    q/k/v stacked in that order, gate/up stacked), quantized as ``spec`` says; ``None`` when
+    """One Llama layer from its weights (the RMSNorms' weights, their epsilon left out (see
+    :func:`rms_norm`); ``(weight, bias)`` projections: q/k/v stacked in that order, gate/up
+    stacked), quantized as ``spec`` says; ``None`` when
     ``kernel`` does not serve a stacked weight."""
 
     def quantized(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear:
         return QuantLinear.from_weight(weight, bias, spec, kernel=kernel)
 
-    fused = FusedLayer(norm_weight(attn_norm[0]), quantized(*qkv), quantized(*o), norm_weight(mlp_norm[0]),
+    fused = FusedLayer(norm_weight(attn_norm), quantized(*qkv), quantized(*o), norm_weight(mlp_norm),
                        quantized(*gate_up), quantized(*down), heads, kv_heads, head_dim, scaling)
     if any(p.kernel is None for p in (fused.qkv, fused.o, fused.gate_up, fused.down)):
         return None
@@ -114,7 +115,7 @@ def _fuse(layer: nn.Module, config: Any, spec: QSpec, kernel: WeightKernel) -> F
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     norms = _norm(getattr(layer, "input_layernorm", None)), _norm(getattr(layer, "post_attention_layernorm", None))
     names = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
-    if attn is None or mlp is None or None in norms or any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
+    if attn is None or mlp is None or any(n is None for n in norms) or any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
         return None
     proj = [getattr(attn, n, None) for n in names[0]] + [getattr(mlp, n, None) for n in names[1]]
     if not all(isinstance(p, nn.Linear) for p in proj):

@@ -94,7 +94,7 @@ class StackedSelfDraft(ABC):
         if (window is not None and window > 0) or getattr(attn, "q_norm", None) is not None:
             raise QSpecError(f"qspec inside {self.engine}: layer {index} uses a sliding window or q/k norms, which the "
                              "draft does not run")
-        norms = [(n.weight, float(n.variance_epsilon)) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms = [n.weight for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         weights = [(dense(p), getattr(p, "bias", None)) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         fused = fused_layer(norms[0], weights[0], weights[1], norms[1], weights[2], weights[3], int(attn.num_heads),
                             int(attn.num_kv_heads), int(attn.head_dim), float(attn.scaling), spec, kernel)
