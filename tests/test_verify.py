@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dyntree.common.tree import DraftTree
-from dyntree.common.verify import greedy_verify
+from dyntree.common.verify import argmax_rows, greedy_verify
 
 
 def _tree(tokens, parents):
@@ -26,6 +26,34 @@ def test_picks_the_matching_branch_not_the_first() -> None:
     assert res.accepted_nodes == [0, 2, 4]
     assert res.tokens == [11, 13, 42]
     assert res.accepted_drafts == 2
+
+
+def test_argmax_rows_is_torch_argmax_exactly() -> None:
+    """The blocked argmax gives torch's first maximum, ties within and across blocks included."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4096, generator=g)
+    x[1, [700, 3000, 3001]] = 50.0  # a tie across blocks: the earlier block's column wins
+    x[2, [1030, 1025]] = 50.0  # a tie inside one block: the lower column wins
+    x[3] = 0.0  # every column ties
+    x[4, :] = float("-inf")
+    x[4, 4095] = -1e30  # the last column of the last block
+    x[5, 0] = float("inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        y = x.to(dtype)
+        assert torch.equal(argmax_rows(y), y.argmax(-1)), dtype
+    assert argmax_rows(x).tolist()[1:4] == [700, 1025, 0]
+    coarse = torch.randint(0, 3, (5, 49152), generator=g).float()  # many ties in many blocks
+    assert torch.equal(argmax_rows(coarse), coarse.argmax(-1))
+
+
+def test_argmax_rows_falls_back_where_blocks_do_not_fit() -> None:
+    g = torch.Generator().manual_seed(1)
+    nan = torch.randn(3, 2048, generator=g)
+    nan[1, 1500] = float("nan")  # torch's argmax points at a NaN
+    odd = torch.randn(3, 1000, generator=g)  # no block size divides 1000
+    for x in (nan, odd):
+        assert torch.equal(argmax_rows(x), x.argmax(-1))
+    assert int(argmax_rows(nan)[1]) == 1500
 
 
 def test_no_match_gives_the_bonus_only() -> None:

@@ -47,7 +47,7 @@ import threading
 import time
 import types
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import ContextManager, Iterator, Mapping, Sequence
 
@@ -207,6 +207,12 @@ class LinearDispatch:
     def active(self) -> ContextManager[None]:
         """Within this block (this thread), :func:`linear` uses this routing."""
         return thread_scope(_ACTIVE, self)
+
+    def rows_scope(self, m: int) -> ContextManager[None]:
+        """A block whose products all have ``m`` rows: where ``m`` rows take ``F.linear`` anyway,
+        no routing inside it (each routed call's Python costs a few us, and a plain decoding step
+        makes ~210 of them); else nothing changes (it never turns routing on)."""
+        return thread_scope(_ACTIVE, None) if self.route(m)[0] == LINEAR else nullcontext()
 
     def route(self, m: int, packed: bool = True) -> Route:
         """``(form, rows it runs at)`` for ``m`` input rows, for a weight with (``packed``) or

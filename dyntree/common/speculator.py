@@ -34,7 +34,7 @@ from dyntree.common.drafter import Candidates, DraftRequest, Drafter
 from dyntree.common.options import TreeMode
 from dyntree.common.sampling import process_logits, sample_verify
 from dyntree.common.tree import DraftBatch, DraftTree
-from dyntree.common.verify import VerifyResult, greedy_accept
+from dyntree.common.verify import VerifyResult, argmax_rows, greedy_accept
 
 __all__ = ["SpecRequest", "AcceptResult", "RequestStats", "SpecStats", "Speculator"]
 
@@ -298,7 +298,7 @@ class Speculator:
         if target.shape[0] != n or target.dim() not in (1, 2):
             raise ValueError(f"accept: target must be [{n}, V] logits or [{n}] argmax, got {tuple(target.shape)}")
         padded = batch.padded()
-        argmax = target if target.dim() == 1 else target.argmax(dim=-1)
+        argmax = target if target.dim() == 1 else argmax_rows(target)
         top = torch.zeros(padded.tokens.shape, dtype=torch.int64)
         top[padded.valid] = argmax.to(torch.int64).cpu()
         index, length, bonus = greedy_accept(padded.tokens, padded.parents, top)

@@ -33,7 +33,10 @@ import torch
 
 from dyntree.common.tree import DraftTree
 
-__all__ = ["VerifyResult", "check_tree_arrays", "greedy_accept", "sampling_accept", "greedy_verify"]
+__all__ = ["VerifyResult", "argmax_rows", "check_tree_arrays", "greedy_accept", "sampling_accept", "greedy_verify"]
+
+#: Block sizes :func:`argmax_rows` may split a vocabulary into (the first that divides it).
+ARGMAX_BLOCKS = (512, 256, 128)
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,22 @@ def _path_to(parents: list[int], end: int) -> list[int]:
     while path[-1] > 0:
         path.append(parents[path[-1]])
     return path[::-1]
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of CPU ``[N, V]`` logits, exactly (the first maximum of each row), found
+    block by block: each block's maximum (``amax``, which vectorises where ``argmax`` does not),
+    the first block holding the row's maximum, then the argmax inside that block alone. On a
+    2-core CPU, SmolLM2's 49,152 columns: 159 vs 646 us for 14 rows, 53 vs 94 for one. A NaN
+    counts as the maximum, as in ``torch.argmax``. Vocabularies no block size divides take
+    ``torch.argmax``."""
+    n, v = x.shape
+    block = next((b for b in ARGMAX_BLOCKS if v % b == 0), 0)
+    if x.device.type != "cpu" or not block or v < 4 * block:
+        return x.argmax(-1)
+    blocks = x.reshape(n, v // block, block)
+    first = blocks.amax(-1).argmax(-1)  # the first block holding the maximum (or a NaN)
+    return first * block + blocks[torch.arange(n), first].argmax(-1)
 
 
 def _pack_paths(paths: list[list[int]], width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -437,13 +437,14 @@ class SpecEngine:
                  cache: DynamicCache) -> torch.Tensor:
         """The decoder over ``tokens``; ``mask`` ``None`` only for one token per row that sees its
         whole row of the cache (the engine's attention scope then skips the mask)."""
-        out = self.decoder(
-            input_ids=tokens.to(self.device),
-            position_ids=positions.to(self.device),
-            attention_mask=None if mask is None else mask.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
+        with self.linear.rows_scope(tokens.numel()) if self.linear is not None else nullcontext():
+            out = self.decoder(
+                input_ids=tokens.to(self.device),
+                position_ids=positions.to(self.device),
+                attention_mask=None if mask is None else mask.to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+            )
         return out.last_hidden_state
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
