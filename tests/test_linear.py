@@ -48,6 +48,20 @@ def test_packed_route_runs_at_the_row_count_and_only_for_packed_weights() -> Non
         LinearDispatch({1: (1.0, 1.0), linear.PACK_ROWS + 1: (1.0, 1.0)})
 
 
+def test_rows_scope_leaves_f_linear_rows_unrouted_and_never_routes() -> None:
+    """A forward whose row count takes ``F.linear`` runs without the dispatch (no per-call routing);
+    other row counts keep it; outside an active dispatch the scope turns nothing on."""
+    t = {1: (10.0, 15.0, 11.0), 2: (10.0, 15.0, 11.0), 4: (20.0, 15.0, 11.0), 8: (30.0, 16.0, 12.0)}
+    d = LinearDispatch(t)
+    with d.active():
+        for rows, want in ((1, None), (2, None), (4, d), (8, d)):
+            with d.rows_scope(rows):
+                assert getattr(linear._ACTIVE, "dispatch", None) is want, rows
+        assert linear._ACTIVE.dispatch is d  # restored after each scope
+    with d.rows_scope(4):
+        assert getattr(linear._ACTIVE, "dispatch", None) is None
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 13, 16, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_routed_products_equal_f_linear(rows: int, bias: bool) -> None:
