@@ -119,6 +119,23 @@ def test_accept_result_is_what_the_kv_kernels_take() -> None:
     assert res.tokens[0] == plain(tokens["a"], n)
 
 
+def test_root_only_batch_accepts_the_argmax_like_a_tree() -> None:
+    """Plain greedy decoding (root-only trees) takes a short path in verification; what it returns
+    is what the tree path returns for the same roots: the argmax, the root kept, nothing drafted."""
+    sp = Speculator(NoDrafter(), SpecConfig(drafter="none", adaptive=False), vocab_size=V)
+    tokens = {rid: list(p) for rid, p in PROMPTS.items()}
+    batch = sp.propose([SpecRequest(rid, t) for rid, t in tokens.items()])
+    assert batch.num_nodes == batch.batch_size  # root-only
+    logits = toy_logits(batch, tokens)
+    res = sp.accept(batch, logits)
+    assert res.tokens == [[int(x)] for x in logits.argmax(-1)] == [plain(t, 1) for t in tokens.values()]
+    assert res.accept_index.tolist() == [[0]] * len(tokens) and res.accept_len.tolist() == [1] * len(tokens)
+    # the same roots with one sampled request take the tree path: the greedy rows agree
+    params = [SamplingParams(), SamplingParams(temperature=1.0)] + [SamplingParams()] * (len(tokens) - 2)
+    mixed = sp._verify(batch, logits, params, torch.Generator().manual_seed(0))
+    assert mixed.tokens[0] == res.tokens[0] and mixed.accept_index[:, :1].tolist() == res.accept_index.tolist()
+
+
 class Recorder(Drafter):
     """Root-only trees; records the hidden states pushed to it and its budgets."""
 

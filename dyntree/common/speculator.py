@@ -297,8 +297,11 @@ class Speculator:
         n = batch.num_nodes
         if target.shape[0] != n or target.dim() not in (1, 2):
             raise ValueError(f"accept: target must be [{n}, V] logits or [{n}] argmax, got {tuple(target.shape)}")
-        padded = batch.padded()
         argmax = target if target.dim() == 1 else argmax_rows(target)
+        if n == batch.batch_size and all(p.greedy for p in params):  # root-only trees: plain greedy decoding
+            return AcceptResult(list(batch.request_ids), torch.zeros(n, 1, dtype=torch.int64),
+                                torch.ones(n, dtype=torch.int64), [[t] for t in argmax.tolist()])
+        padded = batch.padded()
         top = torch.zeros(padded.tokens.shape, dtype=torch.int64)
         top[padded.valid] = argmax.to(torch.int64).cpu()
         index, length, bonus = greedy_accept(padded.tokens, padded.parents, top)
