@@ -14,9 +14,9 @@ as quantizing them one by one: every output row has its own), :func:`rms_norm` a
 :func:`~dyntree.common.attention.attend` (grouped-query attention, routed like the engine's). It
 reads the target's norms and rotary, so it is the draft the HF path runs, up to float rounding
 and the norms' epsilon, without the HF path's per-projection copies; :func:`fuse_layers` returns
-``None`` (and the caller keeps the HF path) for any layer that is not exactly that shape, or whose stacked projections no
-kernel serves. An engine whose layers already hold stacked weights (vLLM's
-``qkv_proj`` / ``gate_up_proj``) builds the same layers with :func:`fused_layer`.
+``None`` (and the caller keeps the HF path) for any layer that is not exactly that shape, or
+whose stacked projections no kernel serves. An engine whose layers already hold stacked weights
+(vLLM's ``qkv_proj`` / ``gate_up_proj``) builds the same layers with :func:`fused_layer`.
 
 An engine's self-draft backend runs these layers (:func:`run_layers`) under :func:`attention_mask`
 against each request's committed prefix KV (read-only, the engine's own cache) plus this step's
@@ -115,7 +115,9 @@ def _fuse(layer: nn.Module, config: Any, spec: QSpec, kernel: WeightKernel) -> F
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     norms = _norm(getattr(layer, "input_layernorm", None)), _norm(getattr(layer, "post_attention_layernorm", None))
     names = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
-    if attn is None or mlp is None or any(n is None for n in norms) or any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
+    if attn is None or mlp is None or any(n is None for n in norms):
+        return None
+    if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
         return None
     proj = [getattr(attn, n, None) for n in names[0]] + [getattr(mlp, n, None) for n in names[1]]
     if not all(isinstance(p, nn.Linear) for p in proj):

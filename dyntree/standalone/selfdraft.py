@@ -129,7 +129,7 @@ class HFSelfDraft:
                 else:
                     if mask is None:  # the decoder's own default would be causal
                         keys = self._kv.get_seq_length() + tokens.shape[1]
-                        mask = torch.zeros(*tokens.shape[:1], 1, tokens.shape[1], keys, dtype=self.dtype,
+                        mask = torch.zeros(tokens.shape[0], 1, tokens.shape[1], keys, dtype=self.dtype,
                                            device=self.device)
                     hidden = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask,
                                           past_key_values=self._kv, use_cache=True).last_hidden_state
