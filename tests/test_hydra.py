@@ -341,6 +341,30 @@ def test_generate_cache_time_budget_and_resume(tmp_path: Path) -> None:
         generate_cache(model, tok, prompts, tmp_path / "c", batch_size=3, max_new_tokens=4)
 
 
+def test_generate_cache_max_batches(tmp_path: Path) -> None:
+    """``max_batches`` generates the first N batches of the seeded order, whatever ran before, and
+    a larger N resumes from them."""
+    from transformers import AutoTokenizer
+
+    from spec_support import tiny_llama
+    from dyntree.models import model_path
+    from dyntree.training.data import generate_cache
+
+    tok = AutoTokenizer.from_pretrained(model_path("smollm2"))
+    model = tiny_llama(seed=3)
+    prompts = [f"Name river number {i}." for i in range(7)]
+    two = generate_cache(model, tok, prompts, tmp_path / "c", batch_size=2, max_new_tokens=4, max_batches=2)
+    assert two.meta["complete"] is False and two.meta["batches_done"] == 2
+    first = sorted((tmp_path / "c" / "chunks").glob("*.npz"))
+    full = generate_cache(model, tok, prompts, tmp_path / "d", batch_size=2, max_new_tokens=4)
+    order_first_two = sorted((tmp_path / "d" / "chunks").glob("*.npz"))
+    assert full.meta["batches_done"] == 4 and len(first) == 2 and set(p.name for p in first) < set(
+        p.name for p in order_first_two)
+    three = generate_cache(model, tok, prompts, tmp_path / "c", batch_size=2, max_new_tokens=4, max_batches=3)
+    assert three.meta["batches_done"] == 3
+    assert three.tokens.tolist() == full.tokens.tolist()[:len(three.tokens)]
+
+
 def test_tiny_training_run_reduces_loss(tmp_path: Path) -> None:
     cache = _synthetic_cache(tmp_path / "cache")
     embed, lm_head = _target()

@@ -77,6 +77,9 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--gen-minutes", type=float, default=None,
                    help="stop generating after this many minutes and use the batches finished so far "
                    "(a random sample of the prompts); rerun with the same --cache-dir to resume")
+    p.add_argument("--gen-batches", type=int, default=None,
+                   help="generate only the first N batches of the seeded order (the same prompts on any "
+                   "machine, unlike --gen-minutes); the rest stay unseen, e.g. for benchmarks/unseen_prompts.py")
     p.add_argument("--generate-only", action="store_true",
                    help="stop once the data cache is complete (generate in the background or on a GPU, "
                    "train later with the same --cache-dir)")
@@ -103,6 +106,8 @@ def run_train_heads(args: argparse.Namespace) -> int:
     for name in ("heads", "layers", "steps", "batch_size", "prompts", "max_new_tokens", "gen_batch_size", "window"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.gen_batches is not None and args.gen_batches < 1:
+        raise SystemExit(f"--gen-batches must be >= 1, got {args.gen_batches}")
     if args.prefix_heads and not args.prefix_attention:
         raise SystemExit("--prefix-heads needs --prefix-attention")
     if args.prompt_positions and args.prefix_attention:
@@ -152,7 +157,8 @@ def run_train_heads(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.data, args.prompts, args.seed)
     cache = generate_cache(model, tok, prompts, cache_dir, batch_size=args.gen_batch_size,
                            max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                           time_budget_s=args.gen_minutes * 60 if args.gen_minutes is not None else None)
+                           time_budget_s=args.gen_minutes * 60 if args.gen_minutes is not None else None,
+                           max_batches=args.gen_batches)
     t_gen = time.time() - t0
     print(f"data: {cache.meta['sequences']} responses, {cache.meta.get('response_tokens', cache.meta['tokens'])} "
           f"response tokens ({t_gen:.0f} s)", file=sys.stderr)

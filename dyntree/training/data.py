@@ -126,6 +126,7 @@ def generate_cache(
     max_new_tokens: int = 128,
     max_prompt_tokens: int = 256,
     time_budget_s: float | None = None,
+    max_batches: int | None = None,
 ) -> "HiddenCache":
     """Generate responses and hidden states for ``prompts`` into ``cache_dir`` (resumable).
 
@@ -133,7 +134,8 @@ def generate_cache(
     the batches finished so far are an unbiased sample of the prompts. With ``time_budget_s`` the
     run starts no batch once the budget is spent (but always has at least one) and consolidates
     what is finished (``meta["complete"]`` is then False; a budget of 0 uses what an earlier run
-    left); a later call with the same settings resumes.
+    left); a later call with the same settings resumes. ``max_batches`` stops once the first that
+    many batches of the order exist, the same batches on any machine (a budget in time is not).
     """
     out = Path(cache_dir)
     chunks = out / "chunks"
@@ -161,7 +163,10 @@ def generate_cache(
     t0 = time.monotonic()
     have_one = any((chunks / f"{b:05d}.npz").exists() for b in order)
     bar = tqdm(order, desc="generate", unit="batch")
-    for b in bar:
+    for i, b in enumerate(bar):
+        if max_batches is not None and i >= max_batches:
+            bar.close()
+            break
         path = chunks / f"{b:05d}.npz"
         if path.exists():
             continue
