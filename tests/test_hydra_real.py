@@ -23,7 +23,7 @@ def test_shipped_checkpoint_format() -> None:
     assert cfg["format"] == "dyntree-hydra" and cfg["dtype"] == "float16"
     assert cfg["target"]["hidden_size"] == 576 and cfg["target"]["vocab_size"] == 49152
     assert "train-heads" in cfg["training"]["command"]
-    assert (SHIPPED_HEADS / "model.safetensors").stat().st_size <= 25 * 2**20
+    assert (SHIPPED_HEADS / "model.safetensors").stat().st_size <= 40 * 10**6  # issue 14: package data <= 50 MB
     table = load_acceptance(SHIPPED_HEADS)  # the measured calibration of the dynamic tree ships too
     assert table is not None and table.acceptance.shape[0] == cfg["num_heads"] and "never saw" in table.source
     assert table.edges is not None  # fine confidence bins below 0.1
