@@ -536,6 +536,8 @@ def test_train_heads_cli_with_prefix_attention_end_to_end(tmp_path: Path, tok) -
         main([*argv, "--train-fraction", "0", "--work-dir", str(tmp_path / "work7"), "--out", str(tmp_path / "t7")])
     with pytest.raises(SystemExit, match="--loss must be soft, hard or topK"):  # before any data
         main([*argv, "--loss", "kl", "--work-dir", str(tmp_path / "work7"), "--out", str(tmp_path / "t7")])
+    with pytest.raises(SystemExit, match="--gen-batches must be >= 1, got 0"):  # before any data
+        main([*argv, "--gen-batches", "0", "--work-dir", str(tmp_path / "work7"), "--out", str(tmp_path / "t7")])
     assert not (tmp_path / "work7").exists()
     with pytest.raises(SystemExit, match="--prompt-positions does not combine with --prefix-attention"):
         main([*argv, "--prompt-positions", "--out", str(tmp_path / "t5")])
