@@ -79,7 +79,8 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
                    "(a random sample of the prompts); rerun with the same --cache-dir to resume")
     p.add_argument("--gen-batches", type=int, default=None,
                    help="generate only the first N batches of the seeded order (the same prompts on any "
-                   "machine, unlike --gen-minutes); the rest stay unseen, e.g. for benchmarks/unseen_prompts.py")
+                   "machine, unlike --gen-minutes); the rest stay unseen, e.g. for benchmarks/unseen_prompts.py; batches "
+                   "already in --cache-dir stay")
     p.add_argument("--generate-only", action="store_true",
                    help="stop once the data cache is complete (generate in the background or on a GPU, "
                    "train later with the same --cache-dir)")

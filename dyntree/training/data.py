@@ -134,8 +134,9 @@ def generate_cache(
     the batches finished so far are an unbiased sample of the prompts. With ``time_budget_s`` the
     run starts no batch once the budget is spent (but always has at least one) and consolidates
     what is finished (``meta["complete"]`` is then False; a budget of 0 uses what an earlier run
-    left); a later call with the same settings resumes. ``max_batches`` stops once the first that
-    many batches of the order exist, the same batches on any machine (a budget in time is not).
+    left); a later call with the same settings resumes. ``max_batches`` generates no batch past the
+    first that many of the order, the same batches on any machine (a budget in time is not);
+    batches an earlier call already made stay in the cache.
     """
     out = Path(cache_dir)
     chunks = out / "chunks"

@@ -37,7 +37,6 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 from tqdm import tqdm
 
 from dyntree.common.calibration import CONFIDENCE_EDGES, AcceptanceTable, bin_confidence
