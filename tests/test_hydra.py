@@ -523,12 +523,19 @@ def test_measured_acceptance_table(tmp_path: Path) -> None:
     for dt, want in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.float32)):
         t = TargetInfo("tiny", D, embed.to(dt), lm_head.to(dt), "ab" * 32)
         heads = make_hydra_drafter(str(tmp_path / "ckpt"), target=t).heads
-        # fp32 heads on a CPU run their output rows as an int8 GEMM by default (where torch has FBGEMM)
+        # fp32 heads on a CPU run their output rows as an int8 GEMM by default (where torch has FBGEMM);
+        # bf16 heads only where the engine offers a weight-only kernel (none here)
         assert heads.out_weight.dtype == want and heads.int8 == (want == torch.float32 and int8_available())
     assert not make_hydra_drafter(f"{tmp_path / 'ckpt'},int8=off", target=target).heads.int8
-    with pytest.raises(ValueError, match="int8=on needs fp32 heads on a CPU"):
+    with pytest.raises(ValueError, match="int8=on needs heads on a CPU.*the engine offers no weight-only kernel"):
         make_hydra_drafter(f"{tmp_path / 'ckpt'},int8=on", target=TargetInfo("tiny", D, embed.bfloat16(),
                                                                              lm_head.bfloat16(), "ab" * 32))
+    from dyntree.kernels.cpu_weight_only import CpuWeightOnly, cpu_kernels_available
+
+    if cpu_kernels_available():  # with the kernel, bf16 heads take int8 weights by default
+        t = TargetInfo("tiny", D, embed.bfloat16(), lm_head.bfloat16(), "ab" * 32, weight_kernel=CpuWeightOnly())
+        assert make_hydra_drafter(str(tmp_path / "ckpt"), target=t).heads.int8
+        assert not make_hydra_drafter(f"{tmp_path / 'ckpt'},int8=off", target=t).heads.int8
     cfg2 = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**cfg2, "num_heads": 2}))
     with pytest.raises(HydraMismatchError, match="3 depths, the heads 2"):
@@ -599,6 +606,35 @@ def test_weight_only_int8_layers_track_fp32_heads() -> None:
     for r, g in zip(ref, got):
         assert (g - r).abs().max() < 0.05 * (r.max() - r.min()), (g - r).abs().max()
         assert (g.argmax(-1) == r.argmax(-1)).float().mean() >= 0.9
+
+
+def test_weight_only_int8_bf16_heads_track_bf16_heads() -> None:
+    """bf16 heads (a CPU with native bf16) take the weight-only kernel for their output rows too:
+    few-row calls stay close to the bf16 logits, a call of more rows than the cap takes the bf16
+    rows exactly; without a kernel they cannot go int8."""
+    from dyntree.common.hydra import INT8_MAX_ROWS
+    from dyntree.kernels.cpu_weight_only import CpuWeightOnly, cpu_kernels_available
+
+    if not cpu_kernels_available():
+        pytest.skip("torch without the CPU weight-only ops")
+    d, vocab = 64, 300
+    heads = _perturbed_heads(d, vocab).to(torch.bfloat16)
+    hidden, path = torch.randn(12, d, dtype=torch.bfloat16), torch.randint(vocab, (12, 2))
+    many = torch.randn(INT8_MAX_ROWS + 4, d, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        ref = [heads.head_logits(1, hidden[:n], path[:n, :1]).float() for n in (1, 4, 12)]
+        assert not heads.int8
+        z_ref = torch.nn.functional.linear(many, heads.out_weight)
+        with pytest.raises(ValueError, match="need a weight-only kernel"):
+            heads.use_int8()
+        heads.use_int8(CpuWeightOnly())
+        got = [heads.head_logits(1, hidden[:n], path[:n, :1]).float() for n in (1, 4, 12)]
+        assert torch.equal(heads._out_int8(many), z_ref)  # more rows than the cap: the bf16 rows
+    assert heads.int8
+    for r, g in zip(ref, got):
+        assert not torch.equal(g, r)  # the int8 product is in use
+        assert (g - r).abs().max() < 0.05 * (r.max() - r.min()), (g - r).abs().max()
+        assert (g.argmax(-1) == r.argmax(-1)).float().mean() >= 0.75
 
 
 def test_expand_scores_frontiers_with_the_matching_head() -> None:

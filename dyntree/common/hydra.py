@@ -31,11 +31,12 @@ Torch only: this module never imports transformers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -431,26 +432,43 @@ class HydraHeads(nn.Module):
             persistent=True,
         )
         install(self)  # the heads' linears follow the engine's CPU routing (dyntree.common.linear)
-        self._out_int8: Int8Weight | None = None
+        self._out_int8: Int8Weight | _Int8Rows | None = None
 
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
 
     def use_int8(self, kernel: "WeightKernel | None" = None) -> "HydraHeads":
-        """Run the output rows' product, the heads' largest (19 MB of fp32 rows for SmolLM2's 8,192
-        x 576, per head call), as an int8 GEMM (:class:`~dyntree.common.linear.Int8Weight`; fp32
-        heads on a CPU). With ``kernel`` (a weight-only low-bit matmul: torch's CPU int8 op), the
-        heads' own linears and the prefix layer's also keep int8 weights (one scale per output
-        row) and take their inputs rounded to the kernel's compute dtype, not quantized. Quantized
-        inputs cost tau there (coding, 16-node dynamic trees: 2.75 with the output rows in int8,
-        2.70 with the prefix layer's too, 2.64 with every linear; fp32 2.73); weight-only barely
-        moves it (8 chat prompts, 16-node trees: 2.395 against 2.41 with fp32 layers; drafting
-        12.7 vs 15.0 ms per step on a 2-core CPU with int8 for every call, unclear with the row
-        cap below: 19.9 / 14.5 vs 18.4 / 17.8 ms in alternated runs on a slow, noisy VM). Only calls of at most :data:`INT8_MAX_ROWS`
-        rows take the int8 copy (the fp32 weights stay for larger ones); linears the kernel does
-        not serve stay as they are. Returns ``self``."""
-        self._out_int8 = Int8Weight(self.out_weight)
+        """Run the output rows' product, the heads' largest (8,192 x 576 for SmolLM2: 19 MB of
+        fp32 or 9.4 MB of bf16 rows per head call), on int8 weights. fp32 heads: an int8 GEMM
+        (:class:`~dyntree.common.linear.Int8Weight`, inputs quantized per call). Half-precision heads
+        need ``kernel`` (a weight-only low-bit matmul: torch's CPU int8 op, which computes in bf16)
+        and take it for the output rows too. With ``kernel`` the heads' own linears and the prefix
+        layer's also keep int8 weights (one scale per output row) and take their inputs rounded to
+        the kernel's compute dtype, not quantized. Quantized inputs cost tau there (coding, 16-node
+        dynamic trees: 2.75 with the output rows in int8, 2.70 with the prefix layer's too, 2.64
+        with every linear; fp32 2.73); weight-only barely moves it (8 chat prompts, 16-node trees:
+        2.395 against 2.41 with fp32 layers; drafting 12.7 vs 15.0 ms per step on a 2-core CPU with
+        int8 for every call, unclear with the row cap below: 19.9 / 14.5 vs 18.4 / 17.8 ms in
+        alternated runs on a slow, noisy VM). On a CPU the heads' calls are bound by the bytes of
+        weight they read (a bf16 head call reads ~14 MB and took ~2.2 ms in a decoding step on a
+        2-core AVX512-BF16 EPYC, where the same product with the weights hot in cache takes a
+        third of that), so halving them pays at every row count a step uses. Only calls of at
+        most :data:`INT8_MAX_ROWS` rows take the int8 copies (the dense weights stay for larger
+        ones); linears the kernel does not serve stay as they are. Returns ``self``."""
+        if self.out_weight.dtype == torch.float32:
+            self._out_int8 = Int8Weight(self.out_weight)
+        elif kernel is None:
+            raise ValueError(f"int8 output rows of {str(self.out_weight.dtype).removeprefix('torch.')} heads need a "
+                             "weight-only kernel")
+        else:
+            from dyntree.common.quant import QSpec, QuantLinear
+
+            rows = QuantLinear.from_weight(self.out_weight, None, QSpec(weight_bits=8, group_size=None), kernel=kernel)
+            if rows.kernel is None:
+                raise ValueError("the weight-only kernel does not serve the heads' output rows")
+            rows.release_codes()
+            self._out_int8 = _Int8Rows(functools.partial(linear, weight=self.out_weight), rows)
         if kernel is not None:
             _int8_linears(self, kernel)
         return self
@@ -536,15 +554,16 @@ class HydraHeads(nn.Module):
 
 
 #: The most rows a call of an int8 weight-only linear takes; larger ones (the prefix layer catching
-#: up on a prompt's positions) stay on the fp32 weight: with bf16 compute emulated on a CPU without
+#: up on a prompt's positions) stay on the dense weight: with bf16 compute emulated on a CPU without
 #: native bf16, torch's int8 op loses to fp32 GEMM from ~32 rows on (2.5x at 400 rows).
 INT8_MAX_ROWS = 16
 
 
 class _Int8Rows(nn.Module):
-    """A linear with a weight-only int8 copy for calls of at most :data:`INT8_MAX_ROWS` rows."""
+    """A linear with a weight-only int8 copy for calls of at most :data:`INT8_MAX_ROWS` rows;
+    ``dense`` (a linear, or the dense product as a function) takes the larger calls."""
 
-    def __init__(self, dense: nn.Linear, small: nn.Module) -> None:
+    def __init__(self, dense: "nn.Module | Callable[[torch.Tensor], torch.Tensor]", small: nn.Module) -> None:
         super().__init__()
         self.dense, self.small = dense, small
 

@@ -8,10 +8,11 @@ Spec: ``hydra[:OPTIONS]`` where OPTIONS is a comma-separated list of a checkpoin
 frontier; ``W`` defaults to ``ceil(max_nodes / depth)`` so the node budget is spread evenly over the
 depths, ``T`` to ``W``; and ``table=off`` to ignore the checkpoint's measured acceptance table
 (``acceptance.json``, the dynamic tree's calibration; an ablation); and ``int8=on|off``: run the
-heads' output-row product as an int8 GEMM, and where the engine offers a weight-only kernel
-(``TargetInfo.weight_kernel``; the standalone engine on a CPU) the heads' and the prefix layer's
-linears with int8 weights (:meth:`~dyntree.common.hydra.HydraHeads.use_int8`; default on where the
-heads run in fp32 on a CPU with torch's FBGEMM engine; it changes the drafts slightly, never the
+heads' output-row product on int8 weights (fp32 heads: an int8 GEMM; bf16 heads: the engine's
+weight-only kernel, ``TargetInfo.weight_kernel``, the standalone engine's on a CPU), and where the
+engine offers that kernel the heads' and the prefix layer's linears with int8 weights too
+(:meth:`~dyntree.common.hydra.HydraHeads.use_int8`; default on where the heads run on a CPU in fp32
+with torch's FBGEMM engine or in bf16 with the kernel; it changes the drafts slightly, never the
 output); ``context=N``: a request's prefix layer, when it starts (its first draft, or after the
 engine skipped positions), reads only the last ``N`` committed positions (default
 :data:`PREFIX_CONTEXT`; ``0``: all of them). Trees are at most ``num_heads`` deep.
@@ -61,7 +62,7 @@ class HydraOptions:
     width: int | None = None
     topk: int | None = None
     table: bool = True
-    int8: bool | None = None  # None: where the heads run fp32 on a CPU with FBGEMM
+    int8: bool | None = None  # None: on a CPU, where the heads run in fp32 with FBGEMM or bf16 with a kernel
     context: int = PREFIX_CONTEXT
 
 
@@ -226,11 +227,16 @@ def make_hydra_drafter(options: str | None = None, *, target: TargetInfo | None 
     # the target's dtype, except fp16 on a CPU (emulated there): a bf16 target on a CPU means one
     # with native bf16 (``--dtype auto``) or a user's choice, and fp32 heads would cost ~1/6 of a step
     dtype = torch.float32 if device.type == "cpu" and target.embed.dtype == torch.float16 else target.embed.dtype
-    int8_fits = device.type == "cpu" and dtype == torch.float32 and int8_available()
+    # int8 weights: fp32 heads through FBGEMM, bf16 heads through the engine's weight-only kernel
+    fbgemm = dtype == torch.float32 and int8_available()
+    int8_fits = device.type == "cpu" and (fbgemm or (dtype == torch.bfloat16 and target.weight_kernel is not None))
     if opts.int8 and not int8_fits:
-        raise ValueError(f"hydra option int8=on needs fp32 heads on a CPU with torch's FBGEMM engine; these run in "
+        raise ValueError(f"hydra option int8=on needs heads on a CPU, in fp32 with torch's FBGEMM engine or in bf16 "
+                         f"with the engine's weight-only int8 kernel; these run in "
                          f"{str(dtype).removeprefix('torch.')} on {device.type}"
-                         + ("" if int8_available() else " and this torch has no FBGEMM"))
+                         + ("" if int8_available() or dtype != torch.float32 else " and this torch has no FBGEMM")
+                         + ("" if target.weight_kernel is not None or dtype != torch.bfloat16
+                            else " and the engine offers no weight-only kernel"))
     heads = load_heads(opts.path, identity, target.embed, target.lm_head, dtype=dtype, device=device)
     if opts.int8 is not False and int8_fits:
         heads.use_int8(target.weight_kernel)
