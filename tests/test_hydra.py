@@ -630,6 +630,9 @@ def test_weight_only_int8_bf16_heads_track_bf16_heads() -> None:
         heads.use_int8(CpuWeightOnly())
         got = [heads.head_logits(1, hidden[:n], path[:n, :1]).float() for n in (1, 4, 12)]
         assert torch.equal(heads._out_int8(many), z_ref)  # more rows than the cap: the bf16 rows
+        few, z_few = many[:4], z_ref[:4]
+        assert not torch.equal(heads._out_int8(few), z_few)  # the output rows themselves run in int8
+        assert (heads._out_int8(few) - z_few).abs().max() < 0.05 * (z_few.max() - z_few.min())
     assert heads.int8
     for r, g in zip(ref, got):
         assert not torch.equal(g, r)  # the int8 product is in use
