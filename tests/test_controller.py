@@ -321,6 +321,21 @@ def test_plans_the_drafter_cannot_fill_are_priced_down() -> None:
     assert e_half == pytest.approx([e / 2 for e in e_full])
 
 
+def test_expected_tables_are_shared_at_a_grain_of_one_hundredth() -> None:
+    # A batch's requests whose alphas differ by less than the grain share one table and its hull,
+    # and a delivery scales the full-delivery table without changing its best depths.
+    ctrl = SpeculationController(CostModel({1: 10.0, 8: 10.4, 64: 13.0}), ControllerOptions(max_nodes=16))
+    e, depth = ctrl.expected_table(0.5)
+    assert ctrl.expected_table(0.5032) == (e, depth)
+    assert ctrl.expected_table(0.51)[0] != e
+    for delivery in (0.0, 0.37, 0.5):
+        scaled, scaled_depth = ctrl.expected_table(0.5, delivery)
+        assert scaled == pytest.approx([round(delivery, 2) * x for x in e]) and scaled_depth == depth
+    tables = len(ctrl._tables)
+    ctrl.plan(list(range(8)))  # eight fresh requests at the prior alpha and full delivery: one table
+    assert len(ctrl._tables) <= tables + 1
+
+
 def test_depth_profile_makes_trees_shallower_when_later_levels_are_weaker() -> None:
     # Hydra-like: the first draft is accepted 80% of the time, later ones 20%. The depth profile
     # learns that against the requests' own alpha, and the plan gets shallower than for a drafter

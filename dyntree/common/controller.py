@@ -304,7 +304,8 @@ class SpeculationController:
         self._lvl_hits = [0.0] * o.max_depth
         self._lvl_expected = [0.0] * o.max_depth
         self._lvl_prior = [o.prior_weight] * o.max_depth
-        self._tables: dict[tuple, tuple[list[float], list[int]]] = {}  # expected_table, by rounded inputs
+        # expected_table and its hull steps, by rounded inputs
+        self._tables: dict[tuple, tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]] = {}
         # The outcome check, per batch size (rounded down to a power of two): EMAs of the tokens
         # speculative steps committed and of the tokens their plans predicted for the time they
         # took. Their ratio, below 1, scales a speculative plan's predicted rate down for whatever
@@ -379,24 +380,40 @@ class SpeculationController:
         its plans are worth half as much).
 
         Plain Python floats: the table is small (``max_nodes x max_depth``), where tensor ops
-        would cost more in dispatch than in math; tables are kept by their inputs rounded to
-        0.001 (the profile and sibling gain to 0.01), so a slowly moving estimate reuses them."""
+        would cost more in dispatch than in math. Tables are kept by their inputs rounded to 0.01
+        (alpha, delivery, the profile and the sibling gain): every request's alpha moves every
+        step it drafts, and a batch of 8 recomputed ~8 tables a step at a 0.001 grain (1.1 ms of
+        planning a step); a delivery only scales a table (the best depth does not change)."""
+        return self._table(alpha, delivery)[0]
+
+    def _table(self, alpha: float, delivery: float) -> tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]:
+        """:meth:`expected_table` and the steps of its upper concave hull (:meth:`_hull`), cached."""
         o = self.options
         if o.max_depth == 0:
-            return [0.0] * (o.max_nodes + 1), [0] * (o.max_nodes + 1)
+            return ([0.0] * (o.max_nodes + 1), [0] * (o.max_nodes + 1)), []
         gain, profile = round(self.sibling_gain, 2), tuple(round(r, 2) for r in self.depth_profile)
-        key = (round(alpha, 3), round(delivery, 3), gain, profile)
-        table = self._tables.get(key)
-        if table is None:
+        base_key = (round(alpha, 2), 1.0, gain, profile)
+        key = (base_key[0], round(delivery, 2), gain, profile)
+        entry = self._tables.get(key)
+        if entry is None:
             if len(self._tables) >= 4096:
                 self._tables.clear()
-            table = self._tables[key] = self._expected(key[0], key[1], gain, profile)
-        return table
+            base = self._tables.get(base_key)
+            if base is None:
+                e, depth = self._expected(base_key[0], gain, profile)
+                base = self._tables[base_key] = ((e, depth), self._hull(e))
+            if key == base_key:
+                return base
+            e, depth = base[0]
+            scaled = [key[1] * x if x >= 0 else -1.0 for x in e]
+            entry = self._tables[key] = ((scaled, depth), self._hull(scaled))
+        return entry
 
-    def _expected(self, alpha: float, delivery: float, gain: float, profile: Sequence[float]) -> tuple[list[float], list[int]]:
-        """:meth:`expected_table` computed: a tree of ``n`` nodes and depth ``d`` has ``n / d``
-        nodes per level; level ``j`` catches the target's token with ``beta_j = 1 - (1 -
-        alpha_j)^(1 + g (n / d - 1))``, and ``E = beta_1 + beta_1 beta_2 + ...``."""
+    def _expected(self, alpha: float, gain: float, profile: Sequence[float]) -> tuple[list[float], list[int]]:
+        """:meth:`expected_table` computed at full delivery: a tree of ``n`` nodes and depth ``d``
+        has ``n / d`` nodes per level; level ``j`` catches the target's token with ``beta_j = 1 -
+        (1 - alpha_j)^(1 + g (n / d - 1))``, and ``E = beta_1 + beta_1 beta_2 + ...`` (-1: no such
+        tree)."""
         o = self.options
         miss = [1 - min(max(alpha * r, 0.0), 1 - 1e-9) for r in profile]
         best, depth = [0.0], [0]
@@ -410,8 +427,8 @@ class SpeculationController:
                 for j in range(d):
                     reach *= 1 - miss[j] ** expo
                     e += reach
-                if delivery * e > e_best:
-                    e_best, d_best = delivery * e, d
+                if e > e_best:
+                    e_best, d_best = e, d
             best.append(e_best)
             depth.append(d_best)
         return best, depth
@@ -426,10 +443,7 @@ class SpeculationController:
         if b == 0:
             return []
         keys = [(self.alpha(r), self.delivery(r)) for r in request_ids]
-        cache: dict[tuple[float, float], tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]] = {}
-        for key in set(keys):
-            table = self.expected_table(*key)
-            cache[key] = (table, self._hull(table[0]))
+        cache = {key: self._table(*key) for key in set(keys)}
         tables = [cache[k][0] for k in keys]
         # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
         segments = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
