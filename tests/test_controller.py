@@ -380,6 +380,37 @@ def _outcome_run(ctrl: SpeculationController, steps: int, spec_ms: float, plain_
     return speculated
 
 
+def test_plain_steps_faster_than_predicted_raise_the_bar() -> None:
+    # The cost model (frozen) prices a plain step at 10 ms and a one-node verify at 11.5: with
+    # every draft accepted, predicted to pay 1.65x. Plain steps really take 6 ms, so the verify
+    # (as predicted, 11.5 ms for 1.9 tokens) loses to them. A request that missed its drafts for
+    # a while decodes plainly; while it does, plain steps show they run faster than predicted,
+    # and speculation does not resume when its estimate recovers (it would without the check).
+    cost = CostModel({1: 10.0, 2: 11.5, 64: 11.5}, lr=0.0)
+    opts = ControllerOptions(max_nodes=1, max_depth=1, alpha_prior=0.9, outcome_bound=2.0)
+
+    def run(o: ControllerOptions) -> list[bool]:
+        ctrl = SpeculationController(cost, o)
+        for _ in range(120):  # drafts missed: the request's alpha drops and it decodes plainly
+            plan = ctrl.plan([0])[0]
+            if plan.max_nodes:
+                ctrl.observe(0, DraftTree.chain(0, [1]), [0])
+                ctrl.observe_outcome(1, 11.5)
+            else:
+                ctrl.observe(0, DraftTree.root_only(0), [0])
+                ctrl.observe_outcome(1, 6.0)
+        assert (1.3 < ctrl.plain_factor() <= 10 / 6) if o.outcome_ema else ctrl.plain_factor() == 1.0
+        assert ctrl.plain_factor(2) == 1.0  # another batch size has its own
+        return _outcome_run(ctrl, 300, spec_ms=11.5, plain_ms=6.0)  # drafts accepted again when tried
+
+    assert not any(run(opts))
+    assert any(run(opts.model_copy(update={"outcome_ema": 0.0})))
+    # plain steps slower than predicted leave the bar where the cost model puts it
+    slow = SpeculationController(CostModel({1: 10.0, 2: 40.0, 64: 40.0}, lr=0.0), opts)
+    assert not any(_outcome_run(slow, 50, spec_ms=40.0, plain_ms=30.0))
+    assert slow.plain_factor() == 1.0
+
+
 def test_outcome_check_is_not_biased_by_noisy_steps() -> None:
     """Steps that take the predicted time and commit the predicted tokens on average, but 1 or 7
     of them each: the factor stays near 1 (a ratio of EMAs; an EMA of per-step ratios capped at 1

@@ -36,10 +36,15 @@
   never above 1). Whatever the models miss (a verify shape the cost model prices too cheaply, an
   optimistic acceptance) then shows up as speculative steps that deliver less than predicted, and
   marginal speculation at that batch size backs off until it delivers; while no request
-  speculates the ratio drifts back toward 1, so it is retried now and then. Plain steps are not
-  compared: their errors are the cost model's, which learns them, and a comparison with plain
-  steps taken while it still learned a new batch shape once made speculation look better than
-  plain decoding at batch 13 (0.92x).
+  speculates the ratio drifts back toward 1, so it is retried now and then. Plain steps get the
+  same check on their own (:meth:`SpeculationController.plain_factor`), which only ever raises
+  the bar (never above ``outcome_bound``): the cost model's knots are shared by every forward of
+  that many tokens, so a padded verify of 16 requests x 2 tokens pulls the 16-token knot that
+  prices a plain step of 16 requests. At batch 16 against ~800 cached tokens that priced plain
+  steps 10-15% dearer than they ran, and Hydra's one-node trees, predicted to pay 10-15%, lost
+  ~12%. A plain step slower than predicted never lowers the bar: a comparison with plain steps
+  taken while the cost model still learned a new batch shape once made speculation look better
+  than plain decoding at batch 13 (0.92x).
 """
 
 from __future__ import annotations
@@ -314,7 +319,10 @@ class SpeculationController:
         # (1 or 7 where 3 were expected), and an EMA of ratios kept at most 1 sat below 1 on
         # noise alone.
         self._outcome: dict[int, tuple[float, float]] = {}  # bucket -> (got, predicted)
-        self._pending: tuple[float, int] | None = None  # the last speculative plan: (predicted rate, rows)
+        # The same for plain steps: a plain step faster than its prediction raises the bar that
+        # speculation must clear (plain_factor).
+        self._plain_outcome: dict[int, tuple[float, float]] = {}
+        self._pending: tuple[float, int, bool] | None = None  # the last plan: (predicted rate, rows, speculative)
 
     # -- estimates ------------------------------------------------------------------------------
     def _state(self, rid: Hashable) -> _RequestState:
@@ -363,6 +371,14 @@ class SpeculationController:
         prediction does not talk the planner into speculation its models say does not pay."""
         got, want = self._outcome.get(self._bucket(rows), (1.0, 1.0))
         return min(max(got / want, 1 / self.options.outcome_bound), 1.0)
+
+    def plain_factor(self, rows: int = 1) -> float:
+        """At batches of ``rows`` requests, the measured over predicted throughput of plain steps
+        (1.0 until observed), within ``[1, outcome_bound]``: what plain decoding's predicted rate
+        is multiplied by where speculation is compared with it. It only ever raises the bar: a
+        plain step slower than predicted does not talk the planner into speculation."""
+        got, want = self._plain_outcome.get(self._bucket(rows), (1.0, 1.0))
+        return min(max(got / want, 1.0), self.options.outcome_bound)
 
     @property
     def sibling_gain(self) -> float:
@@ -451,8 +467,9 @@ class SpeculationController:
         cost = self.cost
         plain_ms = cost(b, kv, b)
         plain = b / plain_ms
+        bar = plain * self.plain_factor(b)  # what plain decoding delivers, as measured
         factor = self.outcome_factor(b)
-        best_rate, best_k = plain, 0
+        best_rate, best_k = bar, 0
         nodes, widest, expected, max_depth, drafting = 0, 0, float(b), 0, 0
         no_tree = 1.0  # chance that no planned tree is delivered (the forward is then plain)
         for k, (_, r, lo, hi) in enumerate(segments, start=1):
@@ -472,7 +489,7 @@ class SpeculationController:
         alloc = [0] * b
         for _, r, lo, hi in segments[:best_k]:
             alloc[r] = hi
-        speculate = best_k > 0 and best_rate >= plain * o.min_gain
+        speculate = best_k > 0 and best_rate >= bar * o.min_gain
         if not speculate:
             alloc = [0] * b
             # idle: the speculative outcome drifts back toward 1, so a bad spell (or a cost model
@@ -481,7 +498,7 @@ class SpeculationController:
             if bucket in self._outcome:
                 got, want = self._outcome[bucket]
                 self._outcome[bucket] = (got + o.outcome_relax * (want - got), want)
-        self._pending = (best_rate / factor, b) if speculate else None
+        self._pending = (best_rate / factor, b, True) if speculate else (plain, b, False)
         plans = []
         for r, (rid, n) in enumerate(zip(request_ids, alloc)):
             self._planned[rid] = n
@@ -570,19 +587,21 @@ class SpeculationController:
 
     def observe_outcome(self, tokens: int, ms: float) -> None:
         """The last plan's outcome: ``tokens`` committed over all its requests in ``ms`` (drafting
-        and the verify forward); a speculative plan's is compared with the rate it predicted."""
+        and the verify forward), compared with the rate the plan predicted: a speculative plan's
+        feeds :meth:`outcome_factor`, a plain one's :meth:`plain_factor`."""
         pending, self._pending = self._pending, None
         if pending is None or not ms > 0 or self.options.outcome_ema == 0:
             return
-        rate, rows = pending
+        rate, rows, speculative = pending
         # what the plan predicted for the time the step took, within [1/4, 4] x what it got: a
         # first call's one-time costs (or one preempted step) must not outweigh the steps around it
         want = min(max(ms * rate, tokens / 4), tokens * 4)
         e, bucket = self.options.outcome_ema, self._bucket(rows)
-        got0, want0 = self._outcome.get(bucket, (want, want))  # starts at ratio 1
-        # the factor is capped at 1 where it is read, and credit from steps faster than predicted
-        # fades with the EMA (~1 / outcome_ema steps): it cannot hold off a later veto for long
-        self._outcome[bucket] = (got0 + e * (tokens - got0), want0 + e * (want - want0))
+        ratios = self._outcome if speculative else self._plain_outcome
+        got0, want0 = ratios.get(bucket, (want, want))  # starts at ratio 1
+        # each factor is bounded on one side where it is read, and credit from steps on the other
+        # side fades with the EMA (~1 / outcome_ema steps): it cannot hold off a later veto for long
+        ratios[bucket] = (got0 + e * (tokens - got0), want0 + e * (want - want0))
 
     def observe_step(self, n_query_tokens: int, ms: float, kv: int | None = None, rows: int = 1) -> None:
         """Refine the cost model with one measured verify forward of ``rows`` requests (``kv``:
