@@ -161,10 +161,10 @@ class ControllerOptions(BaseModel):
         0.05,
         ge=0,
         le=1,
-        description="weight of the newest step in the planner's outcome check: the tokens speculative steps "
-        "committed over the tokens their plans predicted for the measured ms (EMAs of both; one step's "
-        "prediction clipped to [0.25, 4] x its tokens); speculation must beat plain decoding by min_gain "
-        "after the correction (0: trust the predictions as they are)",
+        description="weight of the newest step in the planner's outcome checks: the tokens speculative steps, "
+        "and apart from them plain steps, committed over the tokens their plans predicted for the measured "
+        "ms (EMAs of both; one step's prediction clipped to [0.25, 4] x its tokens); speculation must beat "
+        "plain decoding by min_gain after the corrections (0: trust the predictions as they are)",
     )
     outcome_relax: float = Field(
         1e-3,
@@ -176,8 +176,9 @@ class ControllerOptions(BaseModel):
     outcome_bound: float = Field(
         1.25,
         ge=1,
-        description="the outcome check scales predicted speculative rates down by at most this factor, never "
-        "up (it vetoes marginal speculation; a plan predicted to pay 1.25 x min_gain is not overruled)",
+        description="the outcome check scales predicted speculative rates down, and plain decoding's predicted "
+        "rate up, by at most this factor, never the other way (it vetoes marginal speculation; a plan "
+        "predicted to pay 1.25 x min_gain is not overruled by either)",
     )
 
     @model_validator(mode="after")
