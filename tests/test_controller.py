@@ -332,8 +332,11 @@ def test_expected_tables_are_shared_at_a_grain_of_one_hundredth() -> None:
         scaled, scaled_depth = ctrl.expected_table(0.5, delivery)
         assert scaled == pytest.approx([round(delivery, 2) * x for x in e]) and scaled_depth == depth
     tables = len(ctrl._tables)
-    ctrl.plan(list(range(8)))  # eight fresh requests at the prior alpha and full delivery: one table
-    assert len(ctrl._tables) <= tables + 1
+    for r in range(8):  # eight requests whose alphas differ below the grain share one table
+        s = ctrl._state(r)
+        s.hits = (0.501 + 0.0005 * r) * s.trials
+    ctrl.plan(list(range(8)))
+    assert len(ctrl._tables) == tables
 
 
 def test_depth_profile_makes_trees_shallower_when_later_levels_are_weaker() -> None:
@@ -405,6 +408,12 @@ def test_plain_steps_faster_than_predicted_raise_the_bar() -> None:
 
     assert not any(run(opts))
     assert any(run(opts.model_copy(update={"outcome_ema": 0.0})))
+    # both checks at their bounds together still let a plan predicted to pay 1.25 x min_gain through
+    both = SpeculationController(CostModel({1: 10.0, 2: 13.5, 64: 13.5}, lr=0.0),
+                                 opts.model_copy(update={"outcome_bound": 1.25}))
+    both._outcome[1], both._plain_outcome[1] = (1.0, 2.0), (2.0, 1.0)
+    assert both.outcome_factor() == 0.8 and both.plain_factor() == 1.25
+    assert both.plan([0])[0].max_nodes  # predicted 1.41x; the two bounds multiplied would veto it
     # plain steps slower than predicted leave the bar where the cost model puts it
     slow = SpeculationController(CostModel({1: 10.0, 2: 40.0, 64: 40.0}, lr=0.0), opts)
     assert not any(_outcome_run(slow, 50, spec_ms=40.0, plain_ms=30.0))

@@ -38,7 +38,8 @@
   marginal speculation at that batch size backs off until it delivers; while no request
   speculates the ratio drifts back toward 1, so it is retried now and then. Plain steps get the
   same check on their own (:meth:`SpeculationController.plain_factor`), which only ever raises
-  the bar (never above ``outcome_bound``): the cost model's knots are shared by every forward of
+  the bar (never above ``outcome_bound``, nor, with the speculative one, by more than that
+  together): the cost model's knots are shared by every forward of
   that many tokens, so a padded verify of 16 requests x 2 tokens pulls the 16-token knot that
   prices a plain step of 16 requests. At batch 16 against ~800 cached tokens that priced plain
   steps 10-15% dearer than they ran, and Hydra's one-node trees, predicted to pay 10-15%, lost
@@ -467,8 +468,10 @@ class SpeculationController:
         cost = self.cost
         plain_ms = cost(b, kv, b)
         plain = b / plain_ms
-        bar = plain * self.plain_factor(b)  # what plain decoding delivers, as measured
-        factor = self.outcome_factor(b)
+        raise_bar = self.plain_factor(b)
+        bar = plain * raise_bar  # what plain decoding delivers, as measured
+        # the two checks together move a plan by at most outcome_bound, as each does alone
+        factor = max(self.outcome_factor(b), raise_bar / o.outcome_bound)
         best_rate, best_k = bar, 0
         nodes, widest, expected, max_depth, drafting = 0, 0, float(b), 0, 0
         no_tree = 1.0  # chance that no planned tree is delivered (the forward is then plain)

@@ -176,9 +176,9 @@ class ControllerOptions(BaseModel):
     outcome_bound: float = Field(
         1.25,
         ge=1,
-        description="the outcome check scales predicted speculative rates down, and plain decoding's predicted "
-        "rate up, by at most this factor, never the other way (it vetoes marginal speculation; a plan "
-        "predicted to pay 1.25 x min_gain is not overruled by either)",
+        description="the outcome checks scale predicted speculative rates down, and plain decoding's predicted "
+        "rate up, by at most this factor (each alone and both together), never the other way (they veto "
+        "marginal speculation; a plan predicted to pay 1.25 x min_gain is not overruled)",
     )
 
     @model_validator(mode="after")
