@@ -20,11 +20,12 @@
   Every request's node increments, ordered by expected accepted tokens per added query token
   (the upper concave hull of its ``E``), are merged across the batch; the controller takes the
   prefix of that list that maximises predicted tokens per millisecond, and speculates only if
-  that beats plain decoding by ``min_gain``. An engine that pads every tree of a batch to the
-  widest one (the standalone engine; ``padded=True``) pays ``batch x (1 + widest)`` query tokens,
-  and the plan is priced that way, with attention over the cached tokens (the longest request's
-  in a padded batch) as terms of their own: per query token and per request (each request's
-  cache is read once, whatever its query tokens). Drafting is priced too: a :class:`DraftCost`
+  that beats plain decoding by ``min_gain``. A ragged verify (vLLM, the standalone engine) pays
+  for its roots plus its draft nodes; an engine that pads every tree of a batch to the widest one
+  (SGLang's verify; ``padded=True``) pays ``batch x (1 + widest)`` query tokens, and the plan is
+  priced that way, with attention over the cached tokens (the longest request's in an engine
+  with one rectangular cache) as terms of their own: per query token and per request (each
+  request's cache is read once, whatever its query tokens). Drafting is priced too: a :class:`DraftCost`
   (ms vs. tree depth and batch draft nodes) starts from the ``draft_ms_*`` options and is fitted
   online to the measured drafting time of each step (tree building included), so a drafter
   whose overhead eats the gain is turned down. When a forward's cost grows in proportion to its
@@ -40,7 +41,8 @@
   same check on their own (:meth:`SpeculationController.plain_factor`), which only ever raises
   the bar (never above ``outcome_bound``, nor, with the speculative one, by more than that
   together): the cost model's knots are shared by every forward of
-  that many tokens, so a padded verify of 16 requests x 2 tokens pulls the 16-token knot that
+  that many tokens, so a verify of 16 requests x 2 tokens (the standalone engine padded its
+  trees then) pulls the 16-token knot that
   prices a plain step of 16 requests. At batch 16 against ~800 cached tokens that priced plain
   steps 10-15% dearer than they ran, and Hydra's one-node trees, predicted to pay 10-15%, lost
   ~12%. A plain step slower than predicted never lowers the bar: a comparison with plain steps
@@ -453,7 +455,7 @@ class SpeculationController:
     # -- planning -------------------------------------------------------------------------------
     def plan(self, request_ids: Sequence[Hashable], kv: int | None = None) -> list[Plan]:
         """One plan per live request for the next verify step; ``kv``: the cached tokens each
-        query row of the verify attends to (a padded engine: the longest request's), priced by
+        query row of the verify attends to (one rectangular cache: the longest request's), priced by
         the cost model's attention term."""
         o = self.options
         b = len(request_ids)

@@ -146,6 +146,9 @@ class Speculator:
             measures it (called once, by :meth:`prepare`); required when ``spec.adaptive``.
         padded: the engine pads every tree of a batch to the widest (the controller prices a
             verify as ``batch x widest`` query tokens).
+        rectangular_kv: the engine keeps one rectangular cache, so every verify row attends over
+            the longest request's slots (the controller prices attention at the longest prefix,
+            else at the mean).
     """
 
     def __init__(
@@ -156,6 +159,7 @@ class Speculator:
         vocab_size: int,
         cost_model: CostModel | Callable[[], CostModel] | None = None,
         padded: bool = False,
+        rectangular_kv: bool = False,
     ) -> None:
         self.drafter = drafter
         self.spec = spec = spec or SpecConfig()
@@ -175,6 +179,7 @@ class Speculator:
                                    drafter.candidates_per_node) if uses_builder else None
         self._cost = cost_model
         self._padded = padded
+        self._rectangular_kv = rectangular_kv
         self.controller: SpeculationController | None = None
         if spec.adaptive and cost_model is None:
             raise ValueError("SpecConfig.adaptive needs a cost model (or a function that measures one)")
@@ -215,8 +220,8 @@ class Speculator:
         expand_s = 0.0
         ids = [r.request_id for r in requests]
         kv_lens = [len(r.token_ids) - 1 for r in requests]
-        # the cached tokens a verify row attends to: a padded batch's longest prefix, else the mean
-        self._kv = max(kv_lens) if self._padded else round(sum(kv_lens) / len(kv_lens))
+        # the cached tokens a verify row attends to: a rectangular cache's longest prefix, else the mean
+        self._kv = max(kv_lens) if self._rectangular_kv else round(sum(kv_lens) / len(kv_lens))
         plans = self.controller.plan(ids, self._kv) if self.controller is not None else None
         drafts = [self._draft_request(r, plans[i] if plans else None) for i, r in enumerate(requests)]
         built_trees: dict[int, DraftTree] = {}

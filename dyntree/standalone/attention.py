@@ -5,14 +5,18 @@ model to it.
 K/V-copy-free implementations; see that module) on the additive 4-D masks the engine passes, and
 unmasked on one-token forwards the engine passes no mask for (its mask function then builds none:
 every row sees its whole cache); anything it does not handle (soft-capping, sliding windows,
-attention sinks, dropout, no mask for several tokens) goes to transformers' own ``sdpa``.
+attention sinks, dropout, no mask for several tokens) goes to transformers' own ``sdpa``. In a
+ragged verify forward (:func:`dyntree.standalone.kv.ragged`) the queries arrive flat, ``[1, H,
+N, D]``, against the batch's ``[B, KV, L, D]`` cache and a ``[B, 1, T, L]`` mask: rows of one
+width attend as one batch; otherwise every row's root attends in one batched call and each row
+with more nodes attends over its own cache row (a view), so no row pays for the widest tree.
 ``"dyntree_grouped"`` is always the two-matmul form, which distillation-data generation uses for
 its batched greedy decoding.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
@@ -21,6 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask
 
 from dyntree.common.attention import AttentionDispatch, attend, grouped_matmul
+from dyntree.standalone.kv import RaggedLayout, active_layout
 
 __all__ = ["ENGINE", "GROUPED", "attention_scope", "grouped_attention"]
 
@@ -33,13 +38,41 @@ _UNHANDLED = ("softcap", "sliding_window", "s_aux")
 def _engine_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
+    layout = active_layout()
+    rows = query.shape[2] if layout is None else layout.width
     masked = attention_mask is not None and attention_mask.dtype != torch.bool
-    plain = ((masked or (attention_mask is None and query.shape[2] == 1)) and dropout == 0.0
+    plain = ((masked or (attention_mask is None and rows == 1)) and dropout == 0.0
              and scaling is not None and not any(kwargs.get(k) is not None for k in _UNHANDLED))
     if not plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
-    return attend(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+        q = query if layout is None else layout.pad(query)
+        out, _ = sdpa_attention_forward(module, q, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                        **kwargs)
+        return (out if layout is None else out[layout.rows, layout.cols][None]), None
+    if layout is None:
+        return attend(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+    return _ragged(layout, query, key, value, attention_mask, scaling), None
+
+
+def _ragged(layout: RaggedLayout, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """``[1, N, H, D]`` attention of flat ``[1, H, N, D]`` queries, each over its own row of the
+    ``[B, KV, L, D]`` cache, by the ``[B, 1, T, L]`` additive mask (``None``: one token per row,
+    seeing its whole row)."""
+    n, h, d = query.shape[2], query.shape[1], query.shape[3]
+    if layout.uniform:
+        out = attend(layout.pad(query), key, value, mask, scaling)  # [B, H, T, D]
+        return out.transpose(1, 2).reshape(1, n, h, d)
+    out = query.new_empty(n, h, d)
+    roots = torch.tensor(layout.starts, device=query.device)
+    first = attend(query[0, :, roots].transpose(0, 1)[:, :, None], key, value,
+                   None if mask is None else mask[:, :, :1], scaling)  # [B, H, 1, D]
+    out[roots] = first[:, :, 0]
+    for b, (start, size) in enumerate(zip(layout.starts, layout.sizes)):
+        if size > 1:
+            rest = attend(query[:, :, start + 1 : start + size], key[b : b + 1], value[b : b + 1],
+                          None if mask is None else mask[b : b + 1, :, 1:size], scaling)  # [1, H, size - 1, D]
+            out[start + 1 : start + size] = rest[0].transpose(0, 1)
+    return out[None]
 
 
 def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -67,13 +100,13 @@ AttentionMaskInterface.register(GROUPED, eager_mask)
 
 
 @contextmanager
-def attention_scope(model: Any, dispatch: AttentionDispatch) -> Iterator[None]:
-    """Within this block (this thread), ``model`` attends through ``dispatch``; its own attention
-    implementation is restored after."""
+def attention_scope(model: Any, dispatch: AttentionDispatch | None) -> Iterator[None]:
+    """Within this block (this thread), ``model`` attends through the engine's attention, routed by
+    ``dispatch`` (``None``: ``gqa`` everywhere); its own attention implementation is restored after."""
     outer = model.config._attn_implementation
     model.set_attn_implementation(ENGINE)
     try:
-        with dispatch.active():
+        with dispatch.active() if dispatch is not None else nullcontext():
             yield
     finally:
         model.set_attn_implementation(outer)

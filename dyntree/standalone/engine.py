@@ -4,8 +4,10 @@ The prefill caches every prompt token and commits the first new token from the l
 (:meth:`Speculator.first_tokens <dyntree.common.speculator.Speculator.first_tokens>`), as plain
 decoding does. The engine only translates: per step it hands its live requests to
 :meth:`Speculator.propose <dyntree.common.speculator.Speculator.propose>`, runs ONE target forward
-over every tree of the batch (padded to the widest: tree tokens at positions ``kv_len + depth``,
-each attending to its request's committed KV plus its own ancestors through a 4-D additive mask),
+over every tree of the batch (ragged: the trees back to back as one sequence, so a request pays
+the linears for its own nodes only; tree tokens at positions ``kv_len + depth``, each attending to
+its request's committed KV plus its own ancestors through a 4-D additive mask; see
+:mod:`~dyntree.standalone.kv`),
 hands the logits to :meth:`~dyntree.common.speculator.Speculator.accept`, then moves the accepted
 nodes' KV right behind each request's prefix (dropping the rest of the tree's), pushes their
 hidden states to the speculator when the drafter reads them, and commits the new tokens one by one
@@ -177,7 +179,7 @@ class SpecEngine:
             drafter.attach(HFSelfDraft(self, spec_q, materialize=materialize_draft))
         self.speculator = Speculator(
             drafter, self.spec, vocab_size=self.lm_head.out_features,
-            cost_model=cost_model or self.measure_cost if self.spec.adaptive else None, padded=True,
+            cost_model=cost_model or self.measure_cost if self.spec.adaptive else None, rectangular_kv=True,
         )  # fmt: skip
 
     @property
@@ -272,7 +274,7 @@ class SpecEngine:
     def kernel_scope(self) -> Iterator[None]:
         """The block in which the model's linears and attention take the calibrated CPU routing."""
         with self.linear.active() if self.linear is not None else nullcontext():
-            with attention_scope(self.model, self.attention) if self.attention is not None else nullcontext():
+            with attention_scope(self.model, self.attention):
                 yield
 
     # -- what the self-draft backend reads -----------------------------------------------------
@@ -291,18 +293,20 @@ class SpecEngine:
         live = self._live
         batch = self.speculator.propose([SpecRequest(r.out.request_id, r.tokens, params) for r in live], gen)
         t1 = time.perf_counter()
-        padded = batch.padded()
         prefix = kv.seq_len(self.cache)
         kv_lens = torch.tensor([r.kv_len for r in live])
-        depth = padded.depths if "positions" not in self.ablate else torch.arange(padded.width).expand_as(padded.depths)
-        hidden = self._forward(padded.tokens, kv_lens[:, None] + depth, self._tree_mask(padded, kv_lens, prefix), self.cache)
-        logits = self.lm_head(hidden[padded.valid.to(self.device)])  # model dtype: argmax is exact, sampling casts
+        layout = kv.RaggedLayout.from_indptr(batch.qo_indptr)
+        positions = batch.positions(kv_lens) if "positions" not in self.ablate else kv_lens[layout.rows] + layout.cols
+        with kv.ragged(layout):
+            hidden = self._forward(batch.tokens[None], positions[None], self._tree_mask(batch.padded(), kv_lens, prefix),
+                                   self.cache)[0]
+        logits = self.lm_head(hidden)  # model dtype: argmax is exact, sampling casts
         self._sync()
         result = self.speculator.accept(batch, logits, gen, forward_ms=(time.perf_counter() - t1) * 1e3)
         self._compact(batch, result, prefix)
         for b, req in enumerate(live):
             if self.speculator.needs_hidden:
-                self.speculator.observe_hidden(req.out.request_id, hidden[b, result.accepted(b)])
+                self.speculator.observe_hidden(req.out.request_id, hidden[batch.flat_index(b, result.accepted(b))])
             req.kv_len += int(result.accept_len[b])
             before = len(req.out.token_ids)
             self._commit(req, result.tokens[b], params, eos)
@@ -321,7 +325,7 @@ class SpecEngine:
         else:
             see_tree = batch.mask
         allowed = torch.cat([see_prefix & batch.valid[:, :, None], see_tree], dim=-1)
-        if t == 1 and self.attention is not None and bool(allowed.all()):
+        if t == 1 and bool(allowed.all()):
             return None
         return self._additive(allowed)
 

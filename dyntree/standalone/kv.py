@@ -1,11 +1,14 @@
-"""The engine's KV cache (a Hugging Face ``DynamicCache`` that appends in place) and the
-ragged-batch surgery on it.
+"""The engine's KV cache (a Hugging Face ``DynamicCache`` that appends in place), the ragged
+layout of a verify forward, and the ragged-batch surgery on the cache.
 
 Layout: row ``b`` of every layer's ``[B, H, S, D]`` key/value tensors holds that request's
 committed KV in slots ``[0, kv_len[b])``; slots beyond are garbage that the attention mask
-hides. A verify forward appends the tree's KV at slots ``[S, S + T)`` for all rows; compaction
-then copies each row's accepted nodes to ``[kv_len[b], kv_len[b] + a_b)`` and the cache is cropped
-to the longest row.
+hides. A verify forward runs the batch's trees back to back as one ``[1, N]`` sequence (each
+request pays the linears for its own nodes only, not for the widest tree); within
+:func:`ragged` the cache scatters the flat KV to slots ``[S, S + T)`` of each node's row (``T``:
+the widest tree) and the engine's attention (:mod:`dyntree.standalone.attention`) attends each
+row's queries over its own cache row. Compaction then copies each row's accepted nodes to
+``[kv_len[b], kv_len[b] + a_b)`` and the cache is cropped to the longest row.
 
 Transformers' ``DynamicLayer`` appends by concatenation, which copies a layer's whole cache on
 every forward: at batch 13 with 800 cached tokens (SmolLM2, fp32, 2-core CPU) that is 480 MB and
@@ -17,7 +20,10 @@ tensors (rows leaving or joining the batch).
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -25,21 +31,89 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from dyntree.common.kv_store import KVStore, append_kv
 
-__all__ = ["GrowingCache", "GrowingLayer", "seq_len", "append_rows", "compact", "crop", "select_rows"]
+__all__ = ["GrowingCache", "GrowingLayer", "RaggedLayout", "active_layout", "ragged", "seq_len", "append_rows",
+           "compact", "crop", "select_rows"]
 
 #: Slots a buffer keeps free beyond what it holds when it is (re)allocated, at least.
 HEADROOM = 128
 
 
+@dataclass(frozen=True)
+class RaggedLayout:
+    """Where the flat tokens of a ragged forward sit in the batch: flat token ``i`` is node
+    ``cols[i]`` of cache row ``rows[i]``; row ``b`` owns flat tokens ``starts[b] : starts[b] +
+    sizes[b]``, its root first."""
+
+    rows: torch.Tensor  # [N] int64
+    cols: torch.Tensor  # [N] int64
+    starts: list[int]
+    sizes: list[int]
+
+    @classmethod
+    def from_indptr(cls, indptr: torch.Tensor) -> "RaggedLayout":
+        """The layout of a :class:`~dyntree.common.tree.DraftBatch`'s ``qo_indptr``."""
+        sizes = indptr.diff()
+        rows = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+        return cls(rows, torch.arange(int(indptr[-1])) - indptr[:-1][rows], indptr[:-1].tolist(), sizes.tolist())
+
+    @property
+    def batch(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def width(self) -> int:
+        """The widest row's tokens: the slots a forward appends to every cache row."""
+        return max(self.sizes)
+
+    @property
+    def uniform(self) -> bool:
+        """Every row has the same number of tokens (the flat sequence is the batch, row-major)."""
+        return min(self.sizes) == self.width
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``[1, H, N, D]`` flat -> ``[B, H, T, D]`` per row (zeros where a row has fewer tokens)."""
+        h, d = x.shape[1], x.shape[3]
+        if self.uniform:
+            return x[0].view(h, self.batch, self.width, d).transpose(0, 1)
+        out = x.new_zeros(self.batch, h, self.width, d)
+        out[self.rows.to(x.device), :, self.cols.to(x.device)] = x[0].transpose(0, 1)
+        return out
+
+
+_RAGGED = threading.local()
+
+
+@contextmanager
+def ragged(layout: RaggedLayout) -> Iterator[None]:
+    """Within this block (this thread), forwards are ragged: :class:`GrowingLayer` scatters the
+    flat ``[1, H, N, D]`` KV it is given to its rows by ``layout``, and the engine's attention
+    attends each row's queries over its own cache row."""
+    outer = getattr(_RAGGED, "layout", None)
+    _RAGGED.layout = layout
+    try:
+        yield
+    finally:
+        _RAGGED.layout = outer
+
+
+def active_layout() -> RaggedLayout | None:
+    """The ragged layout of the forward running in this thread, if any."""
+    return getattr(_RAGGED, "layout", None)
+
+
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose ``keys`` / ``values`` are views of the first slots of a
     :class:`~dyntree.common.kv_store.KVStore`; :meth:`update` writes the new tokens into its free
-    slots (the store grows by a quarter when they run out)."""
+    slots (the store grows by a quarter when they run out), scattered to their rows in a
+    :func:`ragged` forward."""
 
     store: KVStore | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = active_layout()
+        if layout is not None:
+            key_states, value_states = layout.pad(key_states), layout.pad(value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = self.keys.shape[2] if self.keys.dim() == 4 else 0
