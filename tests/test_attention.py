@@ -81,10 +81,13 @@ def test_attend_follows_the_active_dispatch_only(monkeypatch: pytest.MonkeyPatch
         attend(q, k, v, mask, 0.25)
     attend(q, k, v, mask, 0.25)
     assert calls == ["gqa", "matmul", "gqa"]
-    with d.active():  # one query row without a mask: always the stacked-rows form
-        attend(q[:, :, :1], k, v, None, 0.25)
+    with d.active():
+        attend(q[:, :, :1], k, v, None, 0.25)  # one query row without a mask: the calibrated pick ...
         attend(q, k, v, None, 0.25)  # several rows without a mask: the calibrated pick
-    assert calls[3:] == ["rows", "matmul"]
+    slow_matmul = AttentionDispatch({(1, q, 64): {"gqa": 1.0, "rows": 9.0, "matmul": 20.0} for q in (1, 4)})
+    with slow_matmul.active():  # ... except gqa: one unmasked row takes the stacked-rows form instead
+        attend(q[:, :, :1], k, v, None, 0.25)
+    assert calls[3:] == ["matmul", "matmul", "rows"]
 
 
 def test_calibration_is_cached_per_shape_and_grid(tmp_path) -> None:
@@ -137,3 +140,40 @@ def test_engine_with_each_attention_equals_transformers_generate(smol, smol_prom
         if drafter == "none":  # plain decoding at batch 1 attends unmasked, one row at a time
             assert len(unmasked) == model.config.num_hidden_layers * sum(len(w) - 1 for w in want)
             assert set(unmasked) == {1}
+
+
+@pytest.mark.parametrize("sizes", [[1, 4, 1, 3], [1, 4, 1, 1, 1], [3, 3], [1, 1, 1]])
+def test_ragged_attention_equals_padded_attention_per_row(sizes: list[int]) -> None:
+    # A ragged verify: the rows' trees back to back as one [1, H, N, D] sequence. The cache
+    # scatters their KV to each row's slots [S, S + T) and the engine's attention attends every
+    # query over its own row: equal, on the valid tokens, to the padded [B, T] batch.
+    from dyntree.standalone import kv
+
+    b, t, cached = len(sizes), max(sizes), 12
+    q, k, v, mask = _case(b, t, cached, seed=len(sizes))
+    layout = kv.RaggedLayout.from_indptr(torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()]))
+    valid = torch.arange(t)[None] < torch.tensor(sizes)[:, None]
+    assert layout.width == t and layout.uniform == (min(sizes) == t)
+    flat = lambda x: x.transpose(1, 2)[valid].transpose(0, 1)[None]  # noqa: E731  [B, H, T, D] -> [1, H, N, D]
+    cache = kv.GrowingCache()
+    cache.update(k[:, :, :cached], v[:, :, :cached], 0)
+    with kv.ragged(layout):
+        keys, values = cache.update(flat(k[:, :, cached:]), flat(v[:, :, cached:]), 0)
+    torch.testing.assert_close(keys.transpose(1, 2)[:, cached:][valid], k.transpose(1, 2)[:, cached:][valid])
+    assert keys.shape == k.shape
+    want = _reference(q, k, v, mask, 0.25).transpose(1, 2)[valid]  # [N, H, D]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.layer_idx, module.is_causal = 3, 0, False
+    with kv.ragged(layout):
+        got, _ = engine_attention._engine_attention(module, flat(q), keys, values, mask, scaling=0.25)
+        # the same through transformers' sdpa, where the engine's attention does not apply (no scaling
+        # given: sdpa's default 1 / sqrt(16))
+        fallback, _ = engine_attention._engine_attention(module, flat(q), keys, values, mask)
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fallback[0], want, rtol=1e-5, atol=1e-5)
+    if layout.uniform:
+        return
+    swapped = torch.tensor([0, *torch.tensor(sizes[::-1]).cumsum(0).tolist()])
+    with kv.ragged(kv.RaggedLayout.from_indptr(swapped)):  # control: the rows' tokens assigned the other way round
+        wrong, _ = engine_attention._engine_attention(module, flat(q), keys, values, mask, scaling=0.25)
+    assert not torch.allclose(wrong, got, atol=1e-3)
