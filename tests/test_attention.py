@@ -142,12 +142,23 @@ def test_engine_with_each_attention_equals_transformers_generate(smol, smol_prom
             assert set(unmasked) == {1}
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("sizes", [[1, 4, 1, 3], [1, 4, 1, 1, 1], [3, 3], [1, 1, 1]])
-def test_ragged_attention_equals_padded_attention_per_row(sizes: list[int]) -> None:
+def test_ragged_attention_equals_padded_attention_per_row(sizes: list[int], split: bool) -> None:
     # A ragged verify: the rows' trees back to back as one [1, H, N, D] sequence. The cache
     # scatters their KV to each row's slots [S, S + T) and the engine's attention attends every
-    # query over its own row: equal, on the valid tokens, to the padded [B, T] batch.
+    # query over its own row: equal, on the valid tokens, to the padded [B, T] batch, whether it
+    # attends padded or split (roots batched, each wide row alone; timings that make it pay).
+    from contextlib import nullcontext
+
     from dyntree.standalone import kv
+
+    grid = {(b, q, n): {"gqa": 1.0 if b == 1 or q == 1 else 1e6} for b in (1, 4) for q in (1, 4) for n in (16, 64)}
+    dispatch = AttentionDispatch(grid)
+    scope = lambda: dispatch.active() if split else nullcontext()  # noqa: E731
+    assert engine_attention._split_pays(kv.RaggedLayout.from_indptr(torch.tensor([0, 1, 5, 6, 7])), 16) is False
+    with scope():
+        assert engine_attention._split_pays(kv.RaggedLayout.from_indptr(torch.tensor([0, 1, 5, 6, 7])), 16) is split
 
     b, t, cached = len(sizes), max(sizes), 12
     q, k, v, mask = _case(b, t, cached, seed=len(sizes))
@@ -164,7 +175,7 @@ def test_ragged_attention_equals_padded_attention_per_row(sizes: list[int]) -> N
     want = _reference(q, k, v, mask, 0.25).transpose(1, 2)[valid]  # [N, H, D]
     module = torch.nn.Module()
     module.num_key_value_groups, module.layer_idx, module.is_causal = 3, 0, False
-    with kv.ragged(layout):
+    with kv.ragged(layout), scope():
         got, _ = engine_attention._engine_attention(module, flat(q), keys, values, mask, scaling=0.25)
         # the same through transformers' sdpa, where the engine's attention does not apply (no scaling
         # given: sdpa's default 1 / sqrt(16))
@@ -174,6 +185,6 @@ def test_ragged_attention_equals_padded_attention_per_row(sizes: list[int]) -> N
     if layout.uniform:
         return
     swapped = torch.tensor([0, *torch.tensor(sizes[::-1]).cumsum(0).tolist()])
-    with kv.ragged(kv.RaggedLayout.from_indptr(swapped)):  # control: the rows' tokens assigned the other way round
+    with kv.ragged(kv.RaggedLayout.from_indptr(swapped)), scope():  # control: the rows' tokens assigned the other way round
         wrong, _ = engine_attention._engine_attention(module, flat(q), keys, values, mask, scaling=0.25)
     assert not torch.allclose(wrong, got, atol=1e-3)

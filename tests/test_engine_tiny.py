@@ -65,6 +65,36 @@ def test_oracle_branching_trees_equal_plain_and_ablations_diverge(tok) -> None:
         assert broken != plain, f"removing {piece} should change the output"
 
 
+@pytest.mark.parametrize("drafting", [[1], [0, 1, 3]])
+def test_ragged_verify_of_a_few_trees_equals_plain(tok, monkeypatch, drafting: list[int]) -> None:
+    # Only some requests draft: the verify forward runs the trees back to back ([1, roots + nodes]
+    # tokens, not 5 x the widest), attending per row (one tree among five) or padded (three trees
+    # among five); outputs equal plain decoding, and losing the mask still breaks them.
+    from dyntree.standalone import kv
+
+    model = tiny_llama(3)
+    with torch.no_grad():  # an LM head of its own: tied random embeddings repeat the last token forever
+        model.lm_head.weight = torch.nn.Parameter(torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
+    prompts = _prompts(3, 5)
+    plain = [o.token_ids for o in SpecEngine(model, tok, make_drafter("none")).generate(prompts, PARAMS)]
+    refs = {i: plain[i] if i in drafting else [] for i in range(5)}
+    shapes: list[tuple[int, int]] = []
+    forward = SpecEngine._forward
+
+    def spy(self, tokens, *args):
+        if kv.active_layout() is not None:
+            layout = kv.active_layout()
+            assert tokens.shape == (1, sum(layout.sizes))
+            shapes.append((layout.batch, sum(size > 1 for size in layout.sizes)))
+        return forward(self, tokens, *args)
+
+    monkeypatch.setattr(SpecEngine, "_forward", spy)
+    outs = _oracle_run(model, tok, prompts, refs)
+    assert [o.token_ids for o in outs] == plain
+    assert (5, len(drafting)) in shapes  # the steps where every request was still decoding
+    assert [o.token_ids for o in _oracle_run(model, tok, prompts, refs, ablate=["mask"])] != plain
+
+
 def test_unknown_ablation_and_empty_prompt(tok) -> None:
     model = tiny_llama(0)
     with pytest.raises(ValueError, match="unknown ablation"):

@@ -257,6 +257,22 @@ def test_engine_timings_reach_the_controller() -> None:
     assert sp.controller.outcome_factor() < 1.0
 
 
+@pytest.mark.parametrize("rectangular", [False, True])
+def test_the_controller_prices_attention_at_the_prefix_each_engine_reads(rectangular: bool) -> None:
+    # A paged engine's rows read their own prefixes (the mean); one rectangular cache (the
+    # standalone engine) makes every row read the longest.
+    from dyntree.common.controller import CostModel
+
+    sp = Speculator(make_drafter("ngram"), SpecConfig(adaptive=True), vocab_size=V,
+                    cost_model=CostModel({1: 10.0, 16: 20.0}), rectangular_kv=rectangular)
+    sp.prepare()
+    seen: list[int | None] = []
+    plan = sp.controller.plan
+    sp.controller.plan = lambda ids, kv=None: seen.append(kv) or plan(ids, kv)
+    sp.propose([SpecRequest("a", list(range(11))), SpecRequest("b", list(range(101)))])
+    assert seen == [100 if rectangular else 55]
+
+
 def test_target_info_borrows_the_decoder_embedding_first() -> None:
     """``TargetInfo.from_model`` shares the decoder's own embedding (some engines'
     ``get_input_embeddings`` embeds token ids instead of returning the module), falls back to

@@ -15,7 +15,7 @@ copying K/V per group:
 
 :func:`calibrate` times the three at a grid of (batch, query rows, cached tokens), over caches
 that are views of bigger buffers as the engines' are, for a head shape
-and dtype (1.2-1.3 s once for SmolLM2's heads on a 2-core CPU, kept on disk per CPU, torch version,
+and dtype (~2.3 s once for SmolLM2's heads on a 2-core CPU, kept on disk per CPU, torch version,
 threads, dtype and shape), and
 :class:`AttentionDispatch` picks, per call, the fastest at the nearest grid point (log scale).
 :func:`attend` follows the dispatch active in this thread (:meth:`AttentionDispatch.active`) and is
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from dyntree.common.linear import cpu_name, thread_scope
 
-__all__ = ["AttentionDispatch", "IMPLS", "attend", "calibrate", "grouped_matmul"]
+__all__ = ["AttentionDispatch", "IMPLS", "active_dispatch", "attend", "calibrate", "grouped_matmul"]
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
 
@@ -46,7 +46,7 @@ Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | 
 GRID_BATCH = (1, 4, 16)
 GRID_QUERY = (1, 4, 16, 64)
 GRID_KV = (64, 256, 1024)
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3
 
 
 def grouped_matmul(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -122,6 +122,11 @@ class AttentionDispatch:
             self._last = (shape, name)
         return self._last[1]
 
+    def cost_us(self, batch: int, query: int, kv: int) -> float:
+        """The calibrated microseconds of the fastest form at the nearest grid point."""
+        return self.timings_us[(_nearest(self.batch, batch), _nearest(self.query, query), _nearest(self.kv, kv))][
+            self.pick(batch, query, kv)] if query <= 2 * self.query[-1] else math.inf
+
     def active(self) -> ContextManager[None]:
         """Within this block (this thread), :func:`attend` uses this routing."""
         return thread_scope(_ACTIVE, self)
@@ -129,6 +134,11 @@ class AttentionDispatch:
     def summary(self) -> str:
         names = list(self._best.values())
         return ", ".join(f"{n} at {names.count(n)} of {len(names)} grid points" for n in sorted(set(names)))
+
+
+def active_dispatch() -> AttentionDispatch | None:
+    """The dispatch active in this thread, if any."""
+    return getattr(_ACTIVE, "dispatch", None)
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -157,10 +167,10 @@ def _fingerprint(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, g
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def calibrate(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, repeats: int = 3,
+def calibrate(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, repeats: int = 5,
               cache_dir: Path | None = None, grid: Grid = (GRID_BATCH, GRID_QUERY, GRID_KV)) -> AttentionDispatch:
     """Time every implementation at every ``grid`` point (batch, query rows, cached tokens) on CPU
-    tensors of this head shape and dtype (best of ``repeats`` after a warm-up; a tree-shaped mask).
+    tensors of this head shape and dtype (best of ``repeats``, interleaved, after a warm-up; a tree-shaped mask).
     With ``cache_dir``, timings are read from / written to a JSON file there keyed by the CPU,
     torch, threads, dtype, shape and grid."""
     path = cache_dir / f"attention-{_fingerprint(heads, kv_heads, head_dim, dtype, grid)}.json" if cache_dir else None
@@ -183,16 +193,15 @@ def calibrate(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, repe
                     value = torch.randn(b, kv_heads, kv + q + spare, head_dim, generator=g).to(dtype)[:, :, : kv + q]
                     allowed = torch.ones(q, kv + q, dtype=torch.bool).tril(kv)
                     mask = torch.zeros(b, 1, q, kv + q, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-                    best = {}
+                    times: dict[str, list[float]] = {name: [] for name in IMPLS}
                     for name, fn in IMPLS.items():
                         fn(query, key, value, mask, head_dim**-0.5)  # warm-up
-                        times = []
-                        for _ in range(repeats):
+                    for _ in range(repeats):  # interleaved: a burst of load slows every form alike
+                        for name, fn in IMPLS.items():
                             t = time.perf_counter()
                             fn(query, key, value, mask, head_dim**-0.5)
-                            times.append(time.perf_counter() - t)
-                        best[name] = round(min(times) * 1e6, 1)
-                    timings[(b, q, kv)] = best
+                            times[name].append(time.perf_counter() - t)
+                    timings[(b, q, kv)] = {name: round(min(ts) * 1e6, 1) for name, ts in times.items()}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({",".join(map(str, k)): v for k, v in timings.items()}))

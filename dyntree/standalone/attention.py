@@ -8,12 +8,11 @@ every row sees its whole cache); anything it does not handle (soft-capping, slid
 attention sinks, dropout, no mask for several tokens) goes to transformers' own ``sdpa``. In a
 ragged verify forward (:func:`dyntree.standalone.kv.ragged`) the queries arrive flat, ``[1, H,
 N, D]``, against the batch's ``[B, KV, L, D]`` cache and a ``[B, 1, T, L]`` mask: rows of one
-width attend as one batch; so do rows of several widths when more than a quarter of them hold
-trees (padded to the widest); otherwise every row's root attends in one batched call and each row
-with more nodes attends over its own cache row (a view). SmolLM2, bf16, 2-core AVX512-BF16 EPYC,
-16 rows x 400 cached tokens, whole forward, ms: one row of 5 nodes, 111-121 per row vs 135-139
-padded; three, 133 vs 142-145; eight rows of 3, 142-146 vs 124-134 (plain 88-93; all 16 rows
-padded to 5 as before: 167-178).
+width attend as one batch, and so, padded to the widest, do rows of several widths, unless the
+calibrated timings predict that splitting pays: every row's root in one batched call and each
+longer row's other tokens over its own cache row (a view). Reading the cache dominates a few
+query rows (SmolLM2, bf16, 2-core AVX512-BF16 EPYC, 16 rows x 256 cached tokens: 693 us a layer
+for one query row each, 670 for four), so small trees pad and only a few wide ones split.
 ``"dyntree_grouped"`` is always the two-matmul form, which distillation-data generation uses for
 its batched greedy decoding.
 """
@@ -28,7 +27,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask
 
-from dyntree.common.attention import AttentionDispatch, attend, grouped_matmul
+from dyntree.common.attention import AttentionDispatch, active_dispatch, attend, grouped_matmul
 from dyntree.standalone.kv import RaggedLayout, active_layout
 
 __all__ = ["ENGINE", "GROUPED", "attention_scope", "grouped_attention"]
@@ -57,6 +56,19 @@ def _engine_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     return _ragged(layout, query, key, value, attention_mask, scaling), None
 
 
+def _split_pays(layout: RaggedLayout, keys: int) -> bool:
+    """Whether attending the roots in one call and each longer row's other tokens in a call of
+    its own is predicted (by the active dispatch's calibrated timings) to beat one call over the
+    padded ``[B, T]`` batch. Reading the cache dominates a few query rows, so padding is nearly
+    free for small trees and the split pays only for a few wide ones; without a dispatch, pad."""
+    dispatch = active_dispatch()
+    if dispatch is None:
+        return False
+    split = dispatch.cost_us(layout.batch, 1, keys) + sum(
+        dispatch.cost_us(1, size - 1, keys) for size in layout.sizes if size > 1)
+    return split < dispatch.cost_us(layout.batch, layout.width, keys)
+
+
 def _ragged(layout: RaggedLayout, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """``[1, N, H, D]`` attention of flat ``[1, H, N, D]`` queries, each over its own row of the
@@ -65,8 +77,7 @@ def _ragged(layout: RaggedLayout, query: torch.Tensor, key: torch.Tensor, value:
     n, h, d = query.shape[2], query.shape[1], query.shape[3]
     if layout.uniform:
         return attend(layout.pad(query), key, value, mask, scaling).transpose(1, 2).reshape(1, n, h, d)
-    wide = sum(size > 1 for size in layout.sizes)
-    if 4 * wide > layout.batch:  # many rows with trees: one padded call beats a call per row
+    if not _split_pays(layout, key.shape[2]):
         out = attend(layout.pad(query), key, value, mask, scaling)  # [B, H, T, D]
         return out[layout.rows.to(query.device), :, layout.cols.to(query.device)][None]
     out = query.new_empty(n, h, d)
