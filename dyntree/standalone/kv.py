@@ -21,15 +21,15 @@ tensors (rows leaving or joining the batch).
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, ContextManager
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from dyntree.common.kv_store import KVStore, append_kv
+from dyntree.common.linear import thread_scope
 
 __all__ = ["GrowingCache", "GrowingLayer", "RaggedLayout", "active_layout", "ragged", "seq_len", "append_rows",
            "compact", "crop", "select_rows"]
@@ -83,22 +83,16 @@ class RaggedLayout:
 _RAGGED = threading.local()
 
 
-@contextmanager
-def ragged(layout: RaggedLayout) -> Iterator[None]:
+def ragged(layout: RaggedLayout) -> ContextManager[None]:
     """Within this block (this thread), forwards are ragged: :class:`GrowingLayer` scatters the
     flat ``[1, H, N, D]`` KV it is given to its rows by ``layout``, and the engine's attention
     attends each row's queries over its own cache row."""
-    outer = getattr(_RAGGED, "layout", None)
-    _RAGGED.layout = layout
-    try:
-        yield
-    finally:
-        _RAGGED.layout = outer
+    return thread_scope(_RAGGED, layout)
 
 
 def active_layout() -> RaggedLayout | None:
     """The ragged layout of the forward running in this thread, if any."""
-    return getattr(_RAGGED, "layout", None)
+    return getattr(_RAGGED, "dispatch", None)
 
 
 class GrowingLayer(DynamicLayer):
