@@ -68,8 +68,8 @@ def test_oracle_branching_trees_equal_plain_and_ablations_diverge(tok) -> None:
 @pytest.mark.parametrize("drafting", [[1], [0, 1, 3]])
 def test_ragged_verify_of_a_few_trees_equals_plain(tok, monkeypatch, drafting: list[int]) -> None:
     # Only some requests draft: the verify forward runs the trees back to back ([1, roots + nodes]
-    # tokens, not 5 x the widest), attending per row (one tree among five) or padded (three trees
-    # among five); outputs equal plain decoding, and losing the mask still breaks them.
+    # tokens, not 5 x the widest; the attention pads or splits by the calibrated timings);
+    # outputs equal plain decoding, and losing the mask still breaks them.
     from dyntree.standalone import kv
 
     model = tiny_llama(3)

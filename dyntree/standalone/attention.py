@@ -50,7 +50,7 @@ def _engine_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
         q = query if layout is None else layout.pad(query)
         out, _ = sdpa_attention_forward(module, q, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                         **kwargs)
-        return (out if layout is None else out[layout.rows, layout.cols][None]), None
+        return (out if layout is None else out[layout.rows.to(out.device), layout.cols.to(out.device)][None]), None
     if layout is None:
         return attend(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
     return _ragged(layout, query, key, value, attention_mask, scaling), None
