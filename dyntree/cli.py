@@ -105,6 +105,9 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=_int_arg(1), default=1,
                    help="run every mode this many times, round by round; report each mode's median run and "
                    "the median of its per-round speedups (default 1)")
+    b.add_argument("--lockstep", action="store_true",
+                   help="run the engine modes of a round interleaved, one step each in turn, and time each by its "
+                        "own steps: a slow phase of a shared machine then hits every mode alike")
     b.add_argument("--out", required=True, help="where to write RESULT.json")
     _spec_args(b, several_drafters=True)
 
@@ -256,7 +259,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     print(f"[dyntree] {_dtype_name(dtype)} ({why}), {device.type}", file=sys.stderr)
     result = run_bench(model, tok, prompts, modes, _drafters(args), spec, params, args.batch_size, args.chat,
                        args.model, _dtype_name(dtype), args.fast_linear, args.repeats,
-                       args.fast_attention)
+                       args.fast_attention, args.lockstep)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -8,6 +8,7 @@ speculated. Fast unit tests cover the n-gram drafter's ``expand`` (the builder's
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -215,6 +216,61 @@ def test_bench_runs_several_drafters_round_by_round() -> None:
     assert run["tau"] == 1.6 and run["tokens_per_s_runs"] == [10.0, 30.0, 20.0]
     assert run["speedup"] == 1.0 and run["identical_to_none"] == 0.5
     assert run["decode_speedup"] == 1.3 and run["decode_speedup_runs"] == [1.3, 0.8, 1.4]
+
+
+def test_lockstep_runs_equal_separate_runs_and_time_their_own_steps(monkeypatch) -> None:
+    """``run_lockstep`` interleaves the jobs one unit at a time (rotating who goes first), each
+    job's outputs and steps are those of a run of its own, and each is timed by its own units."""
+    from transformers import AutoTokenizer
+
+    from spec_support import tiny_llama
+    from dyntree.models import model_path
+    from dyntree.standalone import bench
+    from dyntree.standalone.engine import SpecEngine
+    from test_engine_tiny import _prompts
+
+    tok = AutoTokenizer.from_pretrained(model_path("smollm2"))
+    model = tiny_llama(2)
+    prompts, ids = _prompts(2, 3), [0, 1, 2]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    spec = SpecConfig(drafter="ngram", max_nodes=6, max_depth=4)
+    jobs = [("none", spec), ("own", spec), ("dyntree", spec)]
+    alone = [bench.run_mode(model, tok, prompts, ids, m, s, params, 2) for m, s in jobs]
+
+    order: list[int] = []  # the engine of each unit (a prefill or a step ends in one _retire)
+    started: set[int] = set()  # engines past their warm-up
+    retire, stepwise = SpecEngine._retire, SpecEngine.stepwise
+
+    def spy_retire(self, *a, **k):
+        if id(self) in started:
+            order.append(id(self))
+        return retire(self, *a, **k)
+
+    def spy_stepwise(self, prompts, params, request_ids, *a, **k):
+        if request_ids != ["warm-up"]:
+            started.add(id(self))
+        return stepwise(self, prompts, params, request_ids, *a, **k)
+
+    monkeypatch.setattr(SpecEngine, "_retire", spy_retire)
+    monkeypatch.setattr(SpecEngine, "stepwise", spy_stepwise)
+    t0 = time.perf_counter()
+    runs = bench.run_lockstep(model, tok, prompts, ids, jobs, params, 2)
+    total = time.perf_counter() - t0
+    for a, r in zip(alone, runs):
+        assert [o["token_ids"] for o in r["outputs"]] == [o["token_ids"] for o in a["outputs"]]
+        assert r["engine_steps"] == a["engine_steps"] and r["mode"] == a["mode"]
+    assert runs[0]["tau"] == 1.0 and runs[1]["tau"] > 1.0
+    # one unit each in turn: no engine takes two steps in a row while the others still run, and
+    # the first engine of a cycle changes from cycle to cycle
+    engines = list(dict.fromkeys(order))
+    assert len(engines) == 3
+    shortest = min(order.count(e) for e in engines)
+    head = order[: 3 * (shortest - 1)]
+    assert all(head[i] != head[i + 1] for i in range(len(head) - 1))
+    assert len({head[i] for i in range(0, len(head), 3)}) > 1
+    # each job is timed by its own units: together they fill the run, none of them alone does
+    walls = [r["wall_s"] for r in runs]
+    assert max(walls) < 0.9 * total and sum(walls) <= total + 0.01
 
 
 def test_modes_eval_runs_dyntree_once_per_threshold() -> None:

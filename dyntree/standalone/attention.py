@@ -124,9 +124,11 @@ def attention_scope(model: Any, dispatch: AttentionDispatch | None) -> Iterator[
     """Within this block (this thread), ``model`` attends through the engine's attention, routed by
     ``dispatch`` (``None``: ``gqa`` everywhere); its own attention implementation is restored after."""
     outer = model.config._attn_implementation
-    model.set_attn_implementation(ENGINE)
+    if outer != ENGINE:  # switching walks the model (~1 ms): an inner scope (a step) keeps the outer's
+        model.set_attn_implementation(ENGINE)
     try:
         with dispatch.active() if dispatch is not None else nullcontext():
             yield
     finally:
-        model.set_attn_implementation(outer)
+        if outer != ENGINE:
+            model.set_attn_implementation(outer)

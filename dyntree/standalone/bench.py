@@ -8,7 +8,9 @@ Modes: ``none`` (plain decoding), ``own`` (the drafter's own trees), ``chain`` /
 once per bench and shared). Two modes run Hugging Face transformers' own ``model.generate`` on the
 same model object instead, as the reference a user already has: ``hf`` (greedy) and ``hf-lookup``
 (its prompt lookup decoding, ``prompt_lookup_num_tokens=10``); one prompt at a time, greedy only.
-The result is one JSON document (schema in README.md).
+With ``lockstep`` the engine modes run interleaved, one prefill or step of each in turn, and each is
+timed by its own units (:func:`run_lockstep`): the comparison then holds on a machine whose speed
+drifts by 10% over seconds. The result is one JSON document (schema in README.md).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from dyntree.common.drafters import make_drafter
 from dyntree.standalone.engine import RequestOutput, SpecEngine
 from dyntree.standalone.target import make_hf_drafter
 
-__all__ = ["Prompt", "load_prompts", "encode_prompt", "run_bench", "run_mode", "run_hf_mode", "compare", "mode_spec",
+__all__ = ["Prompt", "load_prompts", "encode_prompt", "run_bench", "run_mode", "run_lockstep", "run_hf_mode", "compare",
+           "mode_spec",
            "MODES", "HF_MODES"]
 
 #: transformers ``generate`` keyword arguments of the ``hf*`` modes.
@@ -195,52 +198,110 @@ def run_mode(
 
     ``cost`` seeds an adaptive engine's cost model (a copy; measured here when ``None``);
     ``fast_linear`` / ``fast_attention`` are the engine's CPU linear and attention routing."""
-    if batch_size < 1:
-        raise ValueError(f"batch size must be >= 1, got {batch_size}")
-    name, cfg = mode_spec(mode, spec)
-    name = name or "none"
-    seed = cost.copy() if cost is not None and cfg.adaptive else None
-    engine = SpecEngine(model, tokenizer, make_hf_drafter(name, model, tokenizer), cfg, cost_model=seed,
-                        fast_linear=fast_linear, fast_attention=fast_attention)
-    startup = engine.prepare()
-    # Warm-up (CUDA/cuBLAS initialisation, Triton compiles, first-call allocations) outside the timings.
-    engine.generate([encoded[0]], params.model_copy(update={"max_new_tokens": WARMUP_TOKENS}), ["warm-up"])
-    engine.speculator.stats.reset()
+    run = _ModeRun(model, tokenizer, encoded[0], mode, spec, params, batch_size, cost, fast_linear, fast_attention)
     start = time.perf_counter()
-    outs = engine.generate(encoded, params, ids, progress=True, max_batch_size=batch_size)
-    wall = time.perf_counter() - start
-    run = _summarise(mode, name, outs, wall)
-    t = engine.speculator.stats
-    n = max(t.steps, 1)
-    step_s = t.draft_s + t.forward_s + t.accept_s
-    run.update({
-        "tree": cfg.tree,
-        "adaptive": cfg.adaptive,
-        "max_nodes": cfg.max_nodes if name != "none" else 0,
-        "max_depth": cfg.max_depth if name != "none" else 0,
-        "draft_s": round(t.draft_s, 3),
-        "verify_s": round(t.forward_s + t.accept_s, 3),
-        "engine_steps": t.steps,
-        "step_ms": round(step_s / n * 1e3, 3),
-        "forward_ms_per_step": round(t.forward_s / n * 1e3, 3),
-        "accept_ms_per_step": round(t.accept_s / n * 1e3, 3),
-        "draft_ms_per_step": round(t.draft_s / n * 1e3, 3),
-        # planning and tree building (draft minus the drafter's own calls); none without a builder
-        "build_ms_per_step": round(t.build_s / n * 1e3, 3) if engine.speculator.builder else None,
-        "build_pct_of_step": (round(100 * t.build_s / step_s, 2) if step_s > 0 else 0.0)
-        if engine.speculator.builder else None,
-        "startup_s": round(startup, 3),
-        "prefill_s": round(engine.prefill_s, 3),
-        # decoding alone: the prefills (the same work in every mode) and the first token of each
-        # request, which they give, taken out; what speculation can change
-        "decode_tokens_per_s": _decode_rate(run["tokens"] - len(outs), wall - engine.prefill_s),
-    })  # fmt: skip
-    if categories is not None:
-        run["by_category"] = {
-            cat: _summarise(mode, name, [o for o in outs if categories[o.request_id] == cat], wall)["tau"]
-            for cat in sorted({c for c in categories.values() if c is not None})
-        }
-    return run
+    outs = run.engine.generate(encoded, params, ids, progress=True, max_batch_size=batch_size)
+    return run.report(outs, time.perf_counter() - start, categories)
+
+
+def run_lockstep(
+    model,
+    tokenizer,
+    encoded: Sequence[Sequence[int]],
+    ids: Sequence[Any],
+    jobs: Sequence[tuple[str, SpecConfig]],
+    params: SamplingParams,
+    batch_size: int,
+    cost: CostModel | None = None,
+    categories: dict[Any, str | None] | None = None,
+    fast_linear: bool = True,
+    fast_attention: bool = True,
+) -> list[dict[str, Any]]:
+    """Bench runs of several ``(mode, spec)`` jobs over the same prompts, interleaved one unit of
+    work (a prefill or a decoding step) at a time: each job's time is the sum of its own units, so
+    a phase in which a shared machine runs slower hits every job alike (the units are ~20-150 ms;
+    such phases last seconds). Each unit starts the job after a different one than the last
+    cycle's (the order rotates). Each job's outputs, steps and statistics are what a run of its own
+    gives: the engines share only the model's weights."""
+    runs = [_ModeRun(model, tokenizer, encoded[0], m, s, params, batch_size, cost, fast_linear, fast_attention)
+            for m, s in jobs]
+    work = {j: r.engine.stepwise(encoded, params, ids, max_batch_size=batch_size) for j, r in enumerate(runs)}
+    spent = [0.0] * len(runs)
+    outs: dict[int, list[RequestOutput]] = {}
+    bar = tqdm(total=len(runs), desc="lockstep jobs", leave=False)
+    with runs[0].engine.kernel_scope():  # the model's attention switched once, not per unit
+        cycle = 0
+        while work:
+            live = sorted(work)
+            for j in live[cycle % len(live) :] + live[: cycle % len(live)]:
+                t0 = time.perf_counter()
+                try:
+                    next(work[j])
+                except StopIteration as done:
+                    outs[j] = done.value
+                    del work[j]
+                    bar.update(1)
+                spent[j] += time.perf_counter() - t0
+            cycle += 1
+    bar.close()
+    return [r.report(outs[j], spent[j], categories) for j, r in enumerate(runs)]
+
+
+class _ModeRun:
+    """One bench job's engine, set up and warmed up (outside any timing), and its report."""
+
+    def __init__(self, model, tokenizer, warm_prompt: Sequence[int], mode: str, spec: SpecConfig,
+                 params: SamplingParams, batch_size: int, cost: CostModel | None, fast_linear: bool,
+                 fast_attention: bool) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch size must be >= 1, got {batch_size}")
+        self.mode = mode
+        name, self.cfg = mode_spec(mode, spec)
+        self.name = name or "none"
+        seed = cost.copy() if cost is not None and self.cfg.adaptive else None
+        self.engine = SpecEngine(model, tokenizer, make_hf_drafter(self.name, model, tokenizer), self.cfg,
+                                 cost_model=seed, fast_linear=fast_linear, fast_attention=fast_attention)
+        self.startup = self.engine.prepare()
+        # Warm-up (CUDA/cuBLAS initialisation, Triton compiles, first-call allocations) outside the timings.
+        warm = params.model_copy(update={"max_new_tokens": WARMUP_TOKENS})
+        self.engine.generate([warm_prompt], warm, ["warm-up"])
+        self.engine.speculator.stats.reset()
+
+    def report(self, outs: list[RequestOutput], wall: float, categories: dict[Any, str | None] | None) -> dict[str, Any]:
+        """The run's result record; ``wall``: the seconds its decoding took."""
+        engine, cfg, name = self.engine, self.cfg, self.name
+        run = _summarise(self.mode, name, outs, wall)
+        t = engine.speculator.stats
+        n = max(t.steps, 1)
+        step_s = t.draft_s + t.forward_s + t.accept_s
+        run.update({
+            "tree": cfg.tree,
+            "adaptive": cfg.adaptive,
+            "max_nodes": cfg.max_nodes if name != "none" else 0,
+            "max_depth": cfg.max_depth if name != "none" else 0,
+            "draft_s": round(t.draft_s, 3),
+            "verify_s": round(t.forward_s + t.accept_s, 3),
+            "engine_steps": t.steps,
+            "step_ms": round(step_s / n * 1e3, 3),
+            "forward_ms_per_step": round(t.forward_s / n * 1e3, 3),
+            "accept_ms_per_step": round(t.accept_s / n * 1e3, 3),
+            "draft_ms_per_step": round(t.draft_s / n * 1e3, 3),
+            # planning and tree building (draft minus the drafter's own calls); none without a builder
+            "build_ms_per_step": round(t.build_s / n * 1e3, 3) if engine.speculator.builder else None,
+            "build_pct_of_step": (round(100 * t.build_s / step_s, 2) if step_s > 0 else 0.0)
+            if engine.speculator.builder else None,
+            "startup_s": round(self.startup, 3),
+            "prefill_s": round(engine.prefill_s, 3),
+            # decoding alone: the prefills (the same work in every mode) and the first token of each
+            # request, which they give, taken out; what speculation can change
+            "decode_tokens_per_s": _decode_rate(run["tokens"] - len(outs), wall - engine.prefill_s),
+        })  # fmt: skip
+        if categories is not None:
+            run["by_category"] = {
+                cat: _summarise(self.mode, name, [o for o in outs if categories[o.request_id] == cat], wall)["tau"]
+                for cat in sorted({c for c in categories.values() if c is not None})
+            }
+        return run
 
 
 def _decode_rate(tokens: int, seconds: float) -> float | None:
@@ -298,6 +359,7 @@ def run_bench(
     fast_linear: bool = True,
     repeats: int = 1,
     fast_attention: bool = True,
+    lockstep: bool = False,
 ) -> dict[str, Any]:
     """Run every mode over ``prompts`` and return the result document.
 
@@ -306,7 +368,9 @@ def run_bench(
     is repeated round by round (each round starting one run later than the last, so no mode
     always runs first, and a slow phase of the machine hits every mode alike); each mode then
     reports its median run, the tokens/s of every round, and as ``speedup`` the median over
-    rounds of its tokens/s over that round's plain run."""
+    rounds of its tokens/s over that round's plain run. ``lockstep``: in each round the engine modes
+    run interleaved step by step (:func:`run_lockstep`; transformers' modes after them, one by
+    one), so a slow phase of a shared machine hits them alike even within a round."""
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
@@ -331,17 +395,25 @@ def run_bench(
                        fast_attention=fast_attention)
     cost = plain.measure_cost() if spec.adaptive and any(m != "none" for m in modes) else None
 
+    def job_spec(d: str | None) -> SpecConfig:
+        return spec.model_copy(update={"drafter": d or drafters[0]})
+
     def run(mode: str, d: str | None) -> dict[str, Any]:
         if mode in HF_MODES:
             return run_hf_mode(model, tokenizer, encoded, ids, mode, params)
-        s = spec.model_copy(update={"drafter": d or drafters[0]})
-        return run_mode(model, tokenizer, encoded, ids, mode, s, params, batch_size, cost, category, fast_linear,
-                        fast_attention)
+        return run_mode(model, tokenizer, encoded, ids, mode, job_spec(d), params, batch_size, cost, category,
+                        fast_linear, fast_attention)
 
     rounds = []
     for r in tqdm(range(repeats), desc="rounds", disable=repeats == 1, leave=False):
         order = [(j + r) % len(jobs) for j in range(len(jobs))]  # each round starts one job later
-        done = {j: run(*jobs[j]) for j in order}
+        done: dict[int, dict[str, Any]] = {}
+        if lockstep:
+            engine_jobs = [j for j in order if jobs[j][0] not in HF_MODES]
+            both = run_lockstep(model, tokenizer, encoded, ids, [(jobs[j][0], job_spec(jobs[j][1])) for j in engine_jobs],
+                                params, batch_size, cost, category, fast_linear, fast_attention)
+            done.update(zip(engine_jobs, both))
+        done.update({j: run(*jobs[j]) for j in order if j not in done})
         rounds.append([done[j] for j in range(len(jobs))])
         base = next((x for x in rounds[-1] if x["mode"] == "none"), None)
         for x in rounds[-1]:
@@ -357,6 +429,7 @@ def run_bench(
         "chat": chat,
         "num_prompts": len(prompts),
         "repeats": repeats,
+        "lockstep": lockstep,
         "drafters": drafters,
         "spec": spec.model_dump(),
         "sampling": params.model_dump(),

@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Callable, Generator, Hashable, Iterable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -203,9 +203,30 @@ class SpecEngine:
         as soon as a request finishes, so the batch stays full until the queue is empty.
         ``on_commit(request_id, new_token_ids)`` is called after every step that committed tokens
         to a request (for streaming); a request's last call holds its last token."""
+        work = self.stepwise(prompts, params, request_ids, progress, on_commit, max_batch_size)
+        with self.kernel_scope():  # the model's attention switched once, not per step
+            while True:
+                try:
+                    next(work)
+                except StopIteration as done:
+                    return done.value
+
+    def stepwise(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+        request_ids: Sequence[Hashable] | None = None,
+        progress: bool = False,
+        on_commit: Callable[[Hashable, list[int]], None] | None = None,
+        max_batch_size: int | None = None,
+    ) -> Generator[None, None, list[RequestOutput]]:
+        """:meth:`generate` one unit of work (a prefill or a decoding step) per ``next()``; the
+        outputs are the ``StopIteration`` value. A caller can interleave several engines step by
+        step (``dyntree bench --lockstep``): each unit runs inside this engine's kernel scope and
+        holds no scope across a ``yield``; a loop inside the :meth:`kernel_scope` of an engine over
+        the same model switches the model's attention once rather than per unit (~1 ms). The
+        arguments are checked at the call."""
         params = params or SamplingParams()
-        if not prompts:
-            return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if max_batch_size is not None and max_batch_size < 1:
@@ -214,21 +235,23 @@ class SpecEngine:
         if len(ids) != len(prompts) or len(set(ids)) != len(ids):
             raise ValueError("request_ids must be unique, one per prompt")
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
-        with self.kernel_scope():
-            return self._generate(prompts, ids, params, gen, progress, on_commit, max_batch_size or len(prompts))
+        return self._stepwise(prompts, ids, params, gen, progress, on_commit, max_batch_size or len(prompts))
 
-    def _generate(self, prompts: Sequence[Sequence[int]], ids: list[Hashable], params: SamplingParams,
-                  gen: torch.Generator, progress: bool,
-                  on_commit: Callable[[Hashable, list[int]], None] | None, max_batch: int) -> list[RequestOutput]:
-        self.prepare()
+    def _stepwise(self, prompts: Sequence[Sequence[int]], ids: list[Hashable], params: SamplingParams,
+                  gen: torch.Generator, progress: bool, on_commit: Callable[[Hashable, list[int]], None] | None,
+                  max_batch: int) -> Generator[None, None, list[RequestOutput]]:
+        if not prompts:
+            return []
+        with self.kernel_scope():
+            self.prepare()
         self.prefill_s = 0.0
         eos = self.eos_ids(params)
         done: dict[Hashable, RequestOutput] = {}
         waiting = list(zip(ids, prompts))
         bar = tqdm(total=len(prompts), desc="requests", disable=not progress, leave=False)
         self.cache, self._live = kv.GrowingCache(), []
-        with torch.inference_mode():
-            while waiting or self._live:
+        while waiting or self._live:
+            with torch.inference_mode(), self.kernel_scope():
                 if waiting and len(self._live) < max_batch:
                     join, waiting = waiting[: max_batch - len(self._live)], waiting[max_batch - len(self._live) :]
                     t0 = time.perf_counter()
@@ -239,6 +262,7 @@ class SpecEngine:
                 else:
                     self._step(params, gen, eos, on_commit)
                 self._retire(done, bar)
+            yield
         bar.close()
         self.cache = kv.GrowingCache()
         outs = [done[i] for i in ids]
