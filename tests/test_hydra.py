@@ -609,10 +609,11 @@ def test_weight_only_int8_layers_track_fp32_heads() -> None:
 
 
 def test_weight_only_int8_bf16_heads_track_bf16_heads() -> None:
-    """bf16 heads (a CPU with native bf16) take the weight-only kernel for their output rows too:
-    few-row calls stay close to the bf16 logits, a call of more rows than the cap takes the bf16
-    rows exactly; without a kernel they cannot go int8."""
+    """bf16 heads (a CPU with native bf16) take int8 output rows (FBGEMM's int8 GEMM where torch
+    has it, else the weight-only kernel): few-row calls stay close to the bf16 logits, a call of
+    more rows than the cap takes the bf16 rows exactly; without a kernel they cannot go int8."""
     from dyntree.common.hydra import INT8_MAX_ROWS
+    from dyntree.common.linear import Int8Weight, int8_available
     from dyntree.kernels.cpu_weight_only import CpuWeightOnly, cpu_kernels_available
 
     if not cpu_kernels_available():
@@ -633,6 +634,9 @@ def test_weight_only_int8_bf16_heads_track_bf16_heads() -> None:
         few, z_few = many[:4], z_ref[:4]
         assert not torch.equal(heads._out_int8(few), z_few)  # the output rows themselves run in int8
         assert (heads._out_int8(few) - z_few).abs().max() < 0.05 * (z_few.max() - z_few.min())
+        assert isinstance(heads._out_int8.small, Int8Weight) == int8_available()
+        if int8_available():  # the rows' product is FBGEMM's, of the bf16 rows
+            assert torch.equal(heads._out_int8(few), Int8Weight(heads.out_weight)(few))
     assert heads.int8
     for r, g in zip(ref, got):
         assert not torch.equal(g, r)  # the int8 product is in use
