@@ -34,8 +34,7 @@ from dyntree.standalone.engine import RequestOutput, SpecEngine
 from dyntree.standalone.target import make_hf_drafter
 
 __all__ = ["Prompt", "load_prompts", "encode_prompt", "run_bench", "run_mode", "run_lockstep", "run_hf_mode", "compare",
-           "mode_spec",
-           "MODES", "HF_MODES"]
+           "mode_spec", "MODES", "HF_MODES"]
 
 #: transformers ``generate`` keyword arguments of the ``hf*`` modes.
 HF_MODES = {"hf": {}, "hf-lookup": {"prompt_lookup_num_tokens": 10}}
@@ -220,9 +219,9 @@ def run_lockstep(
     """Bench runs of several ``(mode, spec)`` jobs over the same prompts, interleaved one unit of
     work (a prefill or a decoding step) at a time: each job's time is the sum of its own units, so
     a phase in which a shared machine runs slower hits every job alike (the units are ~20-150 ms;
-    such phases last seconds). Each unit starts the job after a different one than the last
-    cycle's (the order rotates). Each job's outputs, steps and statistics are what a run of its own
-    gives: the engines share only the model's weights."""
+    such phases last seconds). The job that goes first rotates every cycle. Each job's outputs,
+    steps and statistics are what a run of its own gives: the engines share only the model's
+    weights."""
     runs = [_ModeRun(model, tokenizer, encoded[0], m, s, params, batch_size, cost, fast_linear, fast_attention)
             for m, s in jobs]
     work = {j: r.engine.stepwise(encoded, params, ids, max_batch_size=batch_size) for j, r in enumerate(runs)}
