@@ -93,7 +93,7 @@ def test_draft_cost_starts_at_the_prior_and_learns_the_drafter() -> None:
         dc.observe(depth, nodes, 2 + 3 * depth + 0.5 * nodes + 4 * depth * rows + noise, rows)
     assert dc(8, 32) == pytest.approx(2 + 24 + 16 + 32, rel=0.03)
     assert dc(1, 4, 8) == pytest.approx(2 + 3 + 2 + 32, rel=0.05)
-    assert bool((dc.coef >= 0).all())
+    assert all(c >= 0 for c in dc.coef)
     with pytest.raises(ValueError, match="non-negative"):
         DraftCost((1.0, -1.0, 0.0, 0.0))
     with pytest.raises(ValueError, match="4 non-negative"):

@@ -341,10 +341,12 @@ class TreeBuilder:
             got = tuple(c.ids.shape) if isinstance(c, Candidates) else type(c).__name__
             raise ValueError(f"expand output for tree {b} must be Candidates with {rows} rows, got {got}")
         ids, probs, ents = c.ids.cpu(), c.probs.float().cpu(), c.entropy.float().cpu()
-        if not bool((probs >= 0).all()):  # one pass: a negative entry or a NaN fails it
+        if not probs.numel():
+            return ids, probs, ents
+        if not float(probs.min()) >= 0:  # a negative entry or a NaN fails it
             raise ValueError(f"expand output for tree {b}: candidate probabilities must be >= 0 (no NaN)")
-        live = probs > 0
-        if bool(live.any()) and (int(ids[live].min()) < 0 or (vocab is not None and int(ids[live].max()) >= vocab)):
+        low, high = torch.where(probs > 0, ids, 0).aminmax()  # the ids of candidates with mass
+        if int(low) < 0 or (vocab is not None and int(high) >= vocab):
             raise ValueError(f"expand output for tree {b}: candidate token ids must lie in [0, {vocab})")
         return ids, probs, ents
 
@@ -353,9 +355,8 @@ class TreeBuilder:
         """``[F, k]`` path values of children with confidences ``conf`` (``[F, k]``) under
         ``nodes`` (``F`` parents whose draft entropies are ``ents``), at depth ``g.depth``;
         ``ranks``: the children's candidate ranks (default: their columns, 0..k-1)."""
-        depth = torch.full(conf.shape, g.depth, dtype=torch.int64)
-        rank = (torch.arange(conf.shape[1]) if ranks is None else torch.as_tensor(ranks)).expand(conf.shape)
-        cal = self.calibrator.predict(depth, conf, ents.reshape(-1, 1).expand(conf.shape), rank)
+        rank = torch.arange(conf.shape[1]) if ranks is None else torch.as_tensor(ranks)
+        cal = self.calibrator.predict(g.depth, conf, ents.reshape(-1, 1), rank)
         return torch.tensor([g.values[i] for i in nodes]).reshape(-1, 1) * cal
 
     def _draw(self, probs: torch.Tensor, counts: Sequence[int], gen: torch.Generator | None) -> list[list[int]]:

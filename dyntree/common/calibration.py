@@ -100,15 +100,14 @@ class AcceptanceTable:
 
     def confidence_bin(self, conf: torch.Tensor) -> torch.Tensor:
         """Each confidence's bin (int64, same shape)."""
-        conf = torch.as_tensor(conf, dtype=torch.float32).clamp(0, 1)
-        n_c = self.acceptance.shape[2]
-        if self.edges is None:
-            return (conf * n_c).long().clamp(max=n_c - 1)
-        return bin_confidence(conf, self._edge_tensor)
+        return bin_confidence(conf, self.edge_tensor)
 
     @functools.cached_property
-    def _edge_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.edges, dtype=torch.float32)
+    def edge_tensor(self) -> torch.Tensor:
+        """The inner bin edges (float32): ``edges``, else the equal-width ones."""
+        n_c = self.acceptance.shape[2]
+        return torch.tensor(self.edges if self.edges is not None else [i / n_c for i in range(1, n_c)],
+                            dtype=torch.float32)
 
     @property
     def ranks(self) -> int:
@@ -161,7 +160,12 @@ class AcceptanceTable:
 
 class Calibrator:
     """Per-depth map from (draft confidence, draft entropy, candidate rank) to acceptance
-    probability: the drafter's :class:`AcceptanceTable` (or the confidence) corrected online."""
+    probability: the drafter's :class:`AcceptanceTable` (or the confidence) corrected online.
+
+    A prediction is one lookup in a grid over (depth, entropy bin, confidence bin, rank) made once
+    per update; its confidence bins are those of the online statistics and of the table together
+    (each edge of either), so one bin picks both the statistics' and the table's cell.
+    """
 
     def __init__(self, options: CalibrationOptions | None = None, table: AcceptanceTable | None = None) -> None:
         self.table = table
@@ -173,60 +177,89 @@ class Calibrator:
         # one tensor: one decay and one scatter per update
         self._stats = torch.zeros((3, *shape), dtype=torch.float64)
         self.observations = 0
-        self._ratios: torch.Tensor | None = None  # every bin's ratio (flat), until the next update
+        own = torch.tensor([i / o.confidence_bins for i in range(1, o.confidence_bins)], dtype=torch.float32)
+        edges = own if table is None else torch.cat([own, table.edge_tensor]).unique()  # sorted
+        lows = torch.cat([torch.zeros(1), edges])  # each bin's lower edge
+        self._conf_edges = edges
+        self._conf_own = torch.bucketize(lows, own, right=True)  # the statistics' bin of each bin
+        self._conf_table = None if table is None else table.confidence_bin(lows)
+        # the grid covers the deeper and lower-ranked of the statistics and the table; each of its
+        # cells reads one bin of the statistics (``_grid_bins``) and one cell of the table
+        t_d, t_r = (table.acceptance.shape[0], table.ranks) if table is not None else (0, 0)
+        self._depths, self._ranks = max(o.max_depth, t_d), max(o.rank_bins, t_r)
+        d, e, c, r = torch.meshgrid(torch.arange(self._depths), torch.arange(len(o.entropy_edges) + 1),
+                                    torch.arange(len(edges) + 1), torch.arange(self._ranks), indexing="ij")
+        self._grid_bins = self._stats_bin(d, e, c, r).flatten()
+        self._grid_base = None if table is None else table.lookup(d + 1, r, lows[c]).double().flatten()
+        self._grid: torch.Tensor | None = None  # every cell's prediction (flat), until the next update
 
-    def _bins(self, depth: torch.Tensor, conf: torch.Tensor, ent: torch.Tensor,
-              rank: torch.Tensor | None = None) -> torch.Tensor:
-        o = self.options
-        depth = torch.as_tensor(depth, dtype=torch.int64).cpu()
-        conf = torch.as_tensor(conf, dtype=torch.float32).cpu()
+    def _coords(self, depth: int | torch.Tensor, conf: torch.Tensor, ent: torch.Tensor,
+                rank: torch.Tensor | None) -> tuple[int | torch.Tensor, torch.Tensor, torch.Tensor,
+                                                    int | torch.Tensor, torch.Tensor]:
+        """``(depth - 1, entropy bin, confidence bin, rank, confidence clamped to [0, 1])`` of
+        candidates, in shapes that broadcast (``depth``: a tensor or one int for all; ``rank``:
+        default 0). A tree builder predicts one depth's candidates a call: ``[F, k]`` confidences
+        against ``[F, 1]`` entropies and ``[k]`` ranks, in a few tensor ops."""
+        conf = torch.as_tensor(conf, dtype=torch.float32).cpu().clamp(0, 1)
         ent = torch.as_tensor(ent, dtype=torch.float32).cpu().contiguous()
-        rank = torch.zeros_like(depth) if rank is None else torch.as_tensor(rank, dtype=torch.int64).cpu()
-        if not (depth.shape == conf.shape == ent.shape == rank.shape):
-            raise ValueError(
-                f"depth, conf, entropy and rank must have one shape, got {tuple(depth.shape)}, "
-                f"{tuple(conf.shape)}, {tuple(ent.shape)}, {tuple(rank.shape)}"
-            )
-        if depth.numel() and int(depth.min()) < 1:
+        r = 0 if rank is None else torch.as_tensor(rank, dtype=torch.int64).cpu().clamp(min=0)
+        if isinstance(depth, int):
+            low, d = depth, depth - 1
+        else:
+            depth = torch.as_tensor(depth, dtype=torch.int64).cpu()
+            low, d = (int(depth.min()) if depth.numel() else 1), depth - 1
+        if low < 1:
             raise ValueError("depth must be >= 1 (draft nodes; the root is not calibrated)")
-        d = depth.clamp(max=o.max_depth) - 1
         e = torch.bucketize(ent, self._edges, right=True)
-        c = (conf.clamp(0, 1) * o.confidence_bins).long().clamp_(max=o.confidence_bins - 1)
-        r = rank.clamp(0, o.rank_bins - 1)
-        n_e, n_c, n_r = len(o.entropy_edges) + 1, o.confidence_bins, o.rank_bins
-        return ((d * n_e + e) * n_c + c) * n_r + r
+        c = torch.bucketize(conf, self._conf_edges, right=True)
+        shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else () for x in (d, conf, ent, r)]
+        n = max(map(len, shapes))
+        for dims in zip(*(s[::-1] + (1,) * (n - len(s)) for s in shapes)):  # right-aligned, as torch broadcasts
+            if len(set(dims) - {1}) > 1:
+                raise ValueError("depth, conf, entropy and rank must have one shape (or broadcast to one), got "
+                                 + ", ".join(map(str, shapes)))
+        return d, e, c, r, conf
 
-    def base(self, depth: torch.Tensor, conf: torch.Tensor, rank: torch.Tensor | None = None) -> torch.Tensor:
-        """The estimate before online correction (float64, CPU): the table's, else ``conf``."""
-        conf = torch.as_tensor(conf, dtype=torch.float32).cpu()
-        if self.table is None:
-            return conf.double().clamp(0, 1)
-        rank = torch.zeros_like(conf, dtype=torch.int64) if rank is None else torch.as_tensor(rank).cpu()
-        return self.table.lookup(torch.as_tensor(depth).cpu(), rank, conf).double()
-
-    def predict(self, depth: torch.Tensor, conf: torch.Tensor, ent: torch.Tensor,
+    def predict(self, depth: int | torch.Tensor, conf: torch.Tensor, ent: torch.Tensor,
                 rank: torch.Tensor | None = None) -> torch.Tensor:
-        """Calibrated acceptance probability, same shape as ``conf`` (float32, CPU). ``rank``: each
-        candidate's rank among its siblings' candidates (0 = most likely; default 0)."""
-        ratio = self._bin_ratios()[self._bins(depth, conf, ent, rank)]
-        return (self.base(depth, conf, rank) * ratio).clamp_(0, 1).float()
+        """Calibrated acceptance probability (float32, CPU) in the shape the arguments broadcast to
+        (see :meth:`_coords`). ``rank``: each candidate's rank among its siblings' candidates (0 =
+        most likely; default 0)."""
+        d, e, c, r, conf = self._coords(depth, conf, ent, rank)
+        n_e, n_c = len(self.options.entropy_edges) + 1, len(self._conf_edges) + 1
+        flat = ((e + _cap(d, self._depths - 1) * n_e) * n_c + c) * self._ranks + _cap(r, self._ranks - 1)
+        got = self._cells()[flat]
+        return (got if self.table is not None else (conf.double() * got).clamp_(0, 1)).float()
+
+    def _cells(self) -> torch.Tensor:
+        """The grid of predictions (flat, float64): with a table, the table's estimate times the
+        bin's ratio (clamped to [0, 1]); without, the ratio that multiplies the confidence."""
+        if self._grid is None:
+            ratio = self._bin_ratios().flatten()[self._grid_bins]
+            self._grid = ratio if self._grid_base is None else (ratio * self._grid_base).clamp_(0, 1)
+        return self._grid
+
+    def _stats_bin(self, d: int | torch.Tensor, e: torch.Tensor, c: torch.Tensor, r: int | torch.Tensor) -> torch.Tensor:
+        """The statistics' flat bin of candidates at :meth:`_coords`."""
+        o = self.options
+        n_e = len(o.entropy_edges) + 1
+        return ((e + _cap(d, o.max_depth - 1) * n_e) * o.confidence_bins + self._conf_own[c]) * o.rank_bins \
+            + _cap(r, o.rank_bins - 1)
 
     def _bin_ratios(self) -> torch.Tensor:
-        """Every bin's ratio (flat), each shrunk toward its pooled parent; computed once per update
-        (the builder predicts once per depth per step and updates once per step)."""
-        if self._ratios is None:
-            w, a, e = self._stats.unbind(0)
-            n_d, n_r = w.shape[0], w.shape[-1]
-            cells = [x.sum(dim=(1, 2)) for x in (w, a, e)]  # [depth, rank]
-            overall = self._ratio(*(x.sum() for x in cells), torch.ones(()))
-            if self.table is not None:  # the table prices ranks: what drifts is each depth's level
-                by_depth = self._ratio(*(x.sum(1) for x in cells), overall.expand(n_d))
-                parent = by_depth[:, None].expand(n_d, n_r)
-            else:  # the bare confidence ignores rank, the largest error of a near-exact self-draft
-                by_rank = self._ratio(*(x.sum(0) for x in cells), overall.expand(n_r))
-                parent = self._ratio(*cells, by_rank.expand(n_d, n_r))
-            self._ratios = self._ratio(w, a, e, parent[:, None, None, :]).flatten()
-        return self._ratios
+        """Every bin's ratio ``[depth, entropy, confidence, rank]``, each shrunk toward its pooled
+        parent (computed once per update: the builder predicts once per depth per step)."""
+        w, a, e = self._stats.unbind(0)
+        n_d, n_r = w.shape[0], w.shape[-1]
+        cells = [x.sum(dim=(1, 2)) for x in (w, a, e)]  # [depth, rank]
+        overall = self._ratio(*(x.sum() for x in cells), torch.ones(()))
+        if self.table is not None:  # the table prices ranks: what drifts is each depth's level
+            by_depth = self._ratio(*(x.sum(1) for x in cells), overall.expand(n_d))
+            parent = by_depth[:, None].expand(n_d, n_r)
+        else:  # the bare confidence ignores rank, the largest error of a near-exact self-draft
+            by_rank = self._ratio(*(x.sum(0) for x in cells), overall.expand(n_r))
+            parent = self._ratio(*cells, by_rank.expand(n_d, n_r))
+        return self._ratio(w, a, e, parent[:, None, None, :])
 
     def _ratio(self, w: torch.Tensor, a: torch.Tensor, e: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
         """Measured over predicted acceptance of ``w`` observations (``a`` accepted, base estimates
@@ -237,17 +270,18 @@ class Calibrator:
     def update(self, depth: torch.Tensor, conf: torch.Tensor, ent: torch.Tensor, accepted: torch.Tensor,
                rank: torch.Tensor | None = None) -> None:
         """Fold in observations: each judged draft node and whether the target accepted it."""
-        flat = self._bins(depth, conf, ent, rank)
+        d, e, c, r, conf = self._coords(depth, conf, ent, rank)
+        flat = self._stats_bin(d, e, c, r)
         acc = torch.as_tensor(accepted).cpu().to(torch.float64)
         if acc.shape != flat.shape:
             raise ValueError(f"accepted must have shape {tuple(flat.shape)}, got {tuple(acc.shape)}")
         n = flat.numel()
         if n == 0:
             return
-        self._ratios = None
+        self._grid = None
         self._stats.mul_(self.options.decay**n)
-        base = self.base(depth, conf, rank).reshape(flat.shape)
-        seen = torch.stack([torch.ones(n, dtype=torch.float64), acc.reshape(-1), base.reshape(-1)])
+        base = conf if self.table is None else self.table.lookup(d + 1, r, conf)
+        seen = torch.stack([torch.ones(n, dtype=torch.float64), acc.reshape(-1), base.double().expand(flat.shape).reshape(-1)])
         self._stats.view(3, -1).index_add_(1, flat.reshape(-1), seen)
         self.observations += n
 
@@ -276,14 +310,20 @@ class Calibrator:
             )
         if node_entropy.shape != (tree.size,):
             raise ValueError(f"node_entropy must have shape [{tree.size}], got {tuple(node_entropy.shape)}")
-        on_path = torch.zeros(tree.size, dtype=torch.bool)
-        on_path[list(accepted_nodes)] = True
-        if tree.size == 1:
+        on_path = set(accepted_nodes)
+        if on_path and (min(on_path) < 0 or max(on_path) >= tree.size):
+            raise ValueError(f"accepted_nodes {list(accepted_nodes)} name nodes outside the tree of {tree.size}")
+        parents = tree.parents.tolist()
+        judged = [i for i in range(1, tree.size) if parents[i] in on_path]
+        if not judged:
             return 0
-        judged = torch.zeros(tree.size, dtype=torch.bool)
-        judged[1:] = on_path[tree.parents[1:]]
-        idx = torch.nonzero(judged).flatten()
+        idx = torch.tensor(judged)
         ranks = getattr(tree, "ranks", None)
-        self.update(tree.depths[idx], tree.draft_probs[idx].cpu(), node_entropy.cpu()[idx], on_path[idx],
-                    ranks[idx] if ranks is not None else None)
-        return int(idx.numel())
+        self.update(tree.depths[idx], tree.draft_probs[idx].cpu(), node_entropy.cpu()[idx],
+                    torch.tensor([i in on_path for i in judged]), ranks[idx] if ranks is not None else None)
+        return len(judged)
+
+
+def _cap(x: int | torch.Tensor, top: int) -> int | torch.Tensor:
+    """``min(x, top)`` of an int or, elementwise, a tensor."""
+    return min(x, top) if isinstance(x, int) else x.clamp(max=top)

@@ -242,18 +242,17 @@ class DraftCost:
     def __init__(self, prior: Sequence[float], forget: float = 0.98, prior_weight: float = 1.0) -> None:
         if len(prior) != 4 or any(not c >= 0 for c in prior):
             raise ValueError(f"DraftCost prior must be 4 non-negative coefficients, got {prior}")
-        self.prior = torch.tensor(prior, dtype=torch.float64)
-        self.forget = forget
-        self.ridge = prior_weight * torch.eye(4, dtype=torch.float64)
-        self._xx = torch.zeros(4, 4, dtype=torch.float64)
-        self._xy = torch.zeros(4, dtype=torch.float64)
-        self.coef = self.prior.clone()
-        self._abce = tuple(self.coef.tolist())  # the planner calls this per candidate: plain floats
+        # plain floats: a 4 x 4 solve per step costs less in Python than in tensor-op dispatch
+        self.prior = tuple(float(c) for c in prior)
+        self.forget, self.prior_weight = forget, prior_weight
+        self._xx = [[0.0] * 4 for _ in range(4)]
+        self._xy = [0.0] * 4
+        self.coef = self.prior
 
     def __call__(self, depth: int, nodes: int, rows: int = 1) -> float:
         if nodes <= 0:
             return 0.0
-        a, b, c, e = self._abce
+        a, b, c, e = self.coef
         return a + b * depth + c * nodes + e * depth * rows
 
     def observe(self, depth: int, nodes: int, ms: float, rows: int = 1) -> None:
@@ -261,12 +260,28 @@ class DraftCost:
         if nodes <= 0 or depth <= 0 or rows <= 0 or not ms >= 0:
             raise ValueError(f"DraftCost.observe({depth}, {nodes}, {ms}, {rows}): depth, nodes, rows > 0 and "
                              "ms >= 0 needed")
-        x = torch.tensor([1.0, depth, nodes, depth * rows], dtype=torch.float64)
-        self._xx = self.forget * self._xx + torch.outer(x, x)
-        self._xy = self.forget * self._xy + x * ms
-        coef = torch.linalg.solve(self._xx + self.ridge, self._xy + self.ridge @ self.prior)
-        self.coef = coef.clamp_min(0.0)
-        self._abce = tuple(self.coef.tolist())
+        x, f, w = (1.0, float(depth), float(nodes), float(depth * rows)), self.forget, self.prior_weight
+        self._xx = [[f * v + xi * xj for v, xj in zip(row, x)] for row, xi in zip(self._xx, x)]
+        self._xy = [f * v + xi * ms for v, xi in zip(self._xy, x)]
+        ridged = [[v + (w if i == j else 0.0) for j, v in enumerate(row)] for i, row in enumerate(self._xx)]
+        coef = _solve(ridged, [v + w * p for v, p in zip(self._xy, self.prior)])
+        self.coef = tuple(max(c, 0.0) for c in coef)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """``x`` with ``a x = b`` for a small non-singular ``a`` (Gaussian elimination, partial pivoting)."""
+    n = len(b)
+    m = [row[:] + [v] for row, v in zip(a, b)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            k = m[r][col] / m[col][col]
+            m[r] = [v - k * p for v, p in zip(m[r], m[col])]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
 
 
 @dataclass

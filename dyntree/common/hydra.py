@@ -306,7 +306,8 @@ class PrefixAttention(nn.Module):
         return angles.cos(), angles.sin()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """RoPE: ``x`` ``[B, H, T, head_dim]`` rotated by the angles of :meth:`_angles`."""
+        """RoPE: ``x`` ``[..., B, H, T, head_dim]`` (queries and keys at once) rotated by the angles
+        of :meth:`_angles`."""
         half = self.head_dim // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -321,14 +322,17 @@ class PrefixAttention(nn.Module):
         """Run the layer over new positions that follow ``past`` (see :meth:`HydraHeads.prefix_forward`)."""
         b, t, d = hidden.shape
         past = past if past is not None else self.empty_kv(b, hidden)
-        q, k, v = self.qkv(self.attn_norm(hidden)).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(self.attn_norm(hidden)).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         cos, sin = self._angles(positions)
-        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        (q, k), v = self._rotate(qkv[:2], cos, sin), qkv[2]
         new_mask = valid if valid is not None else torch.ones(b, t, dtype=torch.bool, device=hidden.device)
         kv = past.extend(k, v, new_mask)
-        causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
-        see = torch.cat([past.mask[:, None, :].expand(b, t, past.length), causal.expand(b, t, t)], dim=-1)
-        attn = F.scaled_dot_product_attention(q, kv.keys, kv.values, attn_mask=see[:, None])
+        if t == 1 and bool(kv.mask.all()):  # one new position that sees every slot: no mask
+            see = None
+        else:
+            causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
+            see = torch.cat([past.mask[:, None, :].expand(b, t, past.length), causal.expand(b, t, t)], dim=-1)[:, None]
+        attn = F.scaled_dot_product_attention(q, kv.keys, kv.values, attn_mask=see)
         h = hidden + self.o_proj(attn.transpose(1, 2).reshape(b, t, d))
         gate, up = self.gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
         out = h + self.down(F.silu(gate) * up)

@@ -175,16 +175,18 @@ class HydraDrafter(Drafter):
         if self.context:  # a layer that starts reads only the last ``context`` positions
             rows = [x[-self.context :] if s.kv is None else x for s, x in zip(todo, rows)]
         width = max(x.shape[0] for x in rows)
-        hidden = torch.zeros(len(todo), width, self.heads.config.hidden_size, device=self.device, dtype=self.dtype)
-        valid = torch.zeros(len(todo), width, dtype=torch.bool, device=self.device)
-        for b, x in enumerate(rows):
-            hidden[b, : x.shape[0]] = x
-            valid[b, : x.shape[0]] = True
+        if all(x.shape[0] == width for x in rows):  # no padding (a lone request, every decoding step)
+            hidden, valid = torch.stack(rows), None
+        else:
+            hidden = torch.zeros(len(todo), width, self.heads.config.hidden_size, device=self.device, dtype=self.dtype)
+            valid = torch.zeros(len(todo), width, dtype=torch.bool, device=self.device)
+            for b, x in enumerate(rows):
+                hidden[b, : x.shape[0]] = x
+                valid[b, : x.shape[0]] = True
         have = torch.tensor([s.pushed - x.shape[0] for s, x in zip(todo, rows)], device=self.device)
         positions = have[:, None] + torch.arange(width, device=self.device)
         assert self.heads.prefix is not None
-        empty = self.heads.prefix.empty_kv(1, hidden)
-        past = PrefixKV.stack([s.kv if s.kv is not None else empty for s in todo])
+        past = PrefixKV.stack([s.kv if s.kv is not None else self.heads.prefix.empty_kv(1, hidden) for s in todo])
         with torch.inference_mode():
             out, kv = self.heads.prefix_forward(hidden, positions, past, valid)
         for b, (s, x) in enumerate(zip(todo, rows)):
@@ -205,16 +207,19 @@ class HydraDrafter(Drafter):
                 if inputs[b] is not None and len(path) <= self.heads.num_heads:
                     by_depth.setdefault(len(path), []).append((b, row, path))
                 row += 1
-        out = Candidates.empty(rows, k)
         token_map = self.heads.token_map if self.heads.config.reduced_vocab else None
+        out = None
         for depth, items in by_depth.items():
             hidden = torch.stack([inputs[b] for b, _, _ in items])
             path = torch.tensor([p for _, _, p in items], dtype=torch.int64, device=self.device)
             c = top_candidates(self.heads.head_logits(depth, hidden, path), k, shaping, token_map)
+            if len(items) == rows and c.ids.shape[1] == k:  # every row, in order: the candidates as they are
+                return c
+            out = out if out is not None else Candidates.empty(rows, k)
             idx = torch.tensor([r for _, r, _ in items])
             width = c.ids.shape[1]
             out.ids[idx, :width], out.probs[idx, :width], out.entropy[idx] = c.ids, c.probs, c.entropy
-        return out
+        return out if out is not None else Candidates.empty(rows, k)
 
 
 def make_hydra_drafter(options: str | None = None, *, target: TargetInfo | None = None, **_: object) -> HydraDrafter:
