@@ -327,12 +327,16 @@ class PrefixAttention(nn.Module):
         (q, k), v = self._rotate(qkv[:2], cos, sin), qkv[2]
         new_mask = valid if valid is not None else torch.ones(b, t, dtype=torch.bool, device=hidden.device)
         kv = past.extend(k, v, new_mask)
-        if t == 1 and bool(kv.mask.all()):  # one new position that sees every slot: no mask
-            see = None
+        if t == 1 and bool(kv.mask.all()):
+            # one new position that sees every slot (a decoding step): no mask, and plain products
+            # (torch's CPU flash kernel costs 2.4x as much for one query: 189 vs 78 us against 300
+            # slots, bf16, 2-core EPYC)
+            scores = (q @ kv.keys.transpose(-1, -2)).float() * self.head_dim**-0.5
+            attn = torch.softmax(scores, dim=-1).to(kv.values.dtype) @ kv.values
         else:
             causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
-            see = torch.cat([past.mask[:, None, :].expand(b, t, past.length), causal.expand(b, t, t)], dim=-1)[:, None]
-        attn = F.scaled_dot_product_attention(q, kv.keys, kv.values, attn_mask=see)
+            see = torch.cat([past.mask[:, None, :].expand(b, t, past.length), causal.expand(b, t, t)], dim=-1)
+            attn = F.scaled_dot_product_attention(q, kv.keys, kv.values, attn_mask=see[:, None])
         h = hidden + self.o_proj(attn.transpose(1, 2).reshape(b, t, d))
         gate, up = self.gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
         out = h + self.down(F.silu(gate) * up)
