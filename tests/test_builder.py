@@ -232,6 +232,23 @@ def test_calibrator_starts_at_identity_and_learns() -> None:
         cal.predict(torch.tensor([0]), torch.tensor([0.5]), torch.zeros(1))
 
 
+def test_calibrator_refreshes_its_predictions_every_refresh_observations() -> None:
+    """Observations are folded in at once, the predictions made anew once ``refresh`` of them came."""
+    one = torch.ones(1, dtype=torch.int64)
+
+    def fed(cal: Calibrator, n: int) -> float:
+        for _ in range(n):  # a drafter whose depth-1 drafts of confidence 0.5 are always rejected
+            cal.update(one, torch.full((1,), 0.5), torch.zeros(1), torch.zeros(1, dtype=torch.bool))
+        return float(cal.predict(1, torch.tensor([0.5]), torch.zeros(1)))
+
+    lazy = Calibrator(CalibrationOptions(prior_strength=4.0, decay=1.0, refresh=8))
+    assert fed(lazy, 0) == pytest.approx(0.5)
+    assert fed(lazy, 7) == pytest.approx(0.5)  # 7 of 8: the grid of no evidence still stands
+    after = fed(lazy, 1)
+    eager = Calibrator(CalibrationOptions(prior_strength=4.0, decay=1.0, refresh=1))
+    assert fed(eager, 1) < 0.5 and after == pytest.approx(fed(eager, 7)) and after < 0.2
+
+
 def _rank_table(rates_by_depth: list[list[float]], bins: int = 4) -> AcceptanceTable:
     """A table whose acceptance depends on depth and rank only."""
     acc = torch.tensor(rates_by_depth)[:, :, None].expand(-1, -1, bins).contiguous()

@@ -162,9 +162,10 @@ class Calibrator:
     """Per-depth map from (draft confidence, draft entropy, candidate rank) to acceptance
     probability: the drafter's :class:`AcceptanceTable` (or the confidence) corrected online.
 
-    A prediction is one lookup in a grid over (depth, entropy bin, confidence bin, rank) made once
-    per update; its confidence bins are those of the online statistics and of the table together
-    (each edge of either), so one bin picks both the statistics' and the table's cell.
+    A prediction is one lookup in a grid over (depth, entropy bin, confidence bin, rank) made anew
+    once ``options.refresh`` observations have come in since the last one; its confidence bins are
+    those of the online statistics and of the table together (each edge of either), so one bin
+    picks both the statistics' and the table's cell.
     """
 
     def __init__(self, options: CalibrationOptions | None = None, table: AcceptanceTable | None = None) -> None:
@@ -191,7 +192,8 @@ class Calibrator:
                                     torch.arange(len(edges) + 1), torch.arange(self._ranks), indexing="ij")
         self._grid_bins = self._stats_bin(d, e, c, r).flatten()
         self._grid_base = None if table is None else table.lookup(d + 1, r, lows[c]).double().flatten()
-        self._grid: torch.Tensor | None = None  # every cell's prediction (flat), until the next update
+        self._grid: torch.Tensor | None = None  # every cell's prediction (flat), until the next refresh
+        self._unseen = 0  # observations folded in since the grid was made
 
     def _coords(self, depth: int | torch.Tensor, conf: torch.Tensor, ent: torch.Tensor,
                 rank: torch.Tensor | None) -> tuple[int | torch.Tensor, torch.Tensor, torch.Tensor,
@@ -248,7 +250,7 @@ class Calibrator:
 
     def _bin_ratios(self) -> torch.Tensor:
         """Every bin's ratio ``[depth, entropy, confidence, rank]``, each shrunk toward its pooled
-        parent (computed once per update: the builder predicts once per depth per step)."""
+        parent (computed once per refresh of the grid)."""
         w, a, e = self._stats.unbind(0)
         n_d, n_r = w.shape[0], w.shape[-1]
         cells = [x.sum(dim=(1, 2)) for x in (w, a, e)]  # [depth, rank]
@@ -278,7 +280,9 @@ class Calibrator:
         n = flat.numel()
         if n == 0:
             return
-        self._grid = None
+        self._unseen += n
+        if self._unseen >= self.options.refresh:
+            self._grid, self._unseen = None, 0
         self._stats.mul_(self.options.decay**n)
         base = conf if self.table is None else self.table.lookup(d + 1, r, conf)
         seen = torch.stack([torch.ones(n, dtype=torch.float64), acc.reshape(-1), base.double().expand(flat.shape).reshape(-1)])

@@ -39,6 +39,11 @@ class CalibrationOptions(BaseModel):
     decay: float = Field(
         0.999, gt=0, le=1, description="per-observation decay of old evidence (1 = never forget)"
     )
+    refresh: int = Field(
+        32, ge=1, description="observations folded in before the predictions are recomputed (1: after every "
+        "update; a recomputation cost ~0.7 ms of a decoding step on a 2-core CPU, and 32 observations move "
+        "the evidence by ~3%)"
+    )
 
     @model_validator(mode="after")
     def _edges_increasing(self) -> "CalibrationOptions":
