@@ -543,7 +543,7 @@ class HydraHeads(nn.Module):
                 layer's outputs at those positions).
             path: ``[N, k]`` full-vocabulary ids: the root followed by the ``k-1`` drafted tokens.
         Returns:
-            ``[N, out_vocab]`` logits.
+            ``[N, out_vocab]`` logits: fp32 from FBGEMM's int8 rows, else in the heads' dtype.
         """
         if not 1 <= k <= self.num_heads:
             raise ValueError(f"head index k={k} outside 1..{self.num_heads}")

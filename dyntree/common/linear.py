@@ -386,7 +386,9 @@ def int8_available() -> bool:
 
 class Int8Weight:
     """``x @ W.T`` with ``W`` in int8, one symmetric scale per output row, and ``x``
-    quantized per call (FBGEMM's dynamic int8 GEMM; CPU, fp32 in and out). Activations use 7 bits
+    quantized per call (FBGEMM's dynamic int8 GEMM; CPU, fp32 in and out: a half-precision ``x``
+    is widened, and the fp32 product returned as it is, so a softmax after it needs no second
+    conversion of ``[rows, out_features]``). Activations use 7 bits
     (``reduce_range``): full 8-bit activations saturate AVX2's int8 multiply-add and cost ~10% of
     the logits' range in error, against ~1-2%."""
 
@@ -404,4 +406,4 @@ class Int8Weight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()
         out = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
