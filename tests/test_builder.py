@@ -436,3 +436,7 @@ def test_top_candidates_probs_and_entropy_match_softmax() -> None:
     some_inf = logits[:1].clone()
     some_inf[0, :100] = float("-inf")  # tokens the drafter rules out: still a finite entropy
     assert torch.isfinite(top_candidates(some_inf, 4).entropy).all()
+    broken = logits[:1].clone()
+    broken[0, 7] = float("nan")  # a NaN logit is not a dead row: it stays NaN and the builder refuses it
+    with pytest.raises(ValueError, match="no NaN"):
+        TreeBuilder._check(0, top_candidates(broken, 4), 1, None)

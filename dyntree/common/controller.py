@@ -58,8 +58,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Hashable, Literal, Mapping, Sequence
 
-import torch
-
 from dyntree.common.options import ControllerOptions
 from dyntree.common.tree import DraftTree
 

@@ -141,6 +141,7 @@ def top_candidates(
         ent = entropy(probs)
     dead = ent.isnan()  # a row of all -inf: NaN probabilities (softmax over nothing)
     if bool(dead.any()):
+        dead &= torch.isneginf(x.amax(dim=-1))  # a NaN logit stays NaN: the builder refuses it
         probs.masked_fill_(dead[:, None], 0.0)
         ent.masked_fill_(dead, 0.0)
     top_p, top_i = topk_rows(probs, min(k, probs.shape[-1]))
