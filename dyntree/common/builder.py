@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -147,6 +147,34 @@ def draw_children(
     return [rows[i][: counts[i]] for i in range(f)]
 
 
+class _Rows(NamedTuple):
+    """One tree's candidates at one depth, checked: tensors, and the same as Python lists (a tree's
+    rows are a few dozen numbers, which a list pass reads faster than a tensor operation each)."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+    ents: torch.Tensor
+    id_list: list[list[int]]
+    p_list: list[list[float]]
+    e_list: list[float]
+
+
+def _depth_first(keep: list[int], parents: list[int]) -> list[int]:
+    """``keep`` (ancestor-closed, root first) in depth-first order, each node's children in their
+    order in ``keep`` (the builder adds a node's children likeliest first). The chain of first
+    children, the drafter's likeliest path, then comes first: when the target accepts it, the
+    accepted nodes already sit in the slots after the committed tokens and no KV moves."""
+    children: dict[int, list[int]] = {i: [] for i in keep}
+    for i in keep[1:]:
+        children[parents[i]].append(i)
+    order, stack = [], [keep[0]]
+    while stack:
+        i = stack.pop()
+        order.append(i)
+        stack.extend(reversed(children[i]))
+    return order
+
+
 @dataclass
 class _Growth:
     """Mutable state of one tree being grown."""
@@ -206,6 +234,7 @@ class TreeBuilder:
         self.options = options or TreeOptions()
         self.calibrator = calibrator or Calibrator(self.options.calibration)
         self.candidates_per_node = candidates_per_node
+        self._columns: dict[int, torch.Tensor] = {}  # k -> arange(k): the ranks of k candidate columns
 
     # -- public API -----------------------------------------------------------------------------
     def build(
@@ -286,19 +315,19 @@ class TreeBuilder:
             for b, (g, c) in enumerate(zip(growths, outs)):
                 if not g.frontier:
                     continue
-                ids, probs, ents = self._check(b, c, len(g.frontier), vocab_size)
+                rows = self._check(b, c, len(g.frontier), vocab_size)
                 if sampling:
-                    for node, row_ids, row_p in zip(g.frontier, ids.tolist(), probs.tolist()):
+                    for node, row_ids, row_p in zip(g.frontier, rows.id_list, rows.p_list):
                         g.dists[node] = (row_ids, row_p)
                 g.depth += 1
                 if mode == "chain":
-                    self._grow_chain(g, ids, probs, ents, sampling, generator)
+                    self._grow_chain(g, rows, sampling, generator)
                 elif mode == "static":
-                    self._grow_static(g, ids, probs, ents, shape, sampling, generator)
+                    self._grow_static(g, rows, shape, sampling, generator)
                 elif mode == "beam":
-                    self._grow_beam(g, ids, probs, ents, beam)
+                    self._grow_beam(g, rows, beam)
                 else:
-                    self._grow_dyntree(g, ids, probs, ents, sampling, generator)
+                    self._grow_dyntree(g, rows, sampling, generator)
                 if g.depth >= g.max_depth or g.drafted >= g.max_nodes and (sampling or mode != "dyntree"):
                     g.frontier = []
         return [self._finish(g, sampling, vocab_size, mode) for g in growths]
@@ -335,49 +364,53 @@ class TreeBuilder:
         return width, beam[1] or width
 
     @staticmethod
-    def _check(b: int, c: Candidates, rows: int, vocab: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _check(b: int, c: Candidates, rows: int, vocab: int | None) -> _Rows:
         """The candidates of tree ``b`` on the CPU, checked."""
         if not isinstance(c, Candidates) or c.ids.shape[0] != rows:
             got = tuple(c.ids.shape) if isinstance(c, Candidates) else type(c).__name__
             raise ValueError(f"expand output for tree {b} must be Candidates with {rows} rows, got {got}")
         ids, probs, ents = c.ids.cpu(), c.probs.float().cpu(), c.entropy.float().cpu()
-        if not probs.numel():
-            return ids, probs, ents
-        if not float(probs.min()) >= 0:  # a negative entry or a NaN fails it
+        id_list, p_list = ids.tolist(), probs.tolist()
+        if not all(x >= 0 for row in p_list for x in row):  # a negative entry or a NaN fails it
             raise ValueError(f"expand output for tree {b}: candidate probabilities must be >= 0 (no NaN)")
-        low, high = torch.where(probs > 0, ids, 0).aminmax()  # the ids of candidates with mass
-        if int(low) < 0 or (vocab is not None and int(high) >= vocab):
+        top = vocab if vocab is not None else math.inf
+        if not all(0 <= t < top for i_row, p_row in zip(id_list, p_list) for t, x in zip(i_row, p_row) if x > 0):
             raise ValueError(f"expand output for tree {b}: candidate token ids must lie in [0, {vocab})")
-        return ids, probs, ents
+        return _Rows(ids, probs, ents, id_list, p_list, ents.tolist())
 
     def _values(self, g: _Growth, nodes: list[int], conf: torch.Tensor, ents: torch.Tensor,
                 ranks: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """``[F, k]`` path values of children with confidences ``conf`` (``[F, k]``) under
         ``nodes`` (``F`` parents whose draft entropies are ``ents``), at depth ``g.depth``;
         ``ranks``: the children's candidate ranks (default: their columns, 0..k-1)."""
-        rank = torch.arange(conf.shape[1]) if ranks is None else torch.as_tensor(ranks)
-        cal = self.calibrator.predict(g.depth, conf, ents.reshape(-1, 1), rank)
-        return torch.tensor([g.values[i] for i in nodes]).reshape(-1, 1) * cal
+        k = conf.shape[1]
+        if ranks is None:  # the columns' ranks, made once per width
+            ranks = self._columns.get(k)
+            if ranks is None:
+                ranks = self._columns[k] = torch.arange(k)
+        cal = self.calibrator.predict(g.depth, conf, ents.reshape(-1, 1), ranks)
+        return torch.tensor([[g.values[i]] for i in nodes]) * cal
 
     def _draw(self, probs: torch.Tensor, counts: Sequence[int], gen: torch.Generator | None) -> list[list[int]]:
         return draw_children(probs, counts, self.options.sampling_scheme, gen)
 
-    def _grow_chain(self, g: _Growth, ids: torch.Tensor, probs: torch.Tensor, ents: torch.Tensor,
-                    sampling: bool, gen: torch.Generator | None) -> None:
+    def _grow_chain(self, g: _Growth, rows: _Rows, sampling: bool, gen: torch.Generator | None) -> None:
         node = g.frontier[0]
         g.frontier = []
-        if not bool((probs[0] > 0).any()):
+        row = rows.p_list[0]
+        if not any(x > 0 for x in row):
             return
-        j = self._draw(probs[:1], [1], gen)[0][0] if sampling else 0
-        p = probs[0, j] / probs[0].sum() if sampling else probs[0, j]
-        value = float(self._values(g, [node], p.reshape(1, 1), ents[:1], [j])[0, 0])
-        g.frontier = [g.add(node, int(ids[0, j]), float(p), float(ents[0]), value, j)]
+        j = self._draw(rows.probs[:1], [1], gen)[0][0] if sampling else 0
+        p = float(rows.probs[0, j] / rows.probs[0].sum()) if sampling else row[j]
+        value = float(self._values(g, [node], torch.tensor([[p]]), rows.ents[:1], [j])[0, 0])
+        g.frontier = [g.add(node, rows.id_list[0][j], p, rows.e_list[0], value, j)]
 
-    def _grow_static(self, g: _Growth, ids: torch.Tensor, probs: torch.Tensor, ents: torch.Tensor,
-                     shape: tuple[tuple[int, ...], ...], sampling: bool, gen: torch.Generator | None) -> None:
+    def _grow_static(self, g: _Growth, rows: _Rows, shape: tuple[tuple[int, ...], ...], sampling: bool,
+                     gen: torch.Generator | None) -> None:
+        probs, ents = rows.probs, rows.ents
         allowed = [p for p in shape if len(p) <= g.max_depth][: g.max_nodes]
         allowed_set = set(allowed)
-        support = (probs > 0).sum(-1).tolist()
+        support = [sum(x > 0 for x in row) for row in rows.p_list]
         child_ranks = []
         for node, n_support in zip(g.frontier, support):
             base = g.shape_path[node]
@@ -396,23 +429,22 @@ class TreeBuilder:
             vals = self._values(g, [node], conf[None], ents[f : f + 1], col)[0]
             for r, j, c, v in zip(ranks, col, conf.tolist(), vals.tolist()):
                 path = g.shape_path[node] + (r,)
-                child = g.add(node, int(ids[f, j]), c, float(ents[f]), v, j, path)
+                child = g.add(node, rows.id_list[f][j], c, rows.e_list[f], v, j, path)
                 if any(len(p) == len(path) + 1 and p[:-1] == path for p in allowed_set):
                     new.append(child)
         g.frontier = new
 
-    def _grow_beam(self, g: _Growth, ids: torch.Tensor, probs: torch.Tensor, ents: torch.Tensor,
-                   beam: tuple[int | None, int | None]) -> None:
+    def _grow_beam(self, g: _Growth, rows: _Rows, beam: tuple[int | None, int | None]) -> None:
         width, topk = self._beam(g, beam)
         room = g.max_nodes - g.drafted
-        p_list, i_list = probs[:, :topk].tolist(), ids[:, :topk].tolist()
-        cands = [(g.logp[node] + math.log(p), f, j) for f, (node, row) in enumerate(zip(g.frontier, p_list))
-                 for j, p in enumerate(row) if p > 0]
+        cands = [(g.logp[node] + math.log(p), f, j) for f, (node, row) in enumerate(zip(g.frontier, rows.p_list))
+                 for j, p in enumerate(row[:topk]) if p > 0]
         cands.sort(key=lambda c: -c[0])  # stable: frontier order, then rank
         keep = cands[: min(width, room)]
         frontier = list(g.frontier)
-        vals = self._values(g, frontier, probs[:, :topk], ents)
-        g.frontier = [g.add(frontier[f], i_list[f][j], p_list[f][j], float(ents[f]), float(vals[f, j]), j)
+        conf = rows.probs if rows.probs.shape[1] <= topk else rows.probs[:, :topk]
+        vals = self._values(g, frontier, conf, rows.ents).tolist()
+        g.frontier = [g.add(frontier[f], rows.id_list[f][j], rows.p_list[f][j], rows.e_list[f], vals[f][j], j)
                       for _, f, j in keep]
 
     def _max_children(self, ents: torch.Tensor) -> torch.Tensor:
@@ -423,9 +455,9 @@ class TreeBuilder:
             frac = ((ents - o.entropy_low) / (o.entropy_high - o.entropy_low)).clamp(0, 1)
         return 1 + torch.round(frac * (o.max_children - 1)).long()
 
-    def _grow_dyntree(self, g: _Growth, ids: torch.Tensor, probs: torch.Tensor, ents: torch.Tensor,
-                      sampling: bool, gen: torch.Generator | None) -> None:
+    def _grow_dyntree(self, g: _Growth, rows: _Rows, sampling: bool, gen: torch.Generator | None) -> None:
         o = self.options
+        probs, ents = rows.probs, rows.ents
         offered = self._offered()
         k = torch.full_like(ents, offered, dtype=torch.int64) if offered is not None else self._max_children(ents)
         k = torch.minimum(k, (probs > 0).sum(-1))  # draws without replacement need that many tokens with mass
@@ -453,12 +485,13 @@ class TreeBuilder:
                 conf = q[f, cols]
                 child_vals = self._values(g, [node], conf[None], ents[f : f + 1], cols)[0]
                 for j, c, v in zip(cols, conf.tolist(), child_vals.tolist()):
-                    new.append((v, g.add(node, int(ids[f, j]), c, float(ents[f]), v, j)))
+                    new.append((v, g.add(node, rows.id_list[f][j], c, rows.e_list[f], v, j)))
         else:  # greedy children are the chosen candidates themselves: their values are known
-            p_list, i_list, v_list, e_list = top_p.tolist(), ids[:, :kmax].tolist(), vals.tolist(), ents.tolist()
+            v_list = vals.tolist()
             for c in chosen:  # sorted: parents in frontier order, each one's children in rank order
                 f, j = divmod(c, kmax)
-                new.append((v_list[f][j], g.add(g.frontier[f], i_list[f][j], p_list[f][j], e_list[f], v_list[f][j], j)))
+                new.append((v_list[f][j], g.add(g.frontier[f], rows.id_list[f][j], rows.p_list[f][j], rows.e_list[f],
+                                                v_list[f][j], j)))
         new.sort(key=lambda t: (-t[0], t[1]))
         g.frontier = [i for v, i in new[: o.max_frontier] if v >= o.threshold]
         if not sampling and g.frontier and g.drafted >= g.max_nodes:
@@ -474,6 +507,7 @@ class TreeBuilder:
         if not sampling and mode == "dyntree" and g.drafted > g.max_nodes:
             order = sorted(range(1, len(g.tokens)), key=lambda i: (-g.values[i], i))
             keep = [0] + sorted(order[: g.max_nodes])
+        keep = _depth_first(keep, g.parents)
         remap = {old: new for new, old in enumerate(keep)}
         parents = [-1] + [remap[g.parents[i]] for i in keep[1:]]
         dists = None

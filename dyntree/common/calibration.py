@@ -190,9 +190,9 @@ class Calibrator:
         self._depths, self._ranks = max(o.max_depth, t_d), max(o.rank_bins, t_r)
         d, e, c, r = torch.meshgrid(torch.arange(self._depths), torch.arange(len(o.entropy_edges) + 1),
                                     torch.arange(len(edges) + 1), torch.arange(self._ranks), indexing="ij")
-        self._grid_bins = self._stats_bin(d, e, c, r).flatten()
-        self._grid_base = None if table is None else table.lookup(d + 1, r, lows[c]).double().flatten()
-        self._grid: torch.Tensor | None = None  # every cell's prediction (flat), until the next refresh
+        self._grid_bins = self._stats_bin(d, e, c, r)  # each grid cell's bin of the statistics
+        self._grid_base = None if table is None else table.lookup(d + 1, r, lows[c]).double()  # and the table's estimate
+        self._grid: torch.Tensor | None = None  # every cell's prediction, until the next refresh
         self._unseen = 0  # observations folded in since the grid was made
 
     def _coords(self, depth: int | torch.Tensor, conf: torch.Tensor, ent: torch.Tensor,
@@ -200,11 +200,11 @@ class Calibrator:
                                                     int | torch.Tensor, torch.Tensor]:
         """``(depth - 1, entropy bin, confidence bin, rank, confidence clamped to [0, 1])`` of
         candidates, in shapes that broadcast (``depth``: a tensor or one int for all; ``rank``:
-        default 0). A tree builder predicts one depth's candidates a call: ``[F, k]`` confidences
-        against ``[F, 1]`` entropies and ``[k]`` ranks, in a few tensor ops."""
+        default 0; ranks are not yet capped: :func:`_cap`). A tree builder predicts one depth's
+        candidates a call: ``[F, k]`` confidences against ``[F, 1]`` entropies and ``[k]`` ranks."""
         conf = torch.as_tensor(conf, dtype=torch.float32).cpu().clamp(0, 1)
         ent = torch.as_tensor(ent, dtype=torch.float32).cpu().contiguous()
-        r = 0 if rank is None else torch.as_tensor(rank, dtype=torch.int64).cpu().clamp(min=0)
+        r = 0 if rank is None else torch.as_tensor(rank, dtype=torch.int64).cpu()
         if isinstance(depth, int):
             low, d = depth, depth - 1
         else:
@@ -222,23 +222,28 @@ class Calibrator:
                                  + ", ".join(map(str, shapes)))
         return d, e, c, r, conf
 
+    def _cell(self, d: int | torch.Tensor, e: torch.Tensor, c: torch.Tensor,
+              r: int | torch.Tensor) -> tuple[int | torch.Tensor, torch.Tensor, torch.Tensor, int | torch.Tensor]:
+        """The grid's index of candidates at :meth:`_coords` (depth and rank capped to the grid)."""
+        return _cap(d, self._depths - 1), e, c, _cap(r, self._ranks - 1)
+
     def predict(self, depth: int | torch.Tensor, conf: torch.Tensor, ent: torch.Tensor,
                 rank: torch.Tensor | None = None) -> torch.Tensor:
         """Calibrated acceptance probability (float32, CPU) in the shape the arguments broadcast to
         (see :meth:`_coords`). ``rank``: each candidate's rank among its siblings' candidates (0 =
         most likely; default 0)."""
         d, e, c, r, conf = self._coords(depth, conf, ent, rank)
-        n_e, n_c = len(self.options.entropy_edges) + 1, len(self._conf_edges) + 1
-        flat = ((e + _cap(d, self._depths - 1) * n_e) * n_c + c) * self._ranks + _cap(r, self._ranks - 1)
-        got = self._cells()[flat]
-        return (got if self.table is not None else (conf.double() * got).clamp_(0, 1)).float()
+        got = self._cells()[self._cell(d, e, c, r)]
+        return got if self.table is not None else (conf * got).clamp_(0, 1)
 
     def _cells(self) -> torch.Tensor:
-        """The grid of predictions (flat, float64): with a table, the table's estimate times the
-        bin's ratio (clamped to [0, 1]); without, the ratio that multiplies the confidence."""
+        """The grid of predictions ``[depth, entropy bin, confidence bin, rank]`` (float32): with a
+        table, the table's estimate times the bin's ratio (clamped to [0, 1]); without, the ratio
+        that multiplies the confidence."""
         if self._grid is None:
             ratio = self._bin_ratios().flatten()[self._grid_bins]
-            self._grid = ratio if self._grid_base is None else (ratio * self._grid_base).clamp_(0, 1)
+            grid = ratio if self._grid_base is None else (ratio * self._grid_base).clamp_(0, 1)
+            self._grid = grid.float().view(self._grid_bins.shape)
         return self._grid
 
     def _stats_bin(self, d: int | torch.Tensor, e: torch.Tensor, c: torch.Tensor, r: int | torch.Tensor) -> torch.Tensor:
@@ -273,7 +278,8 @@ class Calibrator:
                rank: torch.Tensor | None = None) -> None:
         """Fold in observations: each judged draft node and whether the target accepted it."""
         d, e, c, r, conf = self._coords(depth, conf, ent, rank)
-        flat = self._stats_bin(d, e, c, r)
+        cell = self._cell(d, e, c, r)
+        flat = self._grid_bins[cell]
         acc = torch.as_tensor(accepted).cpu().to(torch.float64)
         if acc.shape != flat.shape:
             raise ValueError(f"accepted must have shape {tuple(flat.shape)}, got {tuple(acc.shape)}")
@@ -284,9 +290,9 @@ class Calibrator:
         if self._unseen >= self.options.refresh:
             self._grid, self._unseen = None, 0
         self._stats.mul_(self.options.decay**n)
-        base = conf if self.table is None else self.table.lookup(d + 1, r, conf)
-        seen = torch.stack([torch.ones(n, dtype=torch.float64), acc.reshape(-1), base.double().expand(flat.shape).reshape(-1)])
-        self._stats.view(3, -1).index_add_(1, flat.reshape(-1), seen)
+        base = conf.double() if self._grid_base is None else self._grid_base[cell]
+        seen = torch.stack([torch.ones(flat.shape, dtype=torch.float64), acc, base.expand(flat.shape)])
+        self._stats.view(3, -1).index_add_(1, flat.reshape(-1), seen.view(3, -1))
         self.observations += n
 
     def observe(
@@ -329,5 +335,5 @@ class Calibrator:
 
 
 def _cap(x: int | torch.Tensor, top: int) -> int | torch.Tensor:
-    """``min(x, top)`` of an int or, elementwise, a tensor."""
-    return min(x, top) if isinstance(x, int) else x.clamp(max=top)
+    """``x`` clamped to ``[0, top]``: an int, or a tensor elementwise."""
+    return min(max(x, 0), top) if isinstance(x, int) else x.clamp(0, top)

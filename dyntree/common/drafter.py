@@ -90,6 +90,8 @@ class Candidates:
 
     def split(self, counts: Sequence[int]) -> list["Candidates"]:
         """Per-tree views: the first ``counts[0]`` rows, the next ``counts[1]``, ..."""
+        if len(counts) == 1 and counts[0] == self.ids.shape[0]:  # one tree: these candidates
+            return [self]
         out, start = [], 0
         for n in counts:
             out.append(Candidates(self.ids[start : start + n], self.probs[start : start + n], self.entropy[start : start + n]))
