@@ -242,11 +242,12 @@ def test_drafter_children_are_the_heads_top_tokens() -> None:
     sp.observe_hidden(0, h[None])  # the state at the token before the root
     tree = sp.propose([SpecRequest(0, [5, 7])]).trees[0]
     probs1 = torch.softmax(heads.head_logits(1, h[None], torch.tensor([[7]])), -1)[0]
-    assert tree.tokens[1:3].tolist() == probs1.topk(2).indices.tolist()
-    assert torch.allclose(tree.draft_probs[1:3], probs1.topk(2).values)
-    first = int(tree.tokens[1])
+    top = tree.children(0)  # in index order: likeliest first
+    assert tree.tokens[top].tolist() == probs1.topk(2).indices.tolist()
+    assert torch.allclose(tree.draft_probs[top], probs1.topk(2).values)
+    first = int(tree.tokens[top[0]])
     probs2 = torch.softmax(heads.head_logits(2, h[None], torch.tensor([[7, first]])), -1)[0]
-    deep = [i for i in range(3, tree.size) if int(tree.parents[i]) == 1]
+    deep = tree.children(top[0])
     assert deep  # the beam kept some of the first child's children
     assert [int(tree.tokens[i]) for i in deep] == probs2.topk(len(deep)).indices.tolist()
 

@@ -102,8 +102,10 @@ class BuiltTree(DraftTree):
     Attributes:
         node_entropy: ``[N]`` entropy (nats) of the draft distribution each node was drawn from
             (root: 0); the calibrator's second feature.
-        values: ``[N]`` calibrated path values (root: 1); their sum minus one is the expected
-            number of accepted draft tokens.
+        values: ``[N]`` path values (root: 1). ``dyntree`` trees: products of calibrated
+            acceptance probabilities, whose sum minus one is the expected number of accepted draft
+            tokens; other modes, which the calibration does not steer: products of draft
+            probabilities.
         ranks: ``[N]`` each node's rank among its parent's candidates (0 = the drafter's most
             likely; root: 0); the calibration's third feature.
     """
@@ -197,15 +199,17 @@ class _Growth:
     def partial(self) -> PartialTree:
         return PartialTree(self.tokens, self.parents, self.depths)
 
-    def add(self, parent: int, token: int, prob: float, ent: float, value: float, rank: int,
+    def add(self, parent: int, token: int, prob: float, ent: float, rank: int, value: float | None = None,
             shape: tuple[int, ...] = ()) -> int:
+        """Add a node; its path value is ``value`` (calibrated: ``dyntree``) or, by default, the
+        parent's times ``prob``: the path's product of draft probabilities."""
         self.logp.append(self.logp[parent] + math.log(max(prob, 1e-30)))
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
         self.probs.append(prob)
         self.ents.append(ent)
-        self.values.append(value)
+        self.values.append(self.values[parent] * prob if value is None else value)
         self.ranks.append(rank)
         self.shape_path.append(shape)
         return len(self.tokens) - 1
@@ -402,12 +406,11 @@ class TreeBuilder:
             return
         j = self._draw(rows.probs[:1], [1], gen)[0][0] if sampling else 0
         p = float(rows.probs[0, j] / rows.probs[0].sum()) if sampling else row[j]
-        value = float(self._values(g, [node], torch.tensor([[p]]), rows.ents[:1], [j])[0, 0])
-        g.frontier = [g.add(node, rows.id_list[0][j], p, rows.e_list[0], value, j)]
+        g.frontier = [g.add(node, rows.id_list[0][j], p, rows.e_list[0], j)]
 
     def _grow_static(self, g: _Growth, rows: _Rows, shape: tuple[tuple[int, ...], ...], sampling: bool,
                      gen: torch.Generator | None) -> None:
-        probs, ents = rows.probs, rows.ents
+        probs = rows.probs
         allowed = [p for p in shape if len(p) <= g.max_depth][: g.max_nodes]
         allowed_set = set(allowed)
         support = [sum(x > 0 for x in row) for row in rows.p_list]
@@ -425,11 +428,9 @@ class TreeBuilder:
         for f, (node, ranks, col) in enumerate(zip(g.frontier, child_ranks, cols)):
             if not col:
                 continue
-            conf = probs[f, col]
-            vals = self._values(g, [node], conf[None], ents[f : f + 1], col)[0]
-            for r, j, c, v in zip(ranks, col, conf.tolist(), vals.tolist()):
+            for r, j, c in zip(ranks, col, probs[f, col].tolist()):
                 path = g.shape_path[node] + (r,)
-                child = g.add(node, rows.id_list[f][j], c, rows.e_list[f], v, j, path)
+                child = g.add(node, rows.id_list[f][j], c, rows.e_list[f], j, shape=path)
                 if any(len(p) == len(path) + 1 and p[:-1] == path for p in allowed_set):
                     new.append(child)
         g.frontier = new
@@ -442,10 +443,7 @@ class TreeBuilder:
         cands.sort(key=lambda c: -c[0])  # stable: frontier order, then rank
         keep = cands[: min(width, room)]
         frontier = list(g.frontier)
-        conf = rows.probs if rows.probs.shape[1] <= topk else rows.probs[:, :topk]
-        vals = self._values(g, frontier, conf, rows.ents).tolist()
-        g.frontier = [g.add(frontier[f], rows.id_list[f][j], rows.p_list[f][j], rows.e_list[f], vals[f][j], j)
-                      for _, f, j in keep]
+        g.frontier = [g.add(frontier[f], rows.id_list[f][j], rows.p_list[f][j], rows.e_list[f], j) for _, f, j in keep]
 
     def _max_children(self, ents: torch.Tensor) -> torch.Tensor:
         o = self.options
@@ -485,13 +483,13 @@ class TreeBuilder:
                 conf = q[f, cols]
                 child_vals = self._values(g, [node], conf[None], ents[f : f + 1], cols)[0]
                 for j, c, v in zip(cols, conf.tolist(), child_vals.tolist()):
-                    new.append((v, g.add(node, rows.id_list[f][j], c, rows.e_list[f], v, j)))
+                    new.append((v, g.add(node, rows.id_list[f][j], c, rows.e_list[f], j, v)))
         else:  # greedy children are the chosen candidates themselves: their values are known
             v_list = vals.tolist()
             for c in chosen:  # sorted: parents in frontier order, each one's children in rank order
                 f, j = divmod(c, kmax)
                 new.append((v_list[f][j], g.add(g.frontier[f], rows.id_list[f][j], rows.p_list[f][j], rows.e_list[f],
-                                                v_list[f][j], j)))
+                                                j, v_list[f][j])))
         new.sort(key=lambda t: (-t[0], t[1]))
         g.frontier = [i for v, i in new[: o.max_frontier] if v >= o.threshold]
         if not sampling and g.frontier and g.drafted >= g.max_nodes:

@@ -177,6 +177,8 @@ class Speculator:
         options = spec.builder_options()
         self.builder = TreeBuilder(options, Calibrator(options.calibration, drafter.acceptance_table),
                                    drafter.candidates_per_node) if uses_builder else None
+        # only dyntree trees are priced by the calibration: it learns from verified trees then alone
+        self._calibrates = uses_builder and (spec.tree or self.own_mode) == "dyntree"
         self._cost = cost_model
         self._padded = padded
         self._rectangular_kv = rectangular_kv
@@ -401,7 +403,7 @@ class Speculator:
         for b, (rid, tree) in enumerate(zip(batch.request_ids, batch.trees)):
             nodes = result.accepted(b)
             self.drafter.observe(rid, list(self._tokens[rid]) + result.tokens[b], len(nodes) - 1)
-            if self.builder is not None and isinstance(tree, BuiltTree) and tree.size > 1:
+            if self.builder is not None and self._calibrates and isinstance(tree, BuiltTree) and tree.size > 1:
                 self.builder.observe(tree, nodes)
             if self.controller is not None:
                 self.controller.observe(rid, tree, nodes)
