@@ -66,7 +66,7 @@ def test_prefix_shapes_and_identity_init() -> None:
     x, pos = _seq(2, 7)
     out, kv = _prefix_heads().prefix_forward(x, pos)
     assert out.shape == (2, 7, D)
-    assert kv.keys.shape == kv.values.shape == (2, 2, 7, D // 2) and kv.mask.all()
+    assert kv.keys.shape == kv.values.shape == (2, 2, 7, D // 2) and bool(kv.slots().all())
     untrained, _ = _prefix_heads(randomize=False).prefix_forward(x, pos)
     assert torch.equal(untrained, x)  # zero output projections: h_t passes through unchanged
     with pytest.raises(HydraMismatchError, match="hidden_size=16"):
@@ -220,7 +220,7 @@ def test_drafter_feeds_the_heads_the_prefix_output_incrementally() -> None:
     push(1, 0, 2)
     trees = sp.propose([SpecRequest(0, [3] * 5), SpecRequest(1, [3] * 3)]).trees
     for i, upto, tree in [(0, 4, trees[0]), (1, 2, trees[1])]:
-        assert tree.tokens[1:3].tolist() == head1(i, upto).topk(2).indices.tolist()
+        assert tree.tokens[tree.children(0)].tolist() == head1(i, upto).topk(2).indices.tolist()
     push(0, 4, 6)  # several pushes between steps: ingested together
     push(0, 6, 9)
     push(1, 2, 6)

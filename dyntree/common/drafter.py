@@ -16,6 +16,8 @@ The registry that turns a ``--drafter`` spec into an instance is :mod:`dyntree.c
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Hashable, Protocol, Sequence
 
@@ -141,9 +143,8 @@ def top_candidates(
     else:
         probs = process_logits(x, shaping.temperature, shaping.top_k, shaping.top_p)
         ent = entropy(probs)
-    dead = ent.isnan()  # a row of all -inf: NaN probabilities (softmax over nothing)
-    if bool(dead.any()):
-        dead &= torch.isneginf(x.amax(dim=-1))  # a NaN logit stays NaN: the builder refuses it
+    if any(math.isnan(e) for e in ent.tolist()):  # a row of all -inf: NaN probabilities (softmax over nothing)
+        dead = ent.isnan() & torch.isneginf(x.amax(dim=-1))  # a NaN logit stays NaN: the builder refuses it
         probs.masked_fill_(dead[:, None], 0.0)
         ent.masked_fill_(dead, 0.0)
     top_p, top_i = topk_rows(probs, min(k, probs.shape[-1]))

@@ -214,14 +214,15 @@ class PrefixKV:
         keys: ``[B, H, L, head_dim]``, already rotated (RoPE) at their absolute positions.
         values: ``[B, H, L, head_dim]``.
         mask: ``[B, L]`` bool, True where a slot holds a real position (a batch of sequences of
-            different lengths is padded to a common ``L``; slots are in position order).
+            different lengths is padded to a common ``L``; slots are in position order);
+            ``None``: every slot is real (a lone sequence, every decoding step: no mask to grow).
         store: the storage a single-row cache's ``keys`` and ``values`` are views of (see
             :meth:`extend`); ``None`` for a batch or a cache not made by :meth:`extend`.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None = None
     store: KVStore | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -229,26 +230,38 @@ class PrefixKV:
         """Slots per row (real positions of a compact single row)."""
         return self.keys.shape[2]
 
+    def slots(self) -> torch.Tensor:
+        """``[B, L]`` bool: the mask, made when there is none."""
+        if self.mask is not None:
+            return self.mask
+        return torch.ones(self.keys.shape[0], self.length, dtype=torch.bool, device=self.keys.device)
+
     def row(self, b: int) -> "PrefixKV":
         """Row ``b`` alone, padding dropped: a compact ``[1, H, L_b, head_dim]`` cache (``self``
         when that is what it already is: no copy of a lone sequence's cache every step)."""
+        if self.mask is None:
+            return self if self.keys.shape[0] == 1 else PrefixKV(self.keys[b : b + 1], self.values[b : b + 1])
         m = self.mask[b]
-        if self.keys.shape[0] == 1 and bool(m.all()):
-            return self
+        if bool(m.all()):
+            return PrefixKV(self.keys[b : b + 1], self.values[b : b + 1], None,
+                            self.store if self.keys.shape[0] == 1 else None)
         return PrefixKV(self.keys[b : b + 1, :, m], self.values[b : b + 1, :, m], self.mask[b : b + 1, m])
 
-    def extend(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> "PrefixKV":
+    def extend(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None) -> "PrefixKV":
         """This cache followed by ``T`` new slots (``keys`` / ``values`` ``[B, H, T, head_dim]``,
-        ``valid`` ``[B, T]``). A single row grows in place, in storage with room to spare (the newest
-        cache of a storage only: an older one that is extended again, a branch, is copied first),
-        so a decoding step does not copy the whole cache; a batch of rows is concatenated."""
+        ``valid`` ``[B, T]``, ``None``: all real). A single row grows in place, in storage with room
+        to spare (the newest cache of a storage only: an older one that is extended again, a
+        branch, is copied first), so a decoding step does not copy the whole cache; a batch of rows
+        is concatenated."""
+        mask = None if self.mask is None and valid is None else torch.cat(
+            [self.slots(), valid if valid is not None else torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool,
+                                                                        device=keys.device)], dim=1)
         if keys.shape[0] != 1:
-            return PrefixKV(torch.cat([self.keys, keys], dim=2), torch.cat([self.values, values], dim=2),
-                            torch.cat([self.mask, valid], dim=1))
+            return PrefixKV(torch.cat([self.keys, keys], dim=2), torch.cat([self.values, values], dim=2), mask)
         total = self.length + keys.shape[2]
         k, v, store = append_kv(self.keys if self.length else None, self.values if self.length else None, keys,
                                 values, self.store, max(total, 64 - total))
-        return PrefixKV(k, v, torch.cat([self.mask, valid], dim=1), store)
+        return PrefixKV(k, v, mask, store)
 
     @staticmethod
     def stack(rows: Sequence["PrefixKV"]) -> "PrefixKV":
@@ -260,10 +273,12 @@ class PrefixKV:
         def pad(x: torch.Tensor) -> torch.Tensor:
             return F.pad(x, (0, 0, 0, width - x.shape[2]))
 
+        if all(r.mask is None and r.length == width for r in rows):
+            return PrefixKV(torch.cat([r.keys for r in rows]), torch.cat([r.values for r in rows]))
         return PrefixKV(
             torch.cat([pad(r.keys) for r in rows]),
             torch.cat([pad(r.values) for r in rows]),
-            torch.cat([F.pad(r.mask, (0, width - r.length), value=False) for r in rows]),
+            torch.cat([F.pad(r.slots(), (0, width - r.length), value=False) for r in rows]),
         )
 
 
@@ -277,7 +292,7 @@ class PrefixAttention(nn.Module):
     def __init__(self, hidden: int, num_heads: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, hidden // num_heads
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # RoPE frequencies per device
+        self._tables: dict[torch.device, torch.Tensor] = {}  # RoPE cos / signed sin per position, per device
         self.attn_norm = nn.RMSNorm(hidden, eps=1e-6)
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
@@ -291,26 +306,30 @@ class PrefixAttention(nn.Module):
     def empty_kv(self, batch: int, like: torch.Tensor) -> PrefixKV:
         """A cache of ``batch`` rows holding no position (dtype and device of ``like``)."""
         kv = like.new_zeros(batch, self.num_heads, 0, self.head_dim)
-        return PrefixKV(kv, kv, torch.zeros(batch, 0, dtype=torch.bool, device=like.device))
+        return PrefixKV(kv, kv)
 
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's ``cos`` and ``sin`` ``[B, 1, T, head_dim]`` at ``positions`` ``[B, T]``, in fp32
-        whatever the weights' dtype (a half-precision frequency would drift at long positions)."""
-        inv_freq = self._inv_freq.get(positions.device)
-        if inv_freq is None:  # made once per device (not a buffer: casting the module must not round it)
+        """RoPE's ``cos`` and signed ``sin`` (``-sin`` on the first half, ``sin`` on the second)
+        ``[B, 1, T, head_dim]`` at ``positions`` ``[B, T]``, in fp32 whatever the weights' dtype (a
+        half-precision frequency would drift at long positions): rows of a table per device, made
+        for twice the positions needed whenever a position lies beyond it."""
+        table = self._tables.get(positions.device)
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        if table is None or table.shape[0] < top:  # not a buffer: casting the module must not round it
             half = self.head_dim // 2
             inv_freq = PREFIX_ROPE_THETA ** -(torch.arange(half, device=positions.device, dtype=torch.float32) / half)
-            self._inv_freq[positions.device] = inv_freq
-        angles = positions[:, None, :, None].float() * inv_freq  # [B, 1, T, head_dim / 2]
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos(), angles.sin()
+            angles = torch.arange(max(2 * top, 1024), device=positions.device).float()[:, None] * inv_freq
+            table = torch.stack([torch.cat([angles, angles], -1).cos(), torch.cat([-angles.sin(), angles.sin()], -1)], 1)
+            self._tables[positions.device] = table  # [P, 2, head_dim]
+        cos, sin = table[positions[:, None]].unbind(-2)
+        return cos, sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE: ``x`` ``[..., B, H, T, head_dim]`` (queries and keys at once) rotated by the angles
-        of :meth:`_angles`."""
-        half = self.head_dim // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+        of :meth:`_angles`: ``x cos + (x_2, x_1) sin`` with the halves swapped."""
+        xf = x.float()
+        swapped = xf.unflatten(-1, (2, self.head_dim // 2)).flip(-2).flatten(-2)
+        return (xf * cos + swapped * sin).to(x.dtype)
 
     def forward(
         self,
@@ -325,9 +344,8 @@ class PrefixAttention(nn.Module):
         qkv = self.qkv(self.attn_norm(hidden)).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         cos, sin = self._angles(positions)
         (q, k), v = self._rotate(qkv[:2], cos, sin), qkv[2]
-        new_mask = valid if valid is not None else torch.ones(b, t, dtype=torch.bool, device=hidden.device)
-        kv = past.extend(k, v, new_mask)
-        if t == 1 and bool(kv.mask.all()):
+        kv = past.extend(k, v, valid)
+        if t == 1 and kv.mask is None:
             # one new position that sees every slot (a decoding step): no mask, and plain products
             # (torch's CPU flash kernel costs 2.4x as much for one query: 189 vs 78 us against 300
             # slots, bf16, 2-core EPYC)
@@ -335,7 +353,7 @@ class PrefixAttention(nn.Module):
             attn = torch.softmax(scores, dim=-1).to(kv.values.dtype) @ kv.values
         else:
             causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
-            see = torch.cat([past.mask[:, None, :].expand(b, t, past.length), causal.expand(b, t, t)], dim=-1)
+            see = torch.cat([past.slots()[:, None, :].expand(b, t, past.length), causal.expand(b, t, t)], dim=-1)
             attn = F.scaled_dot_product_attention(q, kv.keys, kv.values, attn_mask=see[:, None])
         h = hidden + self.o_proj(attn.transpose(1, 2).reshape(b, t, d))
         gate, up = self.gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
@@ -554,9 +572,9 @@ class HydraHeads(nn.Module):
         if path.dim() != 2 or path.shape != (hidden.shape[0], k):
             raise ValueError(f"path for head {k} must have shape [{hidden.shape[0]}, {k}], got {tuple(path.shape)}")
         tokens = path[:, :1] if self.config.independent else path
-        emb = self.embed[tokens].to(hidden.dtype)  # [N, k, d]
-        x = torch.cat([hidden.unsqueeze(1), emb], dim=1).flatten(1)
-        z = self.heads[k - 1](x.to(self.out_weight.dtype))
+        dtype = self.out_weight.dtype
+        x = torch.cat([_cast(hidden, dtype), _cast(self.embed[tokens].flatten(1), dtype)], dim=1)
+        z = self.heads[k - 1](x)
         return self._out_int8(z) if self._out_int8 is not None else linear(z, self.out_weight)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -569,6 +587,11 @@ class HydraHeads(nn.Module):
         return torch.stack(
             [self.head_logits(k, hidden, tokens[:, :k]) for k in range(1, self.num_heads + 1)], dim=1
         )
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype`` (itself when it already is: no dispatcher call)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 #: The most rows a call of an int8 weight-only linear takes; larger ones (the prefix layer catching

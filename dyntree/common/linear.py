@@ -404,6 +404,7 @@ class Int8Weight:
         self._packed = torch.ops.quantized.linear_prepack(codes, None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float().contiguous()
+        flat = x.dim() == 2  # rows already: no reshape in or out (each is a dispatcher call)
+        rows = (x if flat else x.reshape(-1, self.in_features)).float().contiguous()
         out = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out if flat else out.reshape(*x.shape[:-1], self.out_features)

@@ -461,8 +461,8 @@ class QuantLinear(nn.Module):
             raise ValueError(f"QuantLinear: input last dim {x.shape[-1]} != in_features {self.in_features}")
         if self.act_bits is not None:
             x = fake_quantize_activations(x, self.act_bits)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        flat = x.dim() == 2  # rows already: no reshape in or out (each is a dispatcher call)
+        x2 = x if flat else x.reshape(-1, self.in_features)
         y = None
         if self.kernel is not None and self._prepared is not None:
             y = self.kernel.matmul(x2, self._prepared)
@@ -474,8 +474,8 @@ class QuantLinear(nn.Module):
         elif y is None:
             y = x2 @ dequantize_weight(self.quantized_weight, x.dtype).t()
         if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features)
+            y = y + (self.bias if self.bias.dtype == y.dtype else self.bias.to(y.dtype))
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         act = f"a{self.act_bits}" if self.act_bits else "a16"
