@@ -434,7 +434,7 @@ def test_scratch_kv_copy_once_equals_concatenating_every_call() -> None:
     from dyntree.common.kv_store import KVStore
 
     g = torch.Generator().manual_seed(0)
-    lent = [KVStore(torch.randn(2, 3, 26, 8, generator=g), torch.randn(2, 3, 26, 8, generator=g), 20) for _ in range(2)]
+    lent = [KVStore(torch.randn(2, 2, 3, 26, 8, generator=g), 20) for _ in range(2)]
     prefix = [(s.keys[:, :, :20], s.values[:, :, :20]) for s in lent]
     before = [(k.clone(), v.clone()) for k, v in prefix]
     caches = ScratchKV(2), ScratchKV(2, copy_budget=0), ScratchKV(2)

@@ -246,7 +246,7 @@ class ScratchKV:
         after its first ``length`` slots, which must be the layer's prefix (an engine lends the free
         slots of its own cache buffer, which its next forward overwrites): no prefix copy. When the
         draft outgrows the free slots, the layer moves to a copy of its own, as without a loan."""
-        self._buffers[layer_idx] = (KVStore(store.keys, store.values, length), length)
+        self._buffers[layer_idx] = (KVStore(store.buffer, length), length)
         self._lent[layer_idx] = True
 
     @property

@@ -9,7 +9,7 @@ Hydra prefix layer's cache of a lone sequence (:class:`~dyntree.common.hydra.Pre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,15 +19,20 @@ __all__ = ["KVStore", "append_kv"]
 @dataclass
 class KVStore:
     """``[B, H, capacity, D]`` keys and values, of which the first ``used`` slots hold the newest
-    cache made from them (a view of those slots is that cache)."""
+    cache made from them (a view of those slots is that cache). Both live in one buffer
+    ``[2, B, H, capacity, D]``, so one gather and one scatter move a slot's keys and values."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    buffer: torch.Tensor
     used: int
+    keys: torch.Tensor = field(init=False, repr=False)  # buffer[0] and buffer[1], made once
+    values: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.keys, self.values = self.buffer[0], self.buffer[1]
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+        return self.buffer.numel() * self.buffer.element_size()
 
     def holds(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
         """Whether ``keys``/``values`` are this storage's newest cache (its first ``used`` slots)."""
@@ -59,8 +64,8 @@ def append_kv(keys: torch.Tensor | None, values: torch.Tensor | None, new_keys: 
     in_place = (store is not None and n + t <= store.keys.shape[2]
                 and (store.holds(keys, values) if keys is not None and values is not None else store.used == 0))
     if not in_place:
-        shape = (*new_keys.shape[:2], n + t + max(spare, 0), new_keys.shape[3])
-        store = KVStore(new_keys.new_empty(shape), new_values.new_empty(shape), n)
+        shape = (2, *new_keys.shape[:2], n + t + max(spare, 0), new_keys.shape[3])
+        store = KVStore(new_keys.new_empty(shape), n)
         if keys is not None and values is not None and n:
             store.keys[:, :, :n], store.values[:, :, :n] = keys, values
     assert store is not None

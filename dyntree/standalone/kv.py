@@ -133,8 +133,14 @@ def compact(cache: DynamicCache, rows: torch.Tensor, src: torch.Tensor, dst: tor
     """For every ``k``: copy slot ``src[k]`` of row ``rows[k]`` to slot ``dst[k]`` of that row.
 
     Sources are gathered before any write, so overlapping source and destination slots are safe.
+    A layer whose keys and values are its store's newest cache moves both in one gather and one
+    scatter of the store's buffer.
     """
     for layer in cache.layers:
+        store = getattr(layer, "store", None)
+        if store is not None and store.holds(layer.keys, layer.values):
+            store.buffer[:, rows, :, dst] = store.buffer[:, rows, :, src]
+            continue
         for name in ("keys", "values"):
             t = getattr(layer, name)
             t[rows, :, dst] = t[rows, :, src]
