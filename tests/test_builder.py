@@ -438,5 +438,13 @@ def test_top_candidates_probs_and_entropy_match_softmax() -> None:
     assert torch.isfinite(top_candidates(some_inf, 4).entropy).all()
     broken = logits[:1].clone()
     broken[0, 7] = float("nan")  # a NaN logit is not a dead row: it stays NaN and the builder refuses it
-    with pytest.raises(ValueError, match="no NaN"):
-        TreeBuilder._check(0, top_candidates(broken, 4), 1, None)
+    for with_entropy in (True, False):
+        with pytest.raises(ValueError, match="no NaN"):
+            TreeBuilder._check(0, top_candidates(broken, 4, with_entropy=with_entropy), 1, None, False)
+    # without entropies (trees that read none): the same candidates, dead rows too; dyntree refuses them
+    bare = top_candidates(logits, 4, with_entropy=False)
+    assert bare.entropy is None and torch.equal(bare.ids, cand.ids) and torch.equal(bare.probs[2], cand.probs[2])
+    torch.testing.assert_close(bare.probs, cand.probs)
+    assert TreeBuilder._check(0, bare, 3, None, False).ents is None
+    with pytest.raises(ValueError, match="need the rows' entropies"):
+        TreeBuilder._check(0, bare, 3, None, True)

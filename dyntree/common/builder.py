@@ -101,7 +101,8 @@ class BuiltTree(DraftTree):
 
     Attributes:
         node_entropy: ``[N]`` entropy (nats) of the draft distribution each node was drawn from
-            (root: 0); the calibrator's second feature.
+            (root: 0); the calibrator's second feature. ``None`` when the drafter gave none (trees
+            the calibration does not steer).
         values: ``[N]`` path values (root: 1). ``dyntree`` trees: products of calibrated
             acceptance probabilities, whose sum minus one is the expected number of accepted draft
             tokens; other modes, which the calibration does not steer: products of draft
@@ -155,10 +156,10 @@ class _Rows(NamedTuple):
 
     ids: torch.Tensor
     probs: torch.Tensor
-    ents: torch.Tensor
+    ents: torch.Tensor | None  # None: the drafter gave no entropies (trees that read none)
     id_list: list[list[int]]
     p_list: list[list[float]]
-    e_list: list[float]
+    e_list: list[float]  # zeros without entropies (recorded, never read)
 
 
 def _depth_first(keep: list[int], parents: list[int]) -> list[int]:
@@ -195,6 +196,7 @@ class _Growth:
     logp: list[float] = field(default_factory=lambda: [0.0])  # beam: path log draft probability
     frontier: list[int] = field(default_factory=lambda: [0])
     depth: int = 0
+    entropies: bool = True  # every node's entropy is known (the drafter gave them)
 
     def partial(self) -> PartialTree:
         return PartialTree(self.tokens, self.parents, self.depths)
@@ -319,7 +321,8 @@ class TreeBuilder:
             for b, (g, c) in enumerate(zip(growths, outs)):
                 if not g.frontier:
                     continue
-                rows = self._check(b, c, len(g.frontier), vocab_size)
+                rows = self._check(b, c, len(g.frontier), vocab_size, mode == "dyntree")
+                g.entropies = g.entropies and rows.ents is not None
                 if sampling:
                     for node, row_ids, row_p in zip(g.frontier, rows.id_list, rows.p_list):
                         g.dists[node] = (row_ids, row_p)
@@ -368,19 +371,22 @@ class TreeBuilder:
         return width, beam[1] or width
 
     @staticmethod
-    def _check(b: int, c: Candidates, rows: int, vocab: int | None) -> _Rows:
+    def _check(b: int, c: Candidates, rows: int, vocab: int | None, need_entropy: bool) -> _Rows:
         """The candidates of tree ``b`` on the CPU, checked."""
         if not isinstance(c, Candidates) or c.ids.shape[0] != rows:
             got = tuple(c.ids.shape) if isinstance(c, Candidates) else type(c).__name__
             raise ValueError(f"expand output for tree {b} must be Candidates with {rows} rows, got {got}")
-        ids, probs, ents = c.ids.cpu(), c.probs.float().cpu(), c.entropy.float().cpu()
+        if c.entropy is None and need_entropy:
+            raise ValueError(f"expand output for tree {b}: dyntree trees need the rows' entropies, got none")
+        ids, probs = c.ids.cpu(), c.probs.float().cpu()
+        ents = None if c.entropy is None else c.entropy.float().cpu()
         id_list, p_list = ids.tolist(), probs.tolist()
         if not all(x >= 0 for row in p_list for x in row):  # a negative entry or a NaN fails it
             raise ValueError(f"expand output for tree {b}: candidate probabilities must be >= 0 (no NaN)")
         top = vocab if vocab is not None else math.inf
         if not all(0 <= t < top for i_row, p_row in zip(id_list, p_list) for t, x in zip(i_row, p_row) if x > 0):
             raise ValueError(f"expand output for tree {b}: candidate token ids must lie in [0, {vocab})")
-        return _Rows(ids, probs, ents, id_list, p_list, ents.tolist())
+        return _Rows(ids, probs, ents, id_list, p_list, [0.0] * rows if ents is None else ents.tolist())
 
     def _values(self, g: _Growth, nodes: list[int], conf: torch.Tensor, ents: torch.Tensor,
                 ranks: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
@@ -456,6 +462,7 @@ class TreeBuilder:
     def _grow_dyntree(self, g: _Growth, rows: _Rows, sampling: bool, gen: torch.Generator | None) -> None:
         o = self.options
         probs, ents = rows.probs, rows.ents
+        assert ents is not None  # _check: dyntree candidates come with entropies
         offered = self._offered()
         k = torch.full_like(ents, offered, dtype=torch.int64) if offered is not None else self._max_children(ents)
         k = torch.minimum(k, (probs > 0).sum(-1))  # draws without replacement need that many tokens with mass
@@ -520,7 +527,7 @@ class TreeBuilder:
             torch.tensor(parents, dtype=torch.int64),
             torch.tensor([g.probs[i] for i in keep], dtype=torch.float32).clamp(0, 1),
             dists,
-            node_entropy=torch.tensor([g.ents[i] for i in keep], dtype=torch.float32),
+            node_entropy=torch.tensor([g.ents[i] for i in keep], dtype=torch.float32) if g.entropies else None,
             values=torch.tensor([g.values[i] for i in keep], dtype=torch.float32),
             ranks=torch.tensor([g.ranks[i] for i in keep], dtype=torch.int64),
         )

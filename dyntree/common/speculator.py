@@ -177,7 +177,8 @@ class Speculator:
         options = spec.builder_options()
         self.builder = TreeBuilder(options, Calibrator(options.calibration, drafter.acceptance_table),
                                    drafter.candidates_per_node) if uses_builder else None
-        # only dyntree trees are priced by the calibration: it learns from verified trees then alone
+        # only dyntree trees are priced by the calibration: it learns from verified trees (and the
+        # drafter computes its rows' entropies, the calibration's second feature) then alone
         self._calibrates = uses_builder and (spec.tree or self.own_mode) == "dyntree"
         self._cost = cost_model
         self._padded = padded
@@ -379,7 +380,7 @@ class Speculator:
         def expand(frontiers: list[list[int]], partials: list[PartialTree], k: int) -> list[Candidates]:
             nonlocal spent
             t = time.perf_counter()
-            cands = self.drafter.expand(reqs, frontiers, partials, k, shaping)
+            cands = self.drafter.expand(reqs, frontiers, partials, k, shaping, entropy=self._calibrates)
             spent += time.perf_counter() - t
             return cands.split([len(f) for f in frontiers])
 

@@ -194,7 +194,8 @@ class HydraDrafter(Drafter):
 
     @torch.inference_mode()
     def expand(self, requests: Sequence[DraftRequest], frontiers: Sequence[Sequence[int]],
-               partials: Sequence["PartialTree"], k: int, shaping: "SamplingParams | None") -> Candidates:
+               partials: Sequence["PartialTree"], k: int, shaping: "SamplingParams | None",
+               entropy: bool = True) -> Candidates:
         """Head ``d`` scores the nodes at depth ``d - 1`` (one batched forward per distinct depth);
         nodes deeper than the last head, and requests without a hidden state, get no candidates."""
         inputs = self._inputs(requests)
@@ -212,14 +213,16 @@ class HydraDrafter(Drafter):
         for depth, items in by_depth.items():
             hidden = torch.stack([inputs[b] for b, _, _ in items])
             path = torch.tensor([p for _, _, p in items], dtype=torch.int64, device=self.device)
-            c = top_candidates(self.heads.head_logits(depth, hidden, path), k, shaping, token_map)
+            c = top_candidates(self.heads.head_logits(depth, hidden, path), k, shaping, token_map, entropy)
             if len(items) == rows and c.ids.shape[1] == k:  # every row, in order: the candidates as they are
                 return c
-            out = out if out is not None else Candidates.empty(rows, k)
+            out = out if out is not None else Candidates.empty(rows, k, entropy)
             idx = torch.tensor([r for _, r, _ in items])
             width = c.ids.shape[1]
-            out.ids[idx, :width], out.probs[idx, :width], out.entropy[idx] = c.ids, c.probs, c.entropy
-        return out if out is not None else Candidates.empty(rows, k)
+            out.ids[idx, :width], out.probs[idx, :width] = c.ids, c.probs
+            if out.entropy is not None and c.entropy is not None:
+                out.entropy[idx] = c.entropy
+        return out if out is not None else Candidates.empty(rows, k, entropy)
 
 
 def make_hydra_drafter(options: str | None = None, *, target: TargetInfo | None = None, **_: object) -> HydraDrafter:

@@ -100,11 +100,13 @@ class NgramDrafter(Drafter):
         return [self._propose_one(r) for r in requests]
 
     def expand(self, requests: Sequence[DraftRequest], frontiers: Sequence[Sequence[int]],
-               partials: Sequence["PartialTree"], k: int, shaping: "SamplingParams | None") -> Candidates:
+               partials: Sequence["PartialTree"], k: int, shaping: "SamplingParams | None",
+               entropy: bool = True) -> Candidates:
         """The top-``k`` continuations after each frontier node, by (match-length weighted) share,
         scaled by ``L / (L + 1)`` for the row's longest match ``L`` (see the module docstring).
 
-        Sampling shapes the share like the target's logits (its log is the logit)."""
+        Sampling shapes the share like the target's logits (its log is the logit). The entropies
+        come with the shares at no cost: they are returned whatever ``entropy`` says."""
         rows = sum(len(f) for f in frontiers)
         ids = torch.zeros(rows, k, dtype=torch.int64)
         probs = torch.zeros(rows, k)

@@ -142,7 +142,8 @@ class QSpecDrafter(Drafter):
 
     @torch.inference_mode()
     def expand(self, requests: Sequence[DraftRequest], frontiers: Sequence[Sequence[int]],
-               partials: Sequence["PartialTree"], k: int, shaping: "SamplingParams | None") -> Candidates:
+               partials: Sequence["PartialTree"], k: int, shaping: "SamplingParams | None",
+               entropy: bool = True) -> Candidates:
         """Draft candidates after every frontier node, from one batched draft forward.
 
         Later calls of a step must pass the same requests, in order, and frontier nodes whose
@@ -158,14 +159,14 @@ class QSpecDrafter(Drafter):
                              "these requests (a step's first call passes trees holding only their roots)")
         step = self._step
         if not any(frontiers):
-            return Candidates.empty(0, k)
+            return Candidates.empty(0, k, entropy)
         tokens, positions, allowed = step.inputs(frontiers, partials)
         logits = self.backend.forward(tokens, positions, allowed)
         step.commit(frontiers)
         if all(not f or p.depths[f[0]] + 1 >= r.max_depth for r, f, p in zip(requests, frontiers, partials)):
             self._end_step()  # no node can be deeper: nothing will attend to this scratch again
         rows = torch.cat([logits[b, : len(f)] for b, f in enumerate(frontiers)])
-        return top_candidates(rows, k, shaping)
+        return top_candidates(rows, k, shaping, with_entropy=entropy)
 
     def observe(self, request_id: Hashable, token_ids: Sequence[int], accepted_drafts: int) -> None:
         """The step was verified: its scratch KV is dead."""
