@@ -299,8 +299,11 @@ def worker_runs(tmp_path_factory) -> dict:
          "sampling": {"temperature": TEMP, "top_k": 1 << 30, "top_p": TOP_P}, "pool_size": 12288},
         *[{"name": f"ablate_{a}", "options": {"drafter": "hydra", **fixed}, "ablate": [a], "flags": SLOTS, "limit": 4,
            "max_new": 16} for a in ("mask", "positions", "compaction")],
+        # the self-draft's trees are laid out depth first, likeliest chain first, and it is nearly
+        # always that chain which is accepted, where skipping the compaction changes nothing: the
+        # control needs longer runs to meet a step that accepts another branch
         {"name": "ablate_compaction_qspec", "options": {"drafter": "qspec", **fixed}, "ablate": ["compaction"],
-         "flags": SLOTS, "limit": 4, "max_new": 16},
+         "flags": SLOTS},
     ]  # fmt: skip
     work = tmp_path_factory.mktemp("sglang")
     (work / "cases.json").write_text(json.dumps({"prompts": prompts, "max_new": 32, "runs": runs}))
@@ -354,9 +357,10 @@ def test_worker_uses_the_shipped_heads_and_the_flag_width(worker_runs) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("ablation", ["mask", "positions", "compaction", "compaction_qspec"])
 def test_each_worker_ablation_diverges(worker_runs, ablation) -> None:
-    plain = [t[:16] for t in worker_runs["plain"]["tokens"][:4]]
-    assert len(worker_runs[f"ablate_{ablation}"]["tokens"]) == 4
-    assert worker_runs[f"ablate_{ablation}"]["tokens"] != plain
+    out = worker_runs[f"ablate_{ablation}"]["tokens"]
+    plain = [t[: len(out[0])] for t in worker_runs["plain"]["tokens"][: len(out)]]
+    assert len(out) == (len(worker_runs["plain"]["tokens"]) if ablation == "compaction_qspec" else 4)
+    assert out != plain
 
 
 @pytest.mark.slow
