@@ -17,7 +17,6 @@ The registry that turns a ``--drafter`` spec into an instance is :mod:`dyntree.c
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Hashable, Protocol, Sequence
 
@@ -138,9 +137,9 @@ def top_candidates(
     ``shaping`` ``None`` (greedy target): plain softmax; otherwise the target's temperature /
     top-k / top-p applied exactly as to the target's logits. ``token_map`` maps column ``j`` to a
     full token id (a drafter over a reduced vocabulary). Rows of all ``-inf`` get no candidates.
-    ``with_entropy=False`` skips the rows' entropies (three passes over the vocabulary: inside a
-    decoding step, with the caches cold after the target's forward, 256 vs 506 us for one row of
-    8,192 and 329 vs 789 for three, 2-core AVX512-BF16 EPYC).
+    ``with_entropy=False`` skips the rows' entropies (a log-softmax and three passes over the
+    vocabulary; with the caches swept by 100 MB before each call, as the target's forward leaves
+    them: 256 vs 506 us for one row of 8,192 and 329 vs 789 for three, 2-core AVX512-BF16 EPYC).
     """
     x = logits.float()
     ent = None
