@@ -303,3 +303,21 @@ def test_modes_eval_runs_dyntree_once_per_threshold() -> None:
     lines = mod.summarize(runs)
     assert len(lines) == 2 and "1.150x" in lines[0] and "(static 2.000)" in lines[0] and lines[0].endswith("met")
     assert lines[1].endswith("not met")
+    # groups: each reported apart, a prompt may sit in two; tau per group from each prompt's steps
+    groups = mod.pick_groups(prompts, "coding:1,mt_bench:3")
+    assert {g: [p.id for p in ps] for g, ps in groups.items()} == {"coding": [0], "mt_bench": [0, 1, 3]}
+    for bad in ("coding", "coding:0", "coding:1,coding:2"):
+        with pytest.raises(SystemExit, match="CATEGORY:N"):
+            mod.pick_groups(prompts, bad)
+    members = {"coding": {0, 3}, "mt_bench": {0, 1, 3}}
+    outs = [{"id": 0, "token_ids": [1] * 9, "steps": 4}, {"id": 1, "token_ids": [1] * 5, "steps": 4},
+            {"id": 3, "token_ids": [1] * 5, "steps": 2}]
+    assert mod.by_group({"outputs": outs}, members) == {"coding": 2.0, "mt_bench": 1.6}
+    runs = [{"drafter": "hydra", "max_nodes": 16, "mode": m, "tau": 0.0, "threshold": thr, "by_group": g}
+            for m, thr, g in [("static", None, {"coding": 2.4, "mt_bench": 2.0}),
+                              ("dyntree", 0.0, {"coding": 2.7, "mt_bench": 2.1})]]
+    lines = mod.summarize(runs)
+    assert [line.split(": ", 1)[0] for line in lines] == ["hydra N=16 dyntree thr=0.0 [coding]"] * 2 + [
+        "hydra N=16 dyntree thr=0.0 [mt_bench]"] * 2
+    assert lines[0].endswith("1.125x the best fixed shape (static 2.400); target >= 1.10x: met")
+    assert lines[1].endswith("tau 2.700; target >= 2.5: met") and lines[3].endswith("target >= 2.2: not met")

@@ -137,7 +137,7 @@ def _summarise(mode: str, drafter: str, outs: list[RequestOutput], wall: float) 
         "tau": round(step_tokens / steps, 4) if steps else 0.0,
         "accepted_per_depth": [round(x, 4) for x in per_depth],
         "draft_nodes_per_step": round(sum(o.draft_nodes for o in outs) / max(steps, 1), 3),
-        "outputs": [{"id": o.request_id, "token_ids": o.token_ids} for o in outs],
+        "outputs": [{"id": o.request_id, "token_ids": o.token_ids, "steps": o.steps} for o in outs],
     }
 
 
