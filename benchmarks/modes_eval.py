@@ -231,17 +231,27 @@ def plot(doc: dict, path: Path) -> None:
     budgets = sorted({r["max_nodes"] for r in runs})
     modes = sorted({series(r) for r in runs}, key=lambda m: (["own", "chain", "static", "dyntree"].index(m.split()[0]), m))
     drafters = sorted({r["drafter"] for r in runs})
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    groups = list(doc.get("groups") or {})
+    groups = groups if len(groups) > 1 else []  # one group: its tau is the run's
+    cols = max(3, len(groups))
+    fig, grid = plt.subplots(2 if groups else 1, cols, figsize=(5 * cols, 8 if groups else 4), squeeze=False)
+    axes, group_axes = grid[0], grid[1][: len(groups)] if groups else []
+    for ax in list(grid[0][3:]) + (list(grid[1][len(groups):]) if groups else []):
+        ax.set_visible(False)
     width = 0.8 / max(1, len(modes) * len(drafters))
     for k, (d, m) in enumerate((d, m) for d in drafters for m in modes):
         sel = {r["max_nodes"]: r for r in runs if r["drafter"] == d and series(r) == m}
         xs = [i + k * width for i, b in enumerate(budgets) if b in sel]
-        label = f"{d}/{m}"
-        axes[0].bar(xs, [sel[b]["tau"] for b in budgets if b in sel], width, label=label)
-        axes[1].bar(xs, [sel[b]["speedup"] for b in budgets if b in sel], width, label=label)
-        axes[2].bar(xs, [sel[b]["build_pct_of_step"] or 0.0 for b in budgets if b in sel], width, label=label)
-    for ax, title in zip(axes, ("tau (tokens per target forward)", "speedup over plain (tokens/s)",
-                                "tree-builder overhead (% of step; own: no builder)")):
+        style = {"label": f"{d}/{m}", "color": plt.cm.tab20(k % 20)}
+        axes[0].bar(xs, [sel[b]["tau"] for b in budgets if b in sel], width, **style)
+        axes[1].bar(xs, [sel[b]["speedup"] for b in budgets if b in sel], width, **style)
+        axes[2].bar(xs, [sel[b]["build_pct_of_step"] or 0.0 for b in budgets if b in sel], width, **style)
+        for ax, g in zip(group_axes, groups):
+            ax.bar(xs, [sel[b]["by_group"][g] for b in budgets if b in sel], width, **style)
+    titles = ["tau (tokens per target forward)", "speedup over plain (tokens/s)",
+              "tree-builder overhead (% of step; own: no builder)"]
+    titles += [f"tau on {g} ({len(doc['groups'][g])} prompts)" for g in groups]
+    for ax, title in zip(list(axes[:3]) + list(group_axes), titles):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(budgets))], [f"N={b}" for b in budgets])
         ax.set_title(title)
     axes[1].axhline(1.0, color="k", lw=0.8)
@@ -249,7 +259,7 @@ def plot(doc: dict, path: Path) -> None:
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), fontsize=8)
     fig.suptitle(f"SmolLM2-135M {doc['dtype']}, {doc['num_prompts']} Spec-Bench prompts x {doc['max_new_tokens']} "
                  f"tokens, batch 1, {doc['device']}, load avg {doc['load_avg_start'][0]}")
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.tight_layout(rect=(0, 0.08 if not groups else 0.05, 1, 1))
     fig.savefig(path, dpi=110)
 
 
