@@ -106,8 +106,7 @@ def main() -> None:
         "device": _device() if args.device != "cpu" else f"cpu ({args.threads} threads)", "versions": _versions(),
         "dtype": args.dtype, "threads": args.threads,
         "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
-        "note": "2-core CPU shared with other jobs; wall-clock numbers are noisy, tau is not"
-        if args.device == "cpu" else "one GPU, no other jobs",
+        "note": "wall-clock numbers depend on the machine's load (load_avg_start / _end); tau does not",
         "categories": args.categories or "all", "groups": {name: sorted(m) for name, m in members.items()},
         "prompt_ids": ids,
         "num_prompts": len(prompts), "max_new_tokens": args.new, "batch_size": 1,
