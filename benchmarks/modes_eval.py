@@ -75,9 +75,8 @@ def main() -> None:
     ids = [p.id for p in prompts]
     members = {name: {p.id for p in group} for name, group in groups.items()}
     params = SamplingParams(max_new_tokens=args.new)
-    base = run_mode(model, tok, encoded, ids, "none", SpecConfig(drafter="none"), params, 1)
+    base = run_mode(model, tok, encoded, ids, "none", SpecConfig(drafter="none"), params, 1, groups=members)
     compare(base, base)
-    base["by_group"] = by_group(base, members)
     runs = [base]
     thresholds = [float(t) for t in args.dyntree_thresholds.split(",") if t]
     for drafter in args.drafters:
@@ -86,16 +85,15 @@ def main() -> None:
             spec = SpecConfig(drafter=drafter, max_nodes=budget, max_depth=min(8, budget))
             for mode, s in variants(args.modes.split(",") if builder else ["own"], spec, thresholds, args.max_children,
                                     args.tree_options):
-                run = run_mode(model, tok, encoded, ids, mode, s, params, 1)
+                run = run_mode(model, tok, encoded, ids, mode, s, params, 1, groups=members)
                 compare(base, run)
-                run["by_group"] = by_group(run, members)
                 run["threshold"] = s.tree_options.threshold if mode == "dyntree" else None
                 run["max_children"] = s.tree_options.max_children if mode == "dyntree" else None
                 if mode == "dyntree" and args.tree_options:
                     run["tree_options"] = args.tree_options
                 runs.append(run)
                 print(f"{drafter:8} N={budget:<3} {mode:8} thr={run['threshold']} tau={run['tau']:.2f} "
-                      f"({', '.join(f'{g} {t:.2f}' for g, t in run['by_group'].items())}) "
+                      f"({', '.join(f'{g} {t:.2f}' for g, t in run['by_category'].items())}) "
                       f"nodes={run['draft_nodes_per_step']:.1f} tok/s={run['tokens_per_s']:.2f} "
                       f"speedup={run['speedup']:.2f} draft={run['draft_ms_per_step']:.1f}ms "
                       f"build={run['build_ms_per_step']}ms ({run['build_pct_of_step']}%)", flush=True)
@@ -152,16 +150,6 @@ def spread(prompts: list, n: int) -> list:
     return prompts[:: max(1, len(prompts) // n)][:n]
 
 
-def by_group(run: dict, members: dict[str, set]) -> dict[str, float]:
-    """Tau of ``run`` over each group's prompts: their committed tokens over their verify steps."""
-    out = {}
-    for name, ids in members.items():
-        mine = [o for o in run["outputs"] if o["id"] in ids]
-        steps = sum(o["steps"] for o in mine)
-        out[name] = round(sum(len(o["token_ids"]) - 1 for o in mine) / steps, 4) if steps else 0.0
-    return out
-
-
 TAU_TARGETS = {"coding": 2.5, "mt_bench": 2.2}  # issue 14: the shipped Hydra heads at 16 nodes
 
 
@@ -169,11 +157,11 @@ def summarize(runs: list[dict]) -> list[str]:
     """Per group, drafter and budget: each dyntree variant's tau against the best of static and
     chain; and Hydra's dyntree tau at 16 nodes against :data:`TAU_TARGETS`."""
     lines = []
-    groups = list(runs[0].get("by_group") or {"all": None}) if runs else []
+    groups = list(runs[0].get("by_category") or {"all": None}) if runs else []
     keys = sorted({(r["drafter"], r["max_nodes"]) for r in runs if r["mode"] == "dyntree"}, key=str)
     for group in groups:
         def tau(r: dict) -> float:
-            return r["by_group"][group] if r.get("by_group") else r["tau"]
+            return r["by_category"][group] if r.get("by_category") else r["tau"]
 
         where = f" [{group}]" if len(groups) > 1 or group != "all" else ""
         for drafter, budget in keys:
@@ -246,7 +234,7 @@ def plot(doc: dict, path: Path) -> None:
         axes[1].bar(xs, [sel[b]["speedup"] for b in budgets if b in sel], width, **style)
         axes[2].bar(xs, [sel[b]["build_pct_of_step"] or 0.0 for b in budgets if b in sel], width, **style)
         for ax, g in zip(group_axes, groups):
-            ax.bar(xs, [sel[b]["by_group"][g] for b in budgets if b in sel], width, **style)
+            ax.bar(xs, [sel[b]["by_category"][g] for b in budgets if b in sel], width, **style)
     titles = ["tau (tokens per target forward)", "speedup over plain (tokens/s)",
               "tree-builder overhead (% of step; own: no builder)"]
     titles += [f"tau on {g} ({len(doc['groups'][g])} prompts)" for g in groups]

@@ -309,11 +309,14 @@ def test_modes_eval_runs_dyntree_once_per_threshold() -> None:
     for bad in ("coding", "coding:0", "coding:1,coding:2"):
         with pytest.raises(SystemExit, match="CATEGORY:N"):
             mod.pick_groups(prompts, bad)
+    from dyntree.standalone.bench import tau_by_group
+    from dyntree.standalone.engine import RequestOutput
+
     members = {"coding": {0, 3}, "mt_bench": {0, 1, 3}}
-    outs = [{"id": 0, "token_ids": [1] * 9, "steps": 4}, {"id": 1, "token_ids": [1] * 5, "steps": 4},
-            {"id": 3, "token_ids": [1] * 5, "steps": 2}]
-    assert mod.by_group({"outputs": outs}, members) == {"coding": 2.0, "mt_bench": 1.6}
-    runs = [{"drafter": "hydra", "max_nodes": 16, "mode": m, "tau": 0.0, "threshold": thr, "by_group": g}
+    outs = [RequestOutput(0, [7], [1] * 9, steps=4), RequestOutput(1, [7], [1] * 5, steps=4),
+            RequestOutput(3, [7], [1] * 5, steps=2)]
+    assert tau_by_group(outs, members) == {"coding": 2.0, "mt_bench": 1.6}
+    runs = [{"drafter": "hydra", "max_nodes": 16, "mode": m, "tau": 0.0, "threshold": thr, "by_category": g}
             for m, thr, g in [("static", None, {"coding": 2.4, "mt_bench": 2.0}),
                               ("dyntree", 0.0, {"coding": 2.7, "mt_bench": 2.1})]]
     lines = mod.summarize(runs)

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -120,10 +120,20 @@ def _device() -> str:
     return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def _tau(outs: Sequence[RequestOutput]) -> float:
+    """Tokens the requests' verify steps committed over those steps (0.0 without steps)."""
+    steps = sum(o.steps for o in outs)
+    return round(sum(o.step_tokens for o in outs) / steps, 4) if steps else 0.0
+
+
+def tau_by_group(outs: Sequence[RequestOutput], groups: dict[str, Collection[Any]]) -> dict[str, float]:
+    """Tau over each group's requests (``groups``: name -> request ids; a request may sit in several)."""
+    return {g: _tau([o for o in outs if o.request_id in ids]) for g, ids in groups.items()}
+
+
 def _summarise(mode: str, drafter: str, outs: list[RequestOutput], wall: float) -> dict[str, Any]:
     steps = sum(o.steps for o in outs)
     tokens = sum(len(o.token_ids) for o in outs)
-    step_tokens = sum(o.step_tokens for o in outs)
     depth = max((len(o.accepted_per_depth) for o in outs), default=0)
     per_depth = [sum(o.accepted_per_depth[d] for o in outs if d < len(o.accepted_per_depth)) / max(steps, 1)
                  for d in range(depth)]
@@ -134,10 +144,10 @@ def _summarise(mode: str, drafter: str, outs: list[RequestOutput], wall: float) 
         "steps": steps,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 3) if wall > 0 else 0.0,
-        "tau": round(step_tokens / steps, 4) if steps else 0.0,
+        "tau": _tau(outs),
         "accepted_per_depth": [round(x, 4) for x in per_depth],
         "draft_nodes_per_step": round(sum(o.draft_nodes for o in outs) / max(steps, 1), 3),
-        "outputs": [{"id": o.request_id, "token_ids": o.token_ids, "steps": o.steps} for o in outs],
+        "outputs": [{"id": o.request_id, "token_ids": o.token_ids} for o in outs],
     }
 
 
@@ -188,7 +198,7 @@ def run_mode(
     params: SamplingParams,
     batch_size: int,
     cost: CostModel | None = None,
-    categories: dict[Any, str | None] | None = None,
+    groups: dict[str, Collection[Any]] | None = None,
     fast_linear: bool = True,
     fast_attention: bool = True,
 ) -> dict[str, Any]:
@@ -200,7 +210,7 @@ def run_mode(
     run = _ModeRun(model, tokenizer, encoded[0], mode, spec, params, batch_size, cost, fast_linear, fast_attention)
     start = time.perf_counter()
     outs = run.engine.generate(encoded, params, ids, progress=True, max_batch_size=batch_size)
-    return run.report(outs, time.perf_counter() - start, categories)
+    return run.report(outs, time.perf_counter() - start, groups)
 
 
 def run_lockstep(
@@ -212,7 +222,7 @@ def run_lockstep(
     params: SamplingParams,
     batch_size: int,
     cost: CostModel | None = None,
-    categories: dict[Any, str | None] | None = None,
+    groups: dict[str, Collection[Any]] | None = None,
     fast_linear: bool = True,
     fast_attention: bool = True,
 ) -> list[dict[str, Any]]:
@@ -243,7 +253,7 @@ def run_lockstep(
                 spent[j] += time.perf_counter() - t0
             cycle += 1
     bar.close()
-    return [r.report(outs[j], spent[j], categories) for j, r in enumerate(runs)]
+    return [r.report(outs[j], spent[j], groups) for j, r in enumerate(runs)]
 
 
 class _ModeRun:
@@ -266,8 +276,10 @@ class _ModeRun:
         self.engine.generate([warm_prompt], warm, ["warm-up"])
         self.engine.speculator.stats.reset()
 
-    def report(self, outs: list[RequestOutput], wall: float, categories: dict[Any, str | None] | None) -> dict[str, Any]:
-        """The run's result record; ``wall``: the seconds its decoding took."""
+    def report(self, outs: list[RequestOutput], wall: float,
+               groups: dict[str, Collection[Any]] | None) -> dict[str, Any]:
+        """The run's result record; ``wall``: the seconds its decoding took; ``groups``: prompt
+        groups (name -> request ids; a request may sit in several) whose tau ``by_category`` gives."""
         engine, cfg, name = self.engine, self.cfg, self.name
         run = _summarise(self.mode, name, outs, wall)
         t = engine.speculator.stats
@@ -295,11 +307,8 @@ class _ModeRun:
             # request, which they give, taken out; what speculation can change
             "decode_tokens_per_s": _decode_rate(run["tokens"] - len(outs), wall - engine.prefill_s),
         })  # fmt: skip
-        if categories is not None:
-            run["by_category"] = {
-                cat: _summarise(self.mode, name, [o for o in outs if categories[o.request_id] == cat], wall)["tau"]
-                for cat in sorted({c for c in categories.values() if c is not None})
-            }
+        if groups is not None:
+            run["by_category"] = tau_by_group(outs, groups)
         return run
 
 
@@ -389,7 +398,8 @@ def run_bench(
     jobs = [(m, d) for m in modes for d in ([None] if m == "none" or m in HF_MODES else drafters)]
     encoded = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
     ids = [p.id for p in prompts]
-    category = {p.id: p.category for p in prompts}
+    category = {c: {p.id for p in prompts if p.category == c}
+                for c in sorted({p.category for p in prompts if p.category is not None})}
     plain = SpecEngine(model, tokenizer, make_drafter("none"), SpecConfig(drafter="none"), fast_linear=fast_linear,
                        fast_attention=fast_attention)
     cost = plain.measure_cost() if spec.adaptive and any(m != "none" for m in modes) else None
