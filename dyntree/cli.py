@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from dyntree import __version__
+from dyntree import __version__, progress
+from dyntree.common.drafters import AUTO
 
 __all__ = ["main"]
 
@@ -43,13 +44,14 @@ def _int_arg(low: int, high: int | None = None):
 
 def _spec_args(p: argparse.ArgumentParser, several_drafters: bool = False) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2, a local HF checkpoint directory, or a hub id")
-    kinds = "none (plain decoding), ngram[:max_n=4,...], hydra[:DIR] or qspec[:w8a16,perchannel,...] (default ngram)"
+    kinds = ("auto (default: the shipped Hydra heads when they fit the model, else ngram), none (plain decoding), "
+             "ngram[:max_n=4,...], hydra[:DIR] or qspec[:w8a16,perchannel,...]")
     if several_drafters:
         p.add_argument("--drafter", action="append", default=None,
                        help=f"{kinds}; repeat it to run every speculative mode with each drafter, side by side "
                        "against the same plain run")
     else:
-        p.add_argument("--drafter", default="ngram", help=kinds)
+        p.add_argument("--drafter", default=AUTO, help=kinds)
     p.add_argument("--max-nodes", type=int, default=16, help="draft nodes per tree, root not counted (default 16)")
     p.add_argument("--max-depth", type=int, default=8, help="deepest draft node (default 8)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
@@ -157,7 +159,7 @@ def _as_flag(flag: str, call, *args):
 def _drafters(args: argparse.Namespace) -> list[str]:
     """The ``--drafter`` values (``bench`` takes several)."""
     d = args.drafter
-    return [d] if isinstance(d, str) else (d or ["ngram"])
+    return [d] if isinstance(d, str) else (d or [AUTO])
 
 
 def _check_before_load(args: argparse.Namespace):
@@ -176,12 +178,13 @@ def _check_before_load(args: argparse.Namespace):
     return spec, params, device, dtype, why
 
 
-def _load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+def _load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, why: str):
     from dyntree.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return _as_flag("--model", load_model, args.model, dtype, device)
+    with progress.step(f"loading {args.model} in {_dtype_name(dtype)} ({why}) on {device.type}"):
+        return _as_flag("--model", load_model, args.model, dtype, device)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -194,15 +197,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from dyntree.standalone.bench import encode_prompt
     from dyntree.standalone.engine import SpecEngine
     from dyntree.standalone.stream import TextStream
-    from dyntree.standalone.target import make_hf_drafter
+    from dyntree.standalone.target import resolve_hf_drafter
 
     if not args.prompt.strip():
         raise ValueError("PROMPT is empty; give the text to continue, e.g. dyntree generate \"def fib(n):\"")
     spec, params, device, dtype, why = _check_before_load(args)
-    model, tok = _load(args, device, dtype)
+    model, tok = _load(args, device, dtype, why)
     ids = encode_prompt(tok, args.prompt, args.chat)
-    engine = SpecEngine(model, tok, make_hf_drafter(spec.drafter, model, tok), spec, fast_linear=args.fast_linear,
-                        fast_attention=args.fast_attention)
+    drafter, resolved = resolve_hf_drafter(spec.drafter, model, tok)
+    engine = SpecEngine(model, tok, drafter, spec, fast_linear=args.fast_linear, fast_attention=args.fast_attention)
     plain = SpecEngine(model, tok, NoDrafter(), SpecConfig(drafter="none"), fast_linear=args.fast_linear,
                        fast_attention=args.fast_attention)
     plain.generate([ids[-16:]], params.model_copy(update={"max_new_tokens": 2, "stop": ()}))  # warm-up
@@ -221,7 +224,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     n = len(out.token_ids)
     depth = ", ".join(f"d{d + 1} {k / out.steps:.2f}" for d, k in enumerate(out.accepted_per_depth)) or "-"
     print(f"[dyntree] {n} tokens in {elapsed:.2f} s = {n / elapsed:.1f} tokens/s | tau {out.tau:.2f} "
-          f"({out.steps} verify forwards after the prefill) | accepted per depth: {depth} | drafter {spec.drafter}, "
+          f"({out.steps} verify forwards after the prefill) | accepted per depth: {depth} | drafter "
+          f"{_drafter_note(spec.drafter, resolved)}, "
           f"tree {spec.tree or 'own'}, adaptive {'on' if spec.adaptive else 'off'}, "
           f"{_dtype_name(dtype)} ({why}), {device.type} | finish: {out.finish_reason}", file=sys.stderr)
     if args.compare:
@@ -235,6 +239,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               f"{len(base.token_ids) / base_s:.1f} tokens/s | speculation: {(n / elapsed) / (len(base.token_ids) / base_s):.2f}x "
               f"| outputs identical: {verdict}", file=sys.stderr)
     return 0
+
+
+def _drafter_note(asked: str, resolved: str) -> str:
+    """The drafter that ran, and for ``auto`` why it was picked."""
+    if asked != AUTO:
+        return resolved
+    why = "the shipped heads fit this model" if resolved == "hydra" else "no shipped Hydra heads fit this model"
+    return f"{resolved} (auto: {why})"
 
 
 def _first_difference(got: list[int], want: list[int], dtype: torch.dtype) -> str:
@@ -255,8 +267,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     spec, params, device, dtype, why = _check_before_load(args)
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
     prompts = _as_flag("--prompts", load_prompts, args.prompts, args.limit, cats, args.per_category)
-    model, tok = _load(args, device, dtype)
-    print(f"[dyntree] {_dtype_name(dtype)} ({why}), {device.type}", file=sys.stderr)
+    model, tok = _load(args, device, dtype, why)
     result = run_bench(model, tok, prompts, modes, _drafters(args), spec, params, args.batch_size, args.chat,
                        args.model, _dtype_name(dtype), args.fast_linear, args.repeats,
                        args.fast_attention, args.lockstep)

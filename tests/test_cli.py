@@ -152,6 +152,33 @@ def test_text_stream_never_takes_back_what_it_printed(run: int) -> None:
     assert whole == "no stop here, ST"  # the held-back tail is released at the end
 
 
+def test_drafter_defaults_to_auto_and_the_summary_says_what_it_picked() -> None:
+    from transformers import AutoTokenizer
+
+    from dyntree.cli import _build_parser, _drafter_note
+    from dyntree.common.drafters import check_drafter_spec
+    from dyntree.models import model_path
+    from dyntree.standalone.target import resolve_hf_drafter
+    from spec_support import tiny_llama
+
+    assert _build_parser().parse_args(["generate", "x"]).drafter == "auto"
+    check_drafter_spec("auto")  # checked before any model loads, like every other spec
+    tok = AutoTokenizer.from_pretrained(model_path("smollm2"))
+    assert resolve_hf_drafter("auto", tiny_llama(), tok)[1] == "ngram"  # the shipped heads do not fit it
+    assert _drafter_note("auto", "hydra") == "hydra (auto: the shipped heads fit this model)"
+    assert _drafter_note("auto", "ngram") == "ngram (auto: no shipped Hydra heads fit this model)"
+    assert _drafter_note("ngram", "ngram") == "ngram"
+
+
+def test_progress_lines_go_to_stderr_with_their_time(capsys: pytest.CaptureFixture[str]) -> None:
+    from dyntree import progress
+
+    with progress.step("timing something"):
+        pass
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "[dyntree] timing something ..." and err[1].startswith("[dyntree] ... done in ")
+
+
 @pytest.mark.slow
 def test_generate_streams_and_compares_on_the_real_model(smol, capsys: pytest.CaptureFixture[str],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,6 +36,7 @@ from typing import Callable, ContextManager, Mapping
 import torch
 import torch.nn.functional as F
 
+from dyntree import progress
 from dyntree.common.linear import cpu_name, thread_scope
 
 __all__ = ["AttentionDispatch", "IMPLS", "active_dispatch", "attend", "calibrate", "grouped_matmul"]
@@ -182,7 +183,10 @@ def calibrate(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, repe
             pass  # a damaged cache file is re-measured and rewritten
     g = torch.Generator().manual_seed(0)
     timings: dict[tuple[int, int, int], dict[str, float]] = {}
-    with torch.inference_mode():
+    points = len(grid[0]) * len(grid[1]) * len(grid[2])
+    where = f"; cached in {path.parent}" if path is not None else ""
+    with progress.step(f"timing this CPU's attention forms at {points} shapes (once per machine{where})"), \
+            torch.inference_mode():
         for b in grid[0]:
             for q in grid[1]:
                 for kv in grid[2]:

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from pydantic import ValidationError
 
 from dyntree.common.config import SpecConfig
-from dyntree.common.drafters import check_drafter_spec
+from dyntree.common.drafters import AUTO, check_drafter_spec
 from dyntree.common.quant import parse_qspec
 
 __all__ = ["OptionsError", "parse_spec_options"]
@@ -31,11 +31,8 @@ def parse_spec_options(options: Mapping[str, Any], where: str, engine: str) -> S
     names the adapter. The adaptive controller is on unless the options turn it off; the quantized
     self-draft runs weight-only quantization inside an engine (activation-quantized specs are
     refused)."""
-    options = {"adaptive": True, **options}
+    options = {"adaptive": True, "drafter": AUTO, **options}
     opts = {k.replace("-", "_"): v for k, v in options.items()}
-    auto = opts.get("drafter", "auto") == "auto"
-    if auto:
-        opts["drafter"] = "ngram"  # validated as a placeholder; the engine picks hydra when the heads fit
     try:
         spec = SpecConfig(**opts)
     except ValidationError as exc:
@@ -50,4 +47,4 @@ def parse_spec_options(options: Mapping[str, Any], where: str, engine: str) -> S
         if q.act_bits is not None or not q.quantized:
             raise OptionsError(f"{where}.drafter {spec.drafter!r}: inside {engine} the self-draft runs weight-only "
                                f"quantization (w8a16 or w4a16), not {q}")
-    return spec.model_copy(update={"drafter": "auto"}) if auto else spec
+    return spec

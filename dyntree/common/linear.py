@@ -55,6 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dyntree import progress
+
 __all__ = ["Int8Weight", "LinearDispatch", "PackedWeight", "calibrate", "cpu_name", "install", "int8_available",
            "linear", "mkl_packed_available", "thread_scope", "CALIBRATION_ROWS", "PACK_ROWS"]
 
@@ -324,7 +326,9 @@ def calibrate(model: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats:
         except (ValueError, TypeError, AttributeError):
             pass  # a damaged cache file is measured again and rewritten
     p = linears[0].weight
-    with torch.inference_mode():
+    where = f"; cached in {path.parent}" if path is not None else ""
+    with progress.step(f"timing this CPU's linear layers at {len(rows)} row counts (once per machine{where})"), \
+            torch.inference_mode():
         inputs = {k: torch.randn(max(rows), k, dtype=p.dtype, device=p.device) for k in {m.in_features for m in linears}}
         packing = p.device.type == "cpu" and mkl_packed_available(p.dtype)
         packs = [_pack(lin.weight) for lin in linears] if packing else []

@@ -29,9 +29,9 @@ from tqdm.auto import tqdm
 
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.controller import CostModel
-from dyntree.common.drafters import make_drafter
+from dyntree.common.drafters import AUTO, make_drafter
 from dyntree.standalone.engine import RequestOutput, SpecEngine
-from dyntree.standalone.target import make_hf_drafter
+from dyntree.standalone.target import make_hf_drafter, resolve_hf_drafter
 
 __all__ = ["Prompt", "load_prompts", "encode_prompt", "run_bench", "run_mode", "run_lockstep", "run_hf_mode", "compare",
            "mode_spec", "MODES", "HF_MODES"]
@@ -371,8 +371,8 @@ def run_bench(
 ) -> dict[str, Any]:
     """Run every mode over ``prompts`` and return the result document.
 
-    ``drafter``: one drafter spec or several; every speculative mode runs with each of them, and
-    all share the one plain (``none``) and transformers runs. ``repeats``: the whole list of runs
+    ``drafter``: one drafter spec or several (``auto`` is resolved first, so runs name the drafter
+    that ran); every speculative mode runs with each of them, and all share the one plain (``none``) and transformers runs. ``repeats``: the whole list of runs
     is repeated round by round (each round starting one run later than the last, so no mode
     always runs first, and a slow phase of the machine hits every mode alike); each mode then
     reports its median run, the tokens/s of every round, and as ``speedup`` the median over
@@ -391,6 +391,7 @@ def run_bench(
     drafters = [drafter] if isinstance(drafter, str) else list(drafter)
     if not drafters:
         raise ValueError("run_bench needs at least one drafter")
+    drafters = [resolve_hf_drafter(d, model, tokenizer)[1] if d == AUTO else d for d in drafters]
     tree_modes = [m for m in modes if m in ("chain", "static", "dyntree")]
     for d in drafters if tree_modes else ():
         if not make_hf_drafter(d, model, tokenizer).drafts_with_builder:

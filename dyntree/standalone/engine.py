@@ -35,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from dyntree import progress
 from dyntree.common import attention, linear
 from dyntree.common.attention import AttentionDispatch
 from dyntree.common.config import SamplingParams, SpecConfig
@@ -402,7 +403,8 @@ class SpecEngine:
             self._sync()
             kv.crop(cache, length)
 
-        with torch.inference_mode(), self.kernel_scope():
+        with progress.step(f"timing the target's forward at {len(sizes)} sizes for the adaptive controller"), \
+                torch.inference_mode(), self.kernel_scope():
             return CostModel.measure(lambda n: forward(1, n, kv_len), sizes, repeats, lr=self.spec.controller.cost_lr,
                                      kv_forward=forward, kv_ref=kv_len, kv_long=COST_KV_LONG, rows=COST_ROWS)
 

@@ -1,16 +1,16 @@
 """What drafters borrow from a Hugging Face target: :func:`hf_target` fills the engine-neutral
-:class:`~dyntree.common.drafter.TargetInfo`, and :func:`make_hf_drafter` builds a drafter from a
-spec with it."""
+:class:`~dyntree.common.drafter.TargetInfo`, and :func:`resolve_hf_drafter` builds a drafter from a
+spec with it (through :func:`~dyntree.common.drafters.make_engine_drafter`, as every engine does)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from dyntree.common.drafter import Drafter, TargetInfo
-from dyntree.common.drafters import make_drafter
+from dyntree.common.drafters import make_engine_drafter
 from dyntree.kernels.cpu_weight_only import CpuWeightOnly, cpu_kernels_available
 
-__all__ = ["hf_target", "make_hf_drafter"]
+__all__ = ["hf_target", "make_hf_drafter", "resolve_hf_drafter"]
 
 
 def hf_target(model: Any, tokenizer: Any, name: str | None = None) -> TargetInfo:
@@ -21,7 +21,12 @@ def hf_target(model: Any, tokenizer: Any, name: str | None = None) -> TargetInfo
                                  weight_kernel=CpuWeightOnly() if cpu and cpu_kernels_available() else None)
 
 
+def resolve_hf_drafter(spec: str, model: Any, tokenizer: Any) -> tuple[Drafter, str]:
+    """The drafter for ``spec`` over this target and the spec it resolved to (``auto``: ``hydra``
+    when the shipped heads fit the target, else ``ngram``)."""
+    return make_engine_drafter(spec, lambda: hf_target(model, tokenizer))
+
+
 def make_hf_drafter(spec: str, model: Any, tokenizer: Any) -> Drafter:
-    """``make_drafter(spec)`` with the target's weights for drafters that borrow them (hydra)."""
-    name = spec.partition(":")[0].strip().lower()
-    return make_drafter(spec, target=hf_target(model, tokenizer)) if name == "hydra" else make_drafter(spec)
+    """The drafter of :func:`resolve_hf_drafter`."""
+    return resolve_hf_drafter(spec, model, tokenizer)[0]

@@ -4,8 +4,9 @@ Built in: ``none`` (plain decoding), ``ngram`` (prompt lookup), ``hydra`` (train
 ``target=TargetInfo``), ``qspec`` (quantized self-draft; the engine attaches its forward).
 :func:`register_drafter` adds more. ``check`` functions validate options without building
 anything, so a CLI or an engine plugin can refuse a bad spec before it loads a model.
-:func:`make_engine_drafter` is what engine adapters call once the target is loaded (it resolves
-``auto``).
+``auto`` (:data:`AUTO`) names no drafter of its own: :func:`make_engine_drafter`, which every
+engine (the standalone CLI, vLLM, SGLang) calls once the target is loaded, resolves it to the
+shipped Hydra heads when they fit the target, else to ``ngram``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from dyntree.common.drafters.ngram import NgramDrafter, parse_ngram_options
 from dyntree.common.drafters.qspec import make_qspec_drafter
 from dyntree.common.quant import parse_qspec
 
-__all__ = ["register_drafter", "make_drafter", "make_engine_drafter", "check_drafter_spec", "drafter_names"]
+__all__ = ["AUTO", "register_drafter", "make_drafter", "make_engine_drafter", "check_drafter_spec", "drafter_names"]
+
+#: The spec that lets the engine pick: the shipped Hydra heads when they fit the target, else n-gram.
+AUTO = "auto"
 
 Factory = Callable[..., Drafter]
 Check = Callable[[str | None], object]
@@ -65,7 +69,9 @@ def _split(spec: str) -> tuple[str, str | None]:
 
 
 def check_drafter_spec(spec: str) -> None:
-    """Validate a spec ``name[:options]`` without building the drafter (no model needed)."""
+    """Validate a spec ``name[:options]`` or :data:`AUTO` without building the drafter (no model needed)."""
+    if spec == AUTO:
+        return
     name, options = _split(spec)
     check = _REGISTRY[name][1]
     if check is not None:
@@ -81,11 +87,11 @@ def make_drafter(spec: str, **context: Any) -> Drafter:
 def make_engine_drafter(spec: str, target: Callable[[], TargetInfo]) -> tuple[Drafter, str]:
     """The drafter an engine adapter runs, and its resolved spec.
 
-    ``spec`` may be ``auto``: the shipped Hydra heads when they fit the target, else ``ngram``.
+    ``spec`` may be :data:`AUTO`: the shipped Hydra heads when they fit the target, else ``ngram``.
     ``target()`` describes the loaded target (embeddings, LM head, tokenizer hash); it is called
     only for drafters that read it."""
-    name, _ = _split(spec) if spec != "auto" else ("auto", None)
-    if name not in ("hydra", "auto"):
+    name, _ = _split(spec) if spec != AUTO else (AUTO, None)
+    if name not in ("hydra", AUTO):
         return make_drafter(spec), spec
     info = target()
     if name == "hydra":
