@@ -7,8 +7,8 @@ shared. ``max(batch, --min-prompts)`` prompts are decoded per batch
 size, so small batch sizes run several batches. Prompts longer than ``--max-prompt-tokens`` are
 skipped: a batch is padded to its longest prompt, and a few 2k-token prompts would turn the sweep
 into a prefill benchmark. Throughput is reported both over the whole run (``tokens_per_s``,
-prefill included) and over the decode steps alone (``decode_tokens_per_s``), which the plot shows. Writes ``benchmarks/results/modes_batch_sweep.json``
-and ``modes_batch_sweep.png`` (tokens/s vs batch size).
+prefill included) and over the decode steps alone (``decode_tokens_per_s``), which the plot shows. Writes
+``benchmarks/results/batch_sweep/<machine>_<dtype>.json`` and the plot beside it (tokens/s vs batch size).
 
     python benchmarks/batch_sweep.py --new 16 --min-prompts 2 --threads 1
 """
@@ -25,11 +25,11 @@ import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafters import make_drafter
-from dyntree.models import load_model, parse_dtype
+from dyntree.models import load_model, machine_kind, parse_dtype
 from dyntree.standalone.bench import _device, _versions, compare, encode_prompt, load_prompts, run_mode
 from dyntree.standalone.engine import SpecEngine
+from results_index import result_path  # benchmarks/ is on sys.path when run as a script
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SPEC_BENCH = Path(os.environ.get("DYNTREE_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "data/spec_bench/question.jsonl"
 
 #: (label, mode, SpecConfig) of each setting compared with plain decoding.
@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--drafter", default="ngram")
     ap.add_argument("--settings", default=",".join(s[0] for s in SETTINGS),
                     help="comma-separated subset of the settings compared with plain decoding")
-    ap.add_argument("--out", default=str(RESULTS / "modes_batch_sweep.json"))
+    ap.add_argument("--out", default=None, help="default benchmarks/results/batch_sweep/<machine>_<dtype>.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
@@ -95,7 +95,7 @@ def main() -> None:
         "max_new_tokens": args.new, "max_prompt_tokens": args.max_prompt_tokens, "cost_model_ms": dict(zip(cost.xs, [round(y, 3) for y in cost.ys])),
         "runs": rows,
     }  # fmt: skip
-    out = Path(args.out)
+    out = Path(args.out) if args.out else result_path("batch_sweep", machine_kind(), args.dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     plot(doc, out.with_suffix(".png"))

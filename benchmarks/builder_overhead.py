@@ -2,7 +2,7 @@
 nodes, next to plain decoding in the same run (fp32, batch 1, one thread, Spec-Bench's first
 prompt per category x 32 tokens; the setting of the CHANGELOG's stop-8 overhead numbers).
 
-    OMP_NUM_THREADS=1 python benchmarks/builder_overhead.py --out benchmarks/results/builder_overhead.json
+    OMP_NUM_THREADS=1 python benchmarks/builder_overhead.py  # -> benchmarks/results/builder_overhead/<machine>_fp32.json
 
 ``build_ms_per_step`` is drafting time outside the drafter's own calls (controller plan, tree
 builder, candidate bookkeeping); ``build_pct_of_step`` its share of a whole step (drafting +
@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.models import load_model, parse_dtype
+from dyntree.models import load_model, machine_kind, parse_dtype
 from dyntree.standalone.bench import load_prompts, run_bench
+from results_index import result_path  # benchmarks/ is on sys.path when run as a script
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 FIELDS = ("mode", "tau", "tokens_per_s", "speedup", "step_ms", "draft_ms_per_step", "build_ms_per_step",
@@ -34,7 +35,7 @@ def summary(doc: dict) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=str(result_path("builder_overhead", machine_kind(), "fp32")))
     ap.add_argument("--drafters", default="ngram,hydra")
     ap.add_argument("--budgets", default="16,64")
     ap.add_argument("--before", default=None, help="directory of earlier `dyntree bench` JSONs")
@@ -59,6 +60,7 @@ def main() -> int:
     if args.before:
         doc["before"] = {"commit": args.before_commit, "runs": {
             p.stem: summary(json.loads(p.read_text())) for p in sorted(Path(args.before).glob("*_*.json"))}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 

@@ -29,10 +29,11 @@ import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.hydra import HydraHeads, TargetIdentity, load_heads
-from dyntree.models import load_model
+from dyntree.models import load_model, machine_kind
 from dyntree.standalone.bench import Prompt, encode_prompt, load_prompts
 from dyntree.standalone.engine import SpecEngine
 from dyntree.standalone.target import hf_target, make_hf_drafter
+from results_index import result_path  # benchmarks/ is on sys.path when run as a script
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "extraction", "stem", "humanities"}
@@ -85,7 +86,7 @@ def main() -> int:
     ap.add_argument("--coding", type=int, default=10, help="coding prompts (the first N)")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=str(result_path("heads_compare", machine_kind(), "fp32")))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 from heads_compare import score  # benchmarks/ is on sys.path when run as a script
+from results_index import result_path
 
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafters.hydra import SHIPPED_HEADS
 from dyntree.common.hydra import HydraHeads, TargetIdentity, load_heads
-from dyntree.models import load_model
+from dyntree.models import load_model, machine_kind
 from dyntree.standalone.bench import Prompt, encode_prompt, load_prompts
 from dyntree.standalone.engine import SpecEngine
 from dyntree.standalone.target import hf_target, make_hf_drafter
@@ -133,7 +134,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=16, help="draft nodes per tree (all drafters)")
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/results/hydra_eval.json")
+    ap.add_argument("--out", default=str(result_path("hydra_eval", machine_kind(), "fp32")))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -11,7 +11,7 @@ vLLM layout, block size 16) against:
 
 Achieved HBM bandwidth counts the K/V bytes each request must read plus q and output, against
 the device's peak (target: >= 70% for prefixes >= 4k). It also times greedy tree accept and KV
-compaction. Results go to ``benchmarks/results/kernels_<device>_<date>.json``.
+compaction. Results go to ``benchmarks/results/kernels/<gpu>[_quick].json``.
 
     python benchmarks/kernels.py --quick            # a few minutes
     python benchmarks/kernels.py                    # full grid: batch 1..64, prefix 512..32k, trees 16..128
@@ -25,7 +25,6 @@ import datetime as dt
 import json
 import math
 import platform
-import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -33,6 +32,8 @@ from typing import Any, Callable
 import torch
 
 from dyntree.common.tree import DraftTree, TreeBatch
+from dyntree.models import machine_kind
+from results_index import result_path  # benchmarks/ is on sys.path when run as a script
 
 LLAMA3_8B = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 # Peak HBM bandwidth (GB/s) by device-name fragment, used when the driver does not report clocks.
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="try several tile configs per case, keep the fastest")
     ap.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baseline")
     ap.add_argument("--peak-gbps", type=float, default=None, help="override the device's peak HBM bandwidth")
-    ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/kernels_<dev>_<date>.json)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/kernels/<gpu>[_quick].json)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU: torch.cuda.is_available() is False on this machine.", file=sys.stderr)
@@ -260,7 +261,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     summary["meets_tree_over_chain"] = summary["max_tree_over_chain"] <= 1.05
     summary["meets_bandwidth"] = summary["min_frac_peak_prefix_ge_4k"] is not None and summary["min_frac_peak_prefix_ge_4k"] >= 0.70
-    today = dt.date.today().isoformat()
     report = {
         "device": name,
         "peak_hbm_gbps": peak,
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "accept_and_compact": accept_and_compact(dtype),
         "summary": summary,
     }
-    out = args.out or Path(__file__).parent / "results" / f"kernels_{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-')}_{today}.json"
+    out = args.out or result_path("kernels", machine_kind(torch.device("cuda")), setting="quick" if args.quick else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(json.dumps(summary, indent=2))

@@ -6,10 +6,10 @@ with ``--drafters``, space-separated, e.g. ``hydra hydra:DIR,table=off``; one wi
 prompts (spread over all categories, or ``--categories`` only: ``coding``, ``mt_bench`` = the 80
 MT-Bench questions, ...) at batch size 1,
 on the CPU by default or on a GPU with ``--device cuda``. Reports tau, tokens/s, speedup over plain decoding, accepted tokens per depth,
-the share of outputs identical to plain decoding (bf16: not exact, see README), and the
+the share of outputs identical to plain decoding (bf16: not exact, see docs/design.md), and the
 tree-building overhead per step (ms and % of step time). The ``summary`` block gives, per drafter
 and budget, dyntree's tau over the best of ``static`` and ``chain`` (each dyntree variant). Writes
-``benchmarks/results/modes_eval.json`` and ``modes_eval.png``.
+``benchmarks/results/tree_eval/<machine>_<dtype>_<drafters>.json`` and the plot beside it.
 
 ``--groups coding:10,mt_bench:16,summarization:8`` runs several prompt groups in one run (their
 union, each prompt once) and reports tau and the summary per group, next to issue 14's tau
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -32,11 +33,11 @@ import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.options import TreeOptions
-from dyntree.models import load_model, parse_dtype, resolve_device
+from dyntree.models import load_model, machine_kind, parse_dtype, resolve_device
 from dyntree.standalone.bench import _device, _versions, compare, encode_prompt, load_prompts, run_mode
 from dyntree.standalone.target import make_hf_drafter
+from results_index import result_path  # benchmarks/ is on sys.path when run as a script
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SPEC_BENCH = Path(os.environ.get("DYNTREE_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "data/spec_bench/question.jsonl"
 
 
@@ -62,7 +63,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--dtype", default="bf16", help="fp32 (exact), bf16 or fp16")
-    ap.add_argument("--out", default=str(RESULTS / "modes_eval.json"))
+    ap.add_argument("--out", default=None, help="default benchmarks/results/tree_eval/<machine>_<dtype>_<drafters>.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
@@ -112,7 +113,9 @@ def main() -> None:
     }  # fmt: skip
     for line in doc["summary"]:
         print(line)
-    out = Path(args.out)
+    setting = re.sub(r"[^A-Za-z0-9]+", "-", " ".join(args.drafters)).strip("-")
+    out = Path(args.out) if args.out else result_path("tree_eval", machine_kind(resolve_device(args.device)),
+                                                      args.dtype, setting)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     plot(doc, out.with_suffix(".png"))

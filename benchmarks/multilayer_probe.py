@@ -36,8 +36,9 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from dyntree.common.drafters.hydra import SHIPPED_HEADS
-from dyntree.models import load_model
+from dyntree.models import load_model, machine_kind
 from dyntree.training.data import HiddenCache
+from results_index import result_path  # benchmarks/ is on sys.path when run as a script
 
 
 class Heads(nn.Module):
@@ -167,7 +168,7 @@ def main() -> int:
     ap.add_argument("--feature-batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=str(result_path("multilayer_probe", machine_kind())))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -29,13 +29,13 @@ than plain decoding unless tau > d + 1 (impossible); the tokens/s ratios show th
 of the design (4x fewer weight bytes per draft forward) needs the GPU W4A16 kernel.
 
     OMP_NUM_THREADS=1 python benchmarks/qspec_eval.py [--per-category 2] [--max-new-tokens 32]
-    python benchmarks/qspec_eval.py --report benchmarks/results/qspec_eval.json  # table + PNG
+    python benchmarks/qspec_eval.py --report benchmarks/results/qspec_eval/cpu_fp32.json  # table + PNG
 
 ``--grid-check`` loads the model, measures how far each weight grid is from the target's weights
 (relative Frobenius error of a round trip, per linear kind, next to an exact re-quantization onto
 the GGUF's Q4_1 grid: float block minimum, 16 levels) and merges it into the JSON as ``grid_check``.
 ``--report`` loads no model: it prints the markdown table (agreement / tau per spec and category)
-and writes the plot beside the JSON (``qspec_eval.png``).
+and writes the plot beside the JSON. The result goes to ``benchmarks/results/qspec_eval/<machine>_fp32.json``.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafter import NoDrafter
 from dyntree.common.drafters.qspec import QSpecDrafter
 from dyntree.common.quant import QSpec, dequantize_weight, parse_qspec, quantize_weight
-from dyntree.models import load_model
+from dyntree.models import load_model, machine_kind
 from dyntree.standalone.bench import _device, _versions, encode_prompt, load_prompts
 from dyntree.standalone.engine import RequestOutput, SpecEngine
+from results_index import result_path  # benchmarks/ is on sys.path when run as a script
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 SPECS = ["w8a16,g128,sym", "w4a16,g128,sym", "w4a8,g128,sym", "w4a4,g128,sym", "w4a16,g32,asym"]
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--categories", nargs="+", default=CATEGORIES, choices=CATEGORIES)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (oversubscription is slow)")
     ap.add_argument("--reference-path", action="store_true", help="dequantize on the fly (slow) instead of materializing")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "qspec_eval.json")
+    ap.add_argument("--out", type=Path, default=result_path("qspec_eval", machine_kind(), "fp32"))
     ap.add_argument("--report", type=Path, help="print the table of this result JSON, write its PNG, and exit")
     ap.add_argument("--grid-check", action="store_true", help="add the weight grids' round-trip errors to --out and exit")
     args = ap.parse_args(argv)

@@ -1,6 +1,6 @@
 """Where one decoding step's time goes in the standalone engine, per phase, at batch 1 and 8.
 
-    python benchmarks/step_profile.py --out benchmarks/results/step_profile.json [--dtype auto]
+    python benchmarks/step_profile.py [--out PATH] [--dtype auto]
         [--drafters none ngram hydra] [--batch-sizes 1,8] [--new 32] [--no-adaptive]
         [--max-nodes 16] [--max-depth 8]
 
@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.models import load_model, pick_dtype
+from dyntree.models import dtype_name, load_model, machine_kind, pick_dtype
 from dyntree.standalone.bench import _device, _versions, encode_prompt, load_prompts
 from dyntree.standalone.engine import SpecEngine
 from dyntree.standalone.target import make_hf_drafter
+from results_index import result_path  # benchmarks/ is on sys.path when run as a script
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 PHASES = ("propose", "mask", "forward", "logits", "accept", "compact", "hidden", "commit", "other")
@@ -98,7 +99,7 @@ def profile(engine: SpecEngine, prompts: list[list[int]], batch: int, params: Sa
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="default benchmarks/results/step_profile/<machine>_<dtype>.json")
     ap.add_argument("--drafters", nargs="+", default=["none", "ngram", "hydra"],
                     help="drafter specs, space-separated (a spec may hold commas: qspec:w8a16,perchannel)")
     ap.add_argument("--batch-sizes", default="1,8")
@@ -132,8 +133,9 @@ def main() -> int:
             doc["runs"].append(run)
             print(f"{drafter:<6} batch {batch:<3} step {run['step_ms']:8.1f} ms  non-forward {run['non_forward_pct']:5.1f}%  "
                   + "  ".join(f"{p} {run['ms_per_step'][p]:.1f}" for p in PHASES), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    out = Path(args.out) if args.out else result_path("step_profile", machine_kind(), dtype_name(dtype))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
     return 0
 
 

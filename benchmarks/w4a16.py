@@ -5,7 +5,7 @@ For every linear layer shape of Llama-3-8B (q/o: 4096->4096, k/v: 4096->1024, ga
 ``w4a16_matmul`` (int4 symmetric, group 128, fp16 scales) with its default launch and the best of
 a small config sweep, checks the kernel against the torch reference, and reports achieved
 bandwidth (weight + activation + output bytes / time). Weights are random (timing does not
-depend on values). Writes JSON to ``benchmarks/results/w4a16_<gpu>.json``.
+depend on values). Writes JSON to ``benchmarks/results/w4a16/<gpu>.json``.
 
     python benchmarks/w4a16.py [--m 1 2 4 8 16] [--out PATH]
 
@@ -26,6 +26,8 @@ import torch
 
 from dyntree.common.quant import quantize_weight
 from dyntree.kernels.w4a16 import HAS_TRITON, W4A16Config, default_config, w4a16_matmul, w4a16_matmul_reference
+from dyntree.models import machine_kind
+from results_index import result_path  # benchmarks/ is on sys.path when run as a script
 
 LAYERS = {  # name: (K = in_features, N = out_features)
     "q_proj/o_proj": (4096, 4096),
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="tokens per matmul (1..16)")
     ap.add_argument("--no-sweep", action="store_true", help="time only the default launch config")
-    ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/w4a16_<gpu>.json)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/w4a16/<gpu>.json)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/w4a16.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth": "bytes read+written (weights incl. scales, x, y) / time, GB/s",
         "rows": rows,
     }
-    out = args.out or Path(__file__).parent / "results" / f"w4a16_{gpu.replace(' ', '_')}.json"
+    out = args.out or result_path("w4a16", machine_kind(torch.device("cuda")))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

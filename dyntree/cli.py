@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from dyntree import __version__, progress
 from dyntree.common.drafters import AUTO
+from dyntree.models import dtype_name
 
 __all__ = ["main"]
 
@@ -183,12 +184,8 @@ def _load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, wh
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    with progress.step(f"loading {args.model} in {_dtype_name(dtype)} ({why}) on {device.type}"):
+    with progress.step(f"loading {args.model} in {dtype_name(dtype)} ({why}) on {device.type}"):
         return _as_flag("--model", load_model, args.model, dtype, device)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -227,7 +224,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
           f"({out.steps} verify forwards after the prefill) | accepted per depth: {depth} | drafter "
           f"{_drafter_note(spec.drafter, resolved)}, "
           f"tree {spec.tree or 'own'}, adaptive {'on' if spec.adaptive else 'off'}, "
-          f"{_dtype_name(dtype)} ({why}), {device.type} | finish: {out.finish_reason}", file=sys.stderr)
+          f"{dtype_name(dtype)} ({why}), {device.type} | finish: {out.finish_reason}", file=sys.stderr)
     if args.compare:
         print("[dyntree] decoding the same prompt without speculation ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
@@ -252,7 +249,7 @@ def _drafter_note(asked: str, resolved: str) -> str:
 def _first_difference(got: list[int], want: list[int], dtype: torch.dtype) -> str:
     at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     why = ("" if dtype == torch.float32 else
-           f"; in {_dtype_name(dtype)} a multi-token verify pass rounds differently from a one-token decode step, "
+           f"; in {dtype_name(dtype)} a multi-token verify pass rounds differently from a one-token decode step, "
            "which flips near-tied argmaxes (~2%): rerun with --dtype fp32 for a token-exact check")
     return f"they first differ at token {at + 1}{why}"
 
@@ -269,7 +266,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     prompts = _as_flag("--prompts", load_prompts, args.prompts, args.limit, cats, args.per_category)
     model, tok = _load(args, device, dtype, why)
     result = run_bench(model, tok, prompts, modes, _drafters(args), spec, params, args.batch_size, args.chat,
-                       args.model, _dtype_name(dtype), args.fast_linear, args.repeats,
+                       args.model, dtype_name(dtype), args.fast_linear, args.repeats,
                        args.fast_attention, args.lockstep)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

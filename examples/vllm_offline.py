@@ -2,7 +2,7 @@
 
     python examples/vllm_offline.py [--model DIR] [--max-tokens 64]
 
-Needs vLLM 0.32 with dyntree installed beside it (see README, "Use with vLLM"); vLLM finds the
+Needs vLLM 0.32 with dyntree installed beside it (README.md, "Quick start 2: vLLM"); vLLM finds the
 plugin through its entry point. Without ``--model`` it serves SmolLM2 from ``dyntree model-path``.
 """
 

@@ -1,7 +1,6 @@
 """``--speculative-algorithm DYNTREE``: SGLang's flags and the options file -> one validated config.
 
-A plugin cannot add flags to SGLang, so DYNTREE reuses SGLang's own (section "Use with SGLang" of
-the README):
+A plugin cannot add flags to SGLang, so DYNTREE reuses SGLang's own (docs/sglang.md):
 
 ========================================== ==================================================
 ``--speculative-num-draft-tokens N``       verify slots per request, root included: the node

@@ -10,7 +10,7 @@ same model object instead, as the reference a user already has: ``hf`` (greedy) 
 (its prompt lookup decoding, ``prompt_lookup_num_tokens=10``); one prompt at a time, greedy only.
 With ``lockstep`` the engine modes run interleaved, one prefill or step of each in turn, and each is
 timed by its own units (:func:`run_lockstep`): the comparison then holds on a machine whose speed
-drifts by 10% over seconds. The result is one JSON document (schema in README.md).
+drifts by 10% over seconds. The result is one JSON document (schema in docs/cli.md).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.controller import CostModel
 from dyntree.common.drafters import AUTO, make_drafter
+from dyntree.models import machine_kind
 from dyntree.standalone.engine import RequestOutput, SpecEngine
 from dyntree.standalone.target import make_hf_drafter, resolve_hf_drafter
 
@@ -432,6 +433,7 @@ def run_bench(
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": _device(),
+        "machine": machine_kind(next(model.parameters()).device),
         "versions": _versions(),
         "model": model_name,
         "dtype": dtype,
