@@ -469,6 +469,7 @@ def test_prompt_positions(tmp_path: Path) -> None:
                  prompt_positions=True)
 
 
+@pytest.mark.slow
 def test_measured_acceptance_table(tmp_path: Path) -> None:
     """The table counts, per depth / rank / confidence bin, head k's held-out candidates and how
     many were the target's token; it is saved beside the checkpoint, loaded by the drafter (its

@@ -138,6 +138,7 @@ def test_modes_equal_plain_greedy_on_real_model(smol, prompts8, plain8, tree: st
         assert max(o.draft_nodes / o.steps for o in outs) > 1.0  # trees, not just single drafts
 
 
+@pytest.mark.slow
 def test_bench_runs_every_mode_with_overhead_fields() -> None:
     from transformers import AutoTokenizer
 

@@ -441,6 +441,7 @@ def test_windows_stay_inside_one_sequence(tmp_path: Path, prompt: int) -> None:
     assert bool((s > f).any())  # later steps see earlier rows as context
 
 
+@pytest.mark.slow
 def test_tiny_training_run_with_prefix_attention_reduces_loss(tmp_path: Path) -> None:
     cache = _synthetic_cache(tmp_path / "cache")
     token_map = reduced_token_map(cache.token_counts(VOCAB), 64)
@@ -466,6 +467,7 @@ def test_tiny_training_run_with_prefix_attention_reduces_loss(tmp_path: Path) ->
         train(again, data, replace(tcfg, window=9), tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_train_heads_cli_with_prefix_attention_end_to_end(tmp_path: Path, tok) -> None:
     """``train-heads --prefix-attention`` on a tiny target: data, training, checkpoint; the
     checkpoint loads as a drafter and greedy drafting with it reproduces plain decoding."""

@@ -233,6 +233,7 @@ def _resolve(args: list[str], **env: str) -> dict:
 
 
 @needs_sglang
+@pytest.mark.slow
 def test_sglang_resolves_dyntree_server_args() -> None:
     """SGLang's own CLI parsing and resolution pipeline, with the plugin loaded."""
     from dyntree.models import model_path
@@ -246,6 +247,7 @@ def test_sglang_resolves_dyntree_server_args() -> None:
 
 
 @needs_sglang
+@pytest.mark.slow
 def test_sglang_serve_example_resolves(tmp_path) -> None:
     """``examples/sglang_serve.sh`` with ``python -m sglang.launch_server`` intercepted: its flags
     and options file go through SGLang's resolution (serving needs a GPU)."""
