@@ -10,7 +10,7 @@ older result is replaced in the tree and stays in git history (tag ``0.1.0`` hol
 until then). ``<machine>`` is :func:`dyntree.models.machine_kind` (``avx2``, ``avx512``,
 ``avx512bf16``, ``amx``, ``h100``, ...; ``cpu`` where the run did not record it). A suite this
 script does not know is listed too, from the JSON's ``summary`` (a string, a list or a mapping),
-``finding``, ``what`` or ``note`` field. In the docs, a result file named as
+``finding`` or ``what`` field, else its runs' speedups. In the docs, a result file named as
 ``git show 0.1.0:benchmarks/results/...`` is history and is not checked.
 """
 
@@ -35,8 +35,8 @@ DTYPES = ("fp32", "bf16", "fp16")
 #: suite -> what it measures and the command that writes it (``<out>``: its result path).
 SUITES: dict[str, tuple[str, str]] = {
     "defaults": ("plain decoding against each drafter with the defaults (adaptive controller, 16 nodes, depth 8) "
-                 "through `dyntree bench`, SmolLM2-135M, greedy, one Spec-Bench prompt per category (13; 39 at "
-                 "batch >= 2) x 64 tokens; speedup = median over rounds of tokens/s over that round's plain run",
+                 "through `dyntree bench`, SmolLM2-135M, greedy, Spec-Bench prompts (one per category: 13; three: "
+                 "39) x 64 tokens; speedup = median over rounds of tokens/s over that round's plain run",
                  "dyntree bench --prompts ../shared/data/spec_bench/question.jsonl --per-category 1 --chat "
                  "--max-new-tokens 64 --drafter ngram --drafter hydra --drafter qspec --modes none,own,hf,hf-lookup "
                  "--repeats 3 --lockstep --out <out>"),
@@ -56,7 +56,7 @@ SUITES: dict[str, tuple[str, str]] = {
                        "dyntree train-heads ... --device cuda (docs/hydra.md)"),
     "heads_compare": ("Hydra heads against each other, teacher-forced on Spec-Bench prompts they never saw: "
                       "top-1 / top-5 per head and top-1 chain tau", "python benchmarks/heads_compare.py --heads DIR ..."),
-    "hydra_eval": ("Hydra heads' tau and agreement per Spec-Bench category (heads of 2026-11-24)",
+    "hydra_eval": ("Hydra heads' tau and agreement per Spec-Bench category (an earlier set of heads)",
                    "python benchmarks/hydra_eval.py --heads DIR ..."),
     "multilayer_probe": ("EAGLE-3-style multi-layer target features for the heads: held-out top-1 with and without",
                          "python benchmarks/multilayer_probe.py --cache CACHE"),
