@@ -126,6 +126,22 @@ def test_packed_copy_follows_in_place_changes() -> None:
         torch.testing.assert_close(model(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not linear.mkl_packed_available(), reason="needs torch with MKL")
+def test_a_model_with_packed_copies_deep_copies() -> None:
+    import copy
+
+    model = linear.install(nn.Sequential(nn.Linear(16, 24)), packed=True)
+    x = torch.randn(5, 16)
+    d = LinearDispatch({1: (10.0, 20.0, 20.0), 8: (10.0, 20.0, 1.0)})
+    with torch.no_grad(), d.active():
+        model(x)  # the packed copy exists now (an MKL tensor, which deepcopy cannot copy)
+        twin = copy.deepcopy(model)
+        assert twin[0]._dyntree_packed.weight is twin[0].weight
+        twin[0].weight.mul_(2.0)  # the copy packs its own weight, not the original's
+        torch.testing.assert_close(twin(x), F.linear(x, twin[0].weight, twin[0].bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(x), F.linear(x, model[0].weight, model[0].bias), rtol=1e-5, atol=1e-5)
+
+
 def test_calibration_is_cached_per_machine_and_shapes(tmp_path) -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
     d = linear.calibrate(model, rows=(1, 2, 4), repeats=1, cache_dir=tmp_path)

@@ -40,6 +40,7 @@ which tokens are drafted now and then, never the output (the target verifies eve
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import platform
@@ -131,6 +132,11 @@ class PackedWeight:
         self.weight = weight
         self._key: tuple[int, int] | None = None
         self._packed: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo: dict) -> "PackedWeight":
+        """A copy over the copied weight, packed again when first used (MKL's packed tensors
+        cannot be copied, so a model with routed linears could not be deep-copied)."""
+        return PackedWeight(copy.deepcopy(self.weight, memo))
 
     def get(self) -> torch.Tensor:
         w = self.weight
