@@ -27,7 +27,7 @@ import torch
 
 from dyntree.common.quant import QuantizedWeight, unpack_int4
 
-__all__ = ["CpuWeightOnly", "cpu_kernels_available"]
+__all__ = ["CpuWeightOnly", "cpu_kernels_available", "cpu_weight_kernel"]
 
 _INT4_GROUPS = (32, 64, 128, 256)
 
@@ -37,6 +37,12 @@ def cpu_kernels_available() -> bool:
     ops = torch.ops.aten
     return all(hasattr(ops, n) for n in ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu",
                                          "_convert_weight_to_int4pack_for_cpu"))
+
+
+def cpu_weight_kernel(device: torch.device) -> "CpuWeightOnly | None":
+    """The weight-only kernel an engine offers its drafters on ``device``: these ops on a CPU
+    whose torch has them, else none."""
+    return CpuWeightOnly() if device.type == "cpu" and cpu_kernels_available() else None
 
 
 @dataclass(frozen=True)

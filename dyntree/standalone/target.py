@@ -8,7 +8,7 @@ from typing import Any
 
 from dyntree.common.drafter import Drafter, TargetInfo
 from dyntree.common.drafters import make_engine_drafter
-from dyntree.kernels.cpu_weight_only import CpuWeightOnly, cpu_kernels_available
+from dyntree.kernels.cpu_weight_only import cpu_weight_kernel
 
 __all__ = ["hf_target", "make_hf_drafter", "resolve_hf_drafter"]
 
@@ -16,9 +16,8 @@ __all__ = ["hf_target", "make_hf_drafter", "resolve_hf_drafter"]
 def hf_target(model: Any, tokenizer: Any, name: str | None = None) -> TargetInfo:
     """The target's name, hidden size, frozen embedding and LM-head weights, tokenizer hash, and
     on a CPU torch's weight-only int8 matmul for the drafter's own weights."""
-    cpu = next(model.parameters()).device.type == "cpu"
     return TargetInfo.from_model(model, tokenizer, name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
-                                 weight_kernel=CpuWeightOnly() if cpu and cpu_kernels_available() else None)
+                                 weight_kernel=cpu_weight_kernel(next(model.parameters()).device))
 
 
 def resolve_hf_drafter(spec: str, model: Any, tokenizer: Any) -> tuple[Drafter, str]:

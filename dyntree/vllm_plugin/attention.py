@@ -1,93 +1,197 @@
-"""Tree attention for vLLM's CPU backend, registered over ``CPU_ATTN`` through vLLM's backend registry.
+"""Tree attention as a vLLM CPU attention backend, registered over ``CPU_ATTN``.
 
-vLLM's native CPU kernel runs first (every request, causal); then the rows of this step's tree
-requests are recomputed: each node attends to its request's whole committed prefix and to its own
-ancestors (the :class:`~dyntree.vllm_plugin.runner.TreeStep` masks), reading the paged cache
-through :class:`~dyntree.vllm_plugin.kv_layout.KVLayout` (the tree tokens' own K/V were written to
-their linear slots before the kernel ran). The gather indices, query rows and padded masks are
-planned once per step on the host (:func:`plan_tree_attention`); each layer then runs one gather
-and one batched ``scaled_dot_product_attention`` over all tree requests. The time this adds to the
-forward is summed in the step (``derived["tree_ms"]``) for the adaptive controller. fp32 and bf16
-caches, any CPU ISA layout.
+vLLM's pattern: :class:`TreeCPUAttentionMetadataBuilder` plans once per step on host metadata and
+:class:`TreeCPUAttentionImpl.forward` runs per layer on plain tensors. The runner hooks
+(:mod:`dyntree.vllm_plugin.runner`) hand the builder the step's
+:class:`~dyntree.vllm_plugin.runner.TreeStep` (:meth:`~TreeCPUAttentionMetadataBuilder.plan_trees`)
+before vLLM builds the step's attention metadata; the plan then reaches every layer inside that
+metadata (:class:`TreeCPUAttentionMetadata`), through vLLM's forward context.
+
+Each query row is computed once:
+
+* rows without a tree go through vLLM's own CPU kernel, and so do chains (a tree without branches,
+  whose nodes see exactly what causal attention shows them);
+* a branching tree's rows are given to that kernel with a sequence length equal to their query length
+  (a few-token causal pass whose output is overwritten; the prefix is not read there) and are
+  computed here in one ``scaled_dot_product_attention`` over the request's committed prefix and
+  its in-step nodes, each node seeing the prefix and its own ancestors.
+
+The prefix is read from a :class:`~dyntree.vllm_plugin.mirror.PrefixMirror`: a dense copy of each
+tree request's committed KV that the plan brings up to date with the positions it lacks (read from
+vLLM's paged cache through the probed :class:`~dyntree.vllm_plugin.kv_layout.KVLayout`), so a layer
+copies only the tokens committed since the request's last tree, not its whole prefix.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
 
 from dyntree.vllm_plugin.kv_layout import KVLayout
-from dyntree.vllm_plugin.runner import TreeStep, current_step
+from dyntree.vllm_plugin.mirror import PrefixMirror
+from dyntree.vllm_plugin.runner import TreeStep
 
-__all__ = ["TreeAttentionPlan", "plan_tree_attention", "TreeCPUAttentionBackend", "TreeCPUAttentionImpl"]
+__all__ = ["TreeRows", "TreeAttentionPlan", "plan_tree_rows", "tree_rows_attention", "TreeCPUAttentionMetadata",
+           "TreeCPUAttentionMetadataBuilder", "TreeCPUAttentionImpl", "TreeCPUAttentionBackend"]
 
 
 @dataclass(frozen=True)
+class TreeRows:
+    """One tree request's part of a step (host metadata, shared by every layer).
+
+    Attributes:
+        request_id: vLLM's request id (the mirror's key).
+        start: its first query row (the root) in the step's flat query.
+        size: its tree's nodes, root included (``T``).
+        prefix: committed tokens before the root (``P``): the KV every node sees.
+        synced: the mirror's length before this step; positions ``synced .. P - 1`` are copied in.
+        sync_index: ``[2 * (P - synced) * Hkv * D]`` flat indices of their keys then values in a
+            layer's paged cache (empty: nothing to copy).
+        bias: ``[1, 1, T, P + T]`` additive mask in the cache dtype: 0 where a node may attend
+            (the prefix, itself and its ancestors), ``-inf`` elsewhere.
+    """
+
+    request_id: str
+    start: int
+    size: int
+    prefix: int
+    synced: int
+    sync_index: torch.Tensor
+    bias: torch.Tensor
+
+
+@dataclass
 class TreeAttentionPlan:
-    """One step's tree attention, padded over its ``B`` tree requests (same for every layer)."""
+    """A step's tree rows for one KV-cache group, and the time its layers spent on them."""
 
-    key_index: torch.Tensor  # [B * L * Hkv * D] linear cache indices (padding: 0, masked out)
-    value_index: torch.Tensor
-    rows: torch.Tensor  # [R] query rows of the tree nodes
-    slots: torch.Tensor  # [R] their places in the padded [B * T] query
-    bias: torch.Tensor  # [B, 1, T, L] additive mask: 0 where a (padded) node may attend, -inf elsewhere
-    shape: tuple[int, int, int]  # (B, T, L)
+    requests: list[TreeRows]
+    layers: dict[str, int]  # layer name -> index in the mirror
+    mirror: PrefixMirror
+    spent_ms: float = 0.0  # summed over layers: the controller prices it as a cost of speculating
 
 
-def plan_tree_attention(step: TreeStep, layout: KVLayout, block_table: torch.Tensor,
-                        dtype: torch.dtype) -> TreeAttentionPlan:
-    """Gather indices, query rows and masks (``dtype``) of ``step``'s trees over ``layout`` (host only)."""
-    b = len(step.rows)
-    t = max(m.shape[0] for m in step.masks)
-    length = max(m.shape[1] for m in step.masks)
-    key_index, value_index = layout.prefix_index([block_table[row].cpu() for row in step.rows],
-                                                 [m.shape[1] for m in step.masks])
-    mask = torch.zeros(b, 1, t, length, dtype=torch.bool)
-    mask[:, :, :, 0] = True  # padded query rows see one slot (no NaN); their output is dropped
-    rows, slots = [], []
-    for i, (start, m) in enumerate(zip(step.starts, step.masks)):
-        n, ln = m.shape
-        mask[i, 0, :n] = False
-        mask[i, 0, :n, :ln] = m
-        rows.append(torch.arange(start, start + n))
-        slots.append(torch.arange(i * t, i * t + n))
-    bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
-    return TreeAttentionPlan(key_index, value_index, torch.cat(rows), torch.cat(slots), bias, (b, t, length))
+@dataclass
+class TreeCPUAttentionMetadata(CPUAttentionMetadata):
+    """vLLM's CPU attention metadata plus the step's tree plan (``None``: no tree this step)."""
+
+    tree: TreeAttentionPlan | None = None
+
+
+class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's CPU metadata builder that also plans the step's trees (see the module docstring).
+
+    It owns the group's :class:`PrefixMirror`; the runner hooks call :meth:`plan_trees` before
+    each step's :meth:`build` and :meth:`release` when a request ends or is recomputed."""
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.layers = {name: i for i, name in enumerate(layer_names)}
+        self.mirror = PrefixMirror(len(layer_names), self.num_kv_heads, self.head_dim, self.dtype)
+        self._pending: TreeStep | None = None
+
+    def plan_trees(self, step: TreeStep | None) -> None:
+        """The trees of the step whose metadata :meth:`build` builds next."""
+        self._pending = step
+
+    def release(self, request_id: str) -> None:
+        self.mirror.release(request_id)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> TreeCPUAttentionMetadata:
+        step, self._pending = self._pending, None
+        branching = [b for b, m in enumerate(step.masks) if not _is_chain(m)] if step is not None else []
+        plan = None
+        if step is not None and branching:
+            rows = torch.tensor([step.rows[b] for b in branching])
+            seq_lens = common_attn_metadata.seq_lens.clone()
+            qsl = common_attn_metadata.query_start_loc_cpu
+            seq_lens[rows] = (qsl[rows + 1] - qsl[rows]).to(seq_lens)  # vLLM's kernel: no prefix for tree rows
+            common_attn_metadata = replace(common_attn_metadata, seq_lens=seq_lens)
+            layout = KVLayout.for_spec(self.isa, self.dtype, self.block_size, self.num_kv_heads, self.head_dim)
+            plan = plan_tree_rows(step, branching, layout, self.mirror, self.layers,
+                                  common_attn_metadata.block_table_tensor, self.dtype)
+            step.attention.append(plan)
+        meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        return TreeCPUAttentionMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, tree=plan)
+
+
+def plan_tree_rows(step: TreeStep, branching: list[int], layout: KVLayout, mirror: PrefixMirror,
+                   layers: dict[str, int], block_table: torch.Tensor, dtype: torch.dtype) -> TreeAttentionPlan:
+    """The rows of ``step``'s trees ``branching`` (indices into its batch) for every layer of one
+    KV-cache group (host only): mirror room and sync indices over ``layout``, masks in ``dtype``."""
+    requests = []
+    for b in branching:
+        rid, row, start, prefix, mask = (step.batch.request_ids[b], step.rows[b], step.starts[b], step.prefix[b],
+                                         step.masks[b])
+        size = mask.shape[0]
+        synced = mirror.reserve(rid, prefix, prefix + size)
+        if synced < prefix:
+            keys, values = layout.index(block_table[row].cpu(), torch.arange(synced, prefix))
+            sync_index = torch.cat([keys.reshape(-1), values.reshape(-1)])
+        else:
+            sync_index = torch.empty(0, dtype=torch.int64)
+        bias = torch.zeros(1, 1, size, prefix + size, dtype=dtype)
+        bias[0, 0, :, prefix:].masked_fill_(~mask, float("-inf"))
+        requests.append(TreeRows(rid, start, size, prefix, synced, sync_index, bias))
+    return TreeAttentionPlan(requests, layers, mirror)
+
+
+def tree_rows_attention(plan: TreeAttentionPlan, layer_name: str, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+    """One layer's tree rows into ``out`` (``query [N, Hq, D]``, this step's ``key``/``value``
+    ``[N, Hkv, D]``, the layer's paged ``kv_cache``): the mirror takes the positions it lacks and
+    the step's nodes, then one attention per tree request over its prefix and nodes."""
+    index = plan.layers.get(layer_name)
+    if index is None:
+        raise RuntimeError(f"dyntree: layer {layer_name!r} is not in the tree plan's KV-cache group")
+    flat = kv_cache.view(-1)
+    hkv, d = key.shape[1], key.shape[2]
+    for r in plan.requests:
+        buf = plan.mirror.buffer(r.request_id)[index]  # [2, Hkv, capacity, D]
+        if r.sync_index.numel():
+            new = flat.index_select(0, r.sync_index).view(2, -1, hkv, d)
+            buf[:, :, r.synced : r.prefix].copy_(new.transpose(1, 2))
+        rows, end = slice(r.start, r.start + r.size), r.prefix + r.size
+        buf[0, :, r.prefix : end].copy_(key[rows].transpose(0, 1))
+        buf[1, :, r.prefix : end].copy_(value[rows].transpose(0, 1))
+        q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
+        res = F.scaled_dot_product_attention(q, buf[0:1, :, :end], buf[1:2, :, :end], attn_mask=r.bias, scale=scale,
+                                             enable_gqa=query.shape[1] != hkv)
+        out[rows] = res[0].transpose(0, 1).reshape(out[rows].shape)
+
+
+def _is_chain(mask: torch.Tensor) -> bool:
+    """Whether a tree's ``[T, T]`` visibility is causal (a chain): vLLM's kernel then serves it as it is."""
+    return bool(torch.equal(mask, torch.tril(torch.ones_like(mask))))
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
-    """vLLM's CPU attention, with tree requests' rows recomputed under the ancestor mask."""
+    """vLLM's CPU attention; branching trees' rows are then computed under their ancestor masks."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.logits_soft_cap or self.sinks is not None or self.alibi_slopes is not None or self.sliding_window != -1:
+            raise RuntimeError("dyntree tree attention does not support logit soft-capping, attention sinks, ALiBi "
+                               "or sliding windows (this model uses one); drop method 'dyntree'")
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        step = current_step()
-        if step is None or attn_metadata is None or kv_cache.numel() == 0:
-            return out
-        if self.logits_soft_cap or self.sinks is not None or self.alibi_slopes is not None or self.sliding_window != -1:
-            raise RuntimeError("dyntree tree attention does not support logit soft-capping, attention sinks, ALiBi "
-                               "or sliding windows (this model uses one); drop method 'dyntree'")
-        started = time.perf_counter()
-        layout = KVLayout.of(kv_cache, layer.isa)
-        plan = step.derived.get(("attention", id(layout)))
+        plan = getattr(attn_metadata, "tree", None)
         if plan is None:
-            plan = plan_tree_attention(step, layout, attn_metadata.block_table, query.dtype)
-            step.derived[("attention", id(layout))] = plan
-        b, t, _ = plan.shape
-        k, v = layout.gather(kv_cache, plan.key_index, b), layout.gather(kv_cache, plan.value_index, b)
-        q = query.new_zeros(b * t, *query.shape[1:])
-        q[plan.slots] = query[plan.rows]
-        q = q.view(b, t, self.num_heads, layout.head_size).transpose(1, 2).to(k.dtype)
-        res = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.bias, scale=self.scale,
-                                             enable_gqa=self.num_heads != layout.num_kv_heads)  # [B, Hq, T, D]
-        res = res.transpose(1, 2).reshape(b * t, -1)[plan.slots]
-        out[plan.rows] = res.reshape(out[plan.rows].shape).to(out.dtype)
-        step.derived["tree_ms"] = step.derived.get("tree_ms", 0.0) + (time.perf_counter() - started) * 1e3
+            return out
+        started = time.perf_counter()
+        tree_rows_attention(plan, layer.layer_name, query, key, value, kv_cache, out, self.scale)
+        plan.spent_ms += (time.perf_counter() - started) * 1e3
         return out
 
 
@@ -95,3 +199,7 @@ class TreeCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[TreeCPUAttentionImpl]:
         return TreeCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TreeCPUAttentionMetadataBuilder]:
+        return TreeCPUAttentionMetadataBuilder

@@ -76,7 +76,13 @@ class KVLayout:
             raise LayoutError(f"dyntree tree verification needs an unquantized KV cache, got {kv_cache.dtype}")
         if not kv_cache.is_contiguous():
             raise LayoutError("dyntree tree verification needs each layer's CPU KV cache contiguous")
-        return _layout(isa, kv_cache.dtype, tuple(kv_cache.shape))
+        _, hkv, block, two_d = kv_cache.shape
+        return _layout(isa, kv_cache.dtype, block, hkv, two_d // 2)
+
+    @classmethod
+    def for_spec(cls, isa: str, dtype: torch.dtype, block_size: int, num_kv_heads: int, head_size: int) -> "KVLayout":
+        """The layout of a cache vLLM allocates with these attributes (no cache tensor needed)."""
+        return _layout(isa, dtype, block_size, num_kv_heads, head_size)
 
     def index(self, block_row: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Linear indices ``[len(positions), Hkv * D]`` of the keys and of the values of a
@@ -104,13 +110,11 @@ class KVLayout:
 
 
 @lru_cache(maxsize=None)
-def _layout(isa: str, dtype: torch.dtype, shape: tuple[int, ...]) -> KVLayout:
-    _, hkv, block, two_d = shape
-    d = two_d // 2
+def _layout(isa: str, dtype: torch.dtype, block: int, hkv: int, d: int) -> KVLayout:
     key_map, value_map = block_permutation(isa, dtype, block, hkv, d)
     area = block * d  # the [Hkv, 2, block * D] view of a block: head-major, keys then values
 
     def linear(where: torch.Tensor, values: int) -> torch.Tensor:
         return (where // area) * (2 * area) + values * area + where % area
 
-    return KVLayout(linear(key_map, 0), linear(value_map, 1), hkv * block * two_d, hkv, d)
+    return KVLayout(linear(key_map, 0), linear(value_map, 1), hkv * block * 2 * d, hkv, d)

@@ -3,9 +3,11 @@
 vLLM builds it in each worker (``Class(vllm_config)``), hands it the target model
 (``load_model``) and calls ``propose`` after every step with the tokens sampled per request. It
 owns the worker's :class:`~dyntree.common.speculator.Speculator` and translates: request ids and
-committed tokens in, each tree's draft nodes (BFS order, root excluded) out, to be scheduled as
-vLLM's draft tokens. The runner patches in :mod:`dyntree.vllm_plugin.runner` read its trees back
-to verify them.
+committed tokens in, each tree's draft nodes (root excluded, in the tree's order) out, to be
+scheduled as vLLM's draft tokens. The runner hooks in :mod:`dyntree.vllm_plugin.runner` bind it to
+the model runner once (:meth:`~DynTreeProposer.bind`), open each step with its
+:class:`~dyntree.vllm_plugin.runner.StepRecord` (:meth:`~DynTreeProposer.begin_step`: request ids
+and sampling in batch order, the step's trees) and read its trees back to verify them.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from typing import Any, Hashable
 import numpy as np
 import torch
 
-from dyntree.common.config import SamplingParams, SpecConfig
+from dyntree.common.config import SpecConfig
 from dyntree.common.controller import CostModel
 from dyntree.common.drafter import TargetInfo
 from dyntree.common.drafters import make_engine_drafter
 from dyntree.common.speculator import SpecRequest, Speculator
 from dyntree.common.tree import DraftTree
 from dyntree.vllm_plugin.options import ENV
+from dyntree.vllm_plugin.runner import StepRecord
 
 __all__ = ["DynTreeProposer"]
 
@@ -40,10 +43,9 @@ class DynTreeProposer:
         self.speculator: Speculator | None = None
         self.drafter_spec = spec.drafter
         self.generator = torch.Generator().manual_seed(0)
-        self.trees: dict[Hashable, DraftTree] = {}  # this step's proposals, by request id
-        self.req_ids: list[str] = []  # batch order of the next propose call (set by the runner patch)
-        self.params: dict[Hashable, SamplingParams | None] = {}  # None: the request must not speculate
-        self.runner: Any = None  # the model runner, set by the runner patch before the first step
+        self.trees: dict[Hashable, DraftTree] = {}  # the last propose call's trees, by request id
+        self.runner: Any = None  # the model runner (bind)
+        self.step: StepRecord | None = None  # the step in flight (begin_step)
 
     # -- vLLM's custom_class contract -------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -60,6 +62,20 @@ class DynTreeProposer:
         self.speculator = Speculator(drafter, self.spec.model_copy(update={"drafter": self.drafter_spec}), vocab_size=vocab,
                                      cost_model=self._measure_cost if self.spec.adaptive else None)
 
+    def bind(self, runner: Any) -> None:
+        """The model runner this proposer drafts for (its KV caches, block tables and dummy
+        forwards); the first call also sets up the adaptive controller, timing vLLM's forwards now
+        that the KV cache exists."""
+        if self.runner is runner:
+            return
+        self.runner = runner
+        assert self.speculator is not None
+        self.speculator.prepare()
+
+    def begin_step(self, step: StepRecord) -> None:
+        """The step vLLM is about to run: its batch (the next :meth:`propose` call's rows) and trees."""
+        self.step = step
+
     def _measure_cost(self) -> CostModel:
         """The adaptive controller's starting cost model: vLLM's own dummy forwards (attention
         included) of 1, 2, 4, ... query tokens, timed once the KV cache exists (first step)."""
@@ -75,12 +91,13 @@ class DynTreeProposer:
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None, **_: Any) -> list[list[int]]:
         """One draft list per request in batch order: its tree's nodes after the root (``[]``: none)."""
-        assert self.speculator is not None
+        assert self.speculator is not None and self.step is not None
         self.trees = {}
         rows, reqs = [], []
+        req_ids, all_params = self.step.req_ids, self.step.params
         for i, sampled in enumerate(sampled_token_ids):
-            rid = self.req_ids[i] if i < len(self.req_ids) else None
-            params = self.params.get(rid) if rid is not None else None
+            rid = req_ids[i] if i < len(req_ids) else None
+            params = all_params.get(rid) if rid is not None else None
             if not sampled or params is None:
                 continue
             n = int(num_tokens_no_spec[i])
@@ -101,6 +118,9 @@ def _target_info(model: torch.nn.Module, vllm_config: Any, vocab: int) -> Target
     """What Hydra borrows from vLLM's loaded model (weights shared, cut to the real vocabulary)."""
     from transformers import AutoTokenizer
 
+    from dyntree.kernels.cpu_weight_only import cpu_weight_kernel
+
     mc = vllm_config.model_config
     tok = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
-    return TargetInfo.from_model(model, tok, str(mc.model), vocab)
+    return TargetInfo.from_model(model, tok, str(mc.model), vocab,
+                                 weight_kernel=cpu_weight_kernel(next(model.parameters()).device))

@@ -1,22 +1,24 @@
-"""Tree verification inside vLLM's V1 model runner: the per-step plan and three runner hooks.
+"""Tree verification inside vLLM's V1 model runner: the step record and three runner hooks.
 
 vLLM schedules each request's draft nodes (root first) as an ordinary run of query tokens with
-linear KV slots. Per step, on host metadata only (FlashInfer style), :func:`plan_step` builds a
-:class:`TreeStep`: which requests carry a tree this step, where their query rows start, their
-committed prefix lengths and block-table rows, and one flat
-:class:`~dyntree.common.tree.DraftBatch`. Then
+linear KV slots. Each step the hooks build one explicit :class:`StepRecord` (request ids and
+sampling, committed lengths, query starts, forward timing, and the :class:`TreeStep`: which
+requests carry a tree, where their rows start, their prefix lengths and masks, one flat
+:class:`~dyntree.common.tree.DraftBatch`) and hand it on by argument:
 
-* ``_prepare_inputs`` (after vLLM's own): tree rows get RoPE positions ``prefix + depth``
-  (slots stay linear);
-* the attention backend (:mod:`dyntree.vllm_plugin.attention`) lets a tree node see the prefix
-  and its ancestors only;
-* ``_sample`` (after vLLM's own, which still serves every request without a tree): the
-  speculator verifies the trees (greedy or lossless sampling), the accepted path plus bonus
-  replaces the request's row of ``sampled_token_ids`` (``-1`` padded, so the scheduler rolls
-  back exactly the rejected slots), and the accepted nodes' KV moves to positions
-  ``prefix .. prefix + len - 1`` (compaction);
-* ``propose_draft_token_ids`` (before vLLM's own): the proposer learns the batch's request ids and
-  sampling parameters, and drafters that read hidden states get the committed tokens' states.
+* ``_prepare_inputs`` (after vLLM's own): the proposer opens the step
+  (:meth:`~dyntree.vllm_plugin.proposer.DynTreeProposer.begin_step`); tree rows get RoPE positions
+  ``prefix + depth`` (slots stay linear); the tree attention builders
+  (:class:`~dyntree.vllm_plugin.attention.TreeCPUAttentionMetadataBuilder`) are given the
+  :class:`TreeStep` to plan into the step's attention metadata, which reaches every layer through
+  vLLM's forward context;
+* ``_sample`` (after vLLM's own, which still serves every request without a tree): the speculator
+  verifies the trees (greedy or lossless sampling), the accepted path plus bonus replaces the
+  request's row of ``sampled_token_ids`` (``-1`` padded, so the scheduler rolls back exactly the
+  rejected slots), and the accepted nodes' KV moves to positions ``prefix .. prefix + len - 1``
+  (compaction; a depth-first tree whose accepted path is its first-child chain moves nothing);
+* ``propose_draft_token_ids`` (before vLLM's own): drafters that read hidden states get the
+  committed tokens' states, then vLLM calls the proposer, which reads the batch from the record.
 
 ``DYNTREE_VLLM_ABLATE`` (``mask``, ``positions``, ``compaction``; comma separated) switches one
 piece off: a test control whose outputs must then differ from plain decoding.
@@ -27,28 +29,25 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
+import numpy as np
 import torch
 
 from dyntree.common.config import SamplingParams
 from dyntree.common.speculator import AcceptResult
-from dyntree.common.tree import DraftBatch
+from dyntree.common.tree import DraftBatch, DraftTree
 from dyntree.vllm_plugin.kv_layout import KVLayout
-from dyntree.vllm_plugin.proposer import DynTreeProposer
 
-__all__ = ["TreeStep", "current_step", "ablations", "install"]
+if TYPE_CHECKING:
+    from dyntree.vllm_plugin.attention import TreeAttentionPlan, TreeCPUAttentionMetadataBuilder
+    from dyntree.vllm_plugin.proposer import DynTreeProposer
 
-_STEP: "TreeStep | None" = None
+__all__ = ["TreeStep", "StepRecord", "ablations", "plan_trees", "install"]
 
 
 def ablations() -> frozenset[str]:
     return frozenset(a.strip() for a in os.environ.get("DYNTREE_VLLM_ABLATE", "").split(",") if a.strip())
-
-
-def current_step() -> "TreeStep | None":
-    """The running step's tree plan (``None``: no tree in this forward)."""
-    return _STEP
 
 
 @dataclass
@@ -59,77 +58,103 @@ class TreeStep:
     rows: list[int]  # input-batch index of each tree request
     starts: list[int]  # first query row of each tree request
     prefix: list[int]  # committed tokens before each root (its KV is cached)
-    masks: list[torch.Tensor]  # [T, prefix + T] bool: what each node may attend to
+    masks: list[torch.Tensor]  # [T, T] bool: the nodes each node may attend to within its tree
     accept: AcceptResult | None = None
-    derived: dict[Any, Any] = field(default_factory=dict)  # per-step host plans (attention indices), by key
+    attention: "list[TreeAttentionPlan]" = field(default_factory=list)  # what the builders planned from it
+
+    @property
+    def attention_ms(self) -> float:
+        """Time the layers spent on tree rows beside vLLM's kernel this step."""
+        return sum(p.spent_ms for p in self.attention)
 
 
-def _proposer(runner: Any) -> DynTreeProposer | None:
-    """The runner's dyntree drafter (``None`` for a runner without one: another engine in this process)."""
-    drafter = getattr(runner, "drafter", None)
-    return drafter if isinstance(drafter, DynTreeProposer) else None
+@dataclass
+class StepRecord:
+    """One engine step as the adapter sees it (batch row ``i`` is request ``req_ids[i]``)."""
+
+    req_ids: list[str]
+    params: dict[str, SamplingParams | None]  # None: the request decodes plainly
+    computed: np.ndarray  # committed tokens (KV cached) per row before this step
+    starts: np.ndarray  # first query row per row
+    scheduled: np.ndarray  # query tokens per row
+    started: float  # perf_counter when the forward began
+    decode_tokens: int  # the forward's query tokens when it holds decoding rows only, else 0
+    tree: TreeStep | None
 
 
-def plan_step(runner: Any, scheduler_output: Any, num_scheduled: Any, proposer: DynTreeProposer) -> TreeStep | None:
-    """The step's trees: requests whose scheduled drafts are (a prefix of) the proposer's tree."""
-    num_reqs = runner.input_batch.num_reqs
-    req_ids = runner.input_batch.req_ids[:num_reqs]
-    computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
-    ends = num_scheduled[:num_reqs].cumsum()
-    ids, trees, rows, starts, prefix = [], [], [], [], []
+def plan_trees(req_ids: list[str], scheduled_drafts: dict[str, list[int]], num_scheduled: np.ndarray,
+               computed: np.ndarray, trees: dict[Hashable, DraftTree]) -> TreeStep | None:
+    """The step's trees: requests whose scheduled drafts are (a prefix of) their proposed tree."""
+    ends = num_scheduled.cumsum()
+    ids, kept, rows, starts, prefix = [], [], [], [], []
     for i, rid in enumerate(req_ids):
-        drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+        drafts = scheduled_drafts.get(rid)
         if not drafts:
             continue
-        tree = proposer.trees.get(rid)
+        tree = trees.get(rid)
         n = len(drafts) + 1
         if tree is None or tree.size < n or tree.tokens[1:n].tolist() != list(drafts) or int(num_scheduled[i]) != n:
             raise RuntimeError(f"dyntree: request {rid!r} was scheduled drafts that are not its proposed tree")
         ids.append(rid)
-        trees.append(tree.prefix(n))  # the scheduler may cut a tree short: a prefix is still a tree
+        kept.append(tree.prefix(n))  # the scheduler may cut a tree short: a prefix is still a tree
         rows.append(i)
         starts.append(int(ends[i]) - n)
         prefix.append(int(computed[i]))
-    if not trees:
+    if not kept:
         return None
-    batch = DraftBatch.from_trees(ids, trees)
     causal = "mask" in ablations()
-    masks = []
-    for tree, p in zip(trees, prefix):
-        anc = torch.tril(torch.ones(tree.size, tree.size, dtype=torch.bool)) if causal else tree.ancestor_mask()
-        masks.append(torch.cat([torch.ones(tree.size, p, dtype=torch.bool), anc], dim=1))
-    return TreeStep(batch, rows, starts, prefix, masks)
+    masks = [torch.tril(torch.ones(t.size, t.size, dtype=torch.bool)) if causal else t.ancestor_mask() for t in kept]
+    return TreeStep(DraftBatch.from_trees(ids, kept), rows, starts, prefix, masks)
+
+
+def _proposer(runner: Any) -> "DynTreeProposer | None":
+    """The runner's dyntree drafter (``None`` for a runner without one: another engine in this process)."""
+    from dyntree.vllm_plugin.proposer import DynTreeProposer
+
+    drafter = getattr(runner, "drafter", None)
+    return drafter if isinstance(drafter, DynTreeProposer) and drafter.speculator is not None else None
+
+
+def _tree_builders(runner: Any) -> "list[TreeCPUAttentionMetadataBuilder]":
+    from dyntree.vllm_plugin.attention import TreeCPUAttentionMetadataBuilder
+
+    builders = [group.get_metadata_builder() for groups in runner.attn_groups for group in groups]
+    return [b for b in builders if isinstance(b, TreeCPUAttentionMetadataBuilder)]
 
 
 def _prepare_inputs(orig: Any) -> Any:
     def wrapper(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
-        global _STEP
-        _STEP = None
         proposer = _proposer(self)
-        if proposer is not None and proposer.speculator is not None and proposer.runner is None:
-            proposer.runner = self
-            proposer.speculator.prepare()  # adaptive: time the cost model's forwards (the KV cache exists now)
+        if proposer is not None:
+            proposer.bind(self)
         out = orig(self, scheduler_output, num_scheduled_tokens)
-        if proposer is None or proposer.speculator is None:
+        if proposer is None:
             return out
-        for rid in scheduler_output.finished_req_ids:
-            proposer.speculator.release(rid)
+        builders = _tree_builders(self)
         num_reqs = self.input_batch.num_reqs
-        for i, rid in enumerate(self.input_batch.req_ids[:num_reqs]):
-            if int(self.input_batch.num_computed_tokens_cpu[i]) == 0:  # new or recomputed after preemption
-                proposer.speculator.release(rid)
-        self._dyntree_computed = self.input_batch.num_computed_tokens_cpu[:num_reqs].copy()
-        self._dyntree_starts = num_scheduled_tokens[:num_reqs].cumsum() - num_scheduled_tokens[:num_reqs]
-        step = plan_step(self, scheduler_output, num_scheduled_tokens, proposer)
-        if step is not None and "positions" not in ablations():
-            rows = torch.cat([torch.arange(s, s + t.size) for s, t in zip(step.starts, step.batch.trees)])
-            self.positions[rows.to(self.positions.device)] = step.batch.positions(step.prefix).to(self.positions)
-        _STEP = step
-        # a forward of decoding rows only (no prefill chunk) refines the controller's cost model
+        req_ids = list(self.input_batch.req_ids[:num_reqs])
+        computed = self.input_batch.num_computed_tokens_cpu[:num_reqs].copy()
+        ended = list(scheduler_output.finished_req_ids) + [rid for rid, c in zip(req_ids, computed) if c == 0]
+        for rid in ended:  # finished, or new / recomputed after preemption
+            proposer.speculator.release(rid)
+            for builder in builders:
+                builder.release(rid)
+        scheduled = num_scheduled_tokens[:num_reqs]
         drafts = scheduler_output.scheduled_spec_decode_tokens
-        decoding = all(int(num_scheduled_tokens[i]) == 1 + len(drafts.get(rid, ()))
-                       for i, rid in enumerate(self.input_batch.req_ids[:num_reqs]))
-        self._dyntree_forward = (time.perf_counter(), int(num_scheduled_tokens[:num_reqs].sum()) if decoding else 0)
+        tree = plan_trees(req_ids, drafts, scheduled, computed, proposer.trees)
+        if tree is not None and "positions" not in ablations():
+            rows = torch.cat([torch.arange(s, s + t.size) for s, t in zip(tree.starts, tree.batch.trees)])
+            self.positions[rows.to(self.positions.device)] = tree.batch.positions(tree.prefix).to(self.positions)
+        if not builders and tree is not None:
+            raise RuntimeError("dyntree: vLLM did not build dyntree's tree attention backend for this model")
+        for builder in builders:
+            builder.plan_trees(tree)
+        # a forward of decoding rows only (no prefill chunk) refines the controller's cost model
+        decoding = all(int(scheduled[i]) == 1 + len(drafts.get(rid, ())) for i, rid in enumerate(req_ids))
+        proposer.begin_step(StepRecord(
+            req_ids, {rid: _params(self.requests[rid].sampling_params) for rid in req_ids}, computed,
+            scheduled.cumsum() - scheduled, scheduled.copy(), time.perf_counter(),
+            int(scheduled.sum()) if decoding else 0, tree))
         return out
 
     return wrapper
@@ -137,26 +162,26 @@ def _prepare_inputs(orig: Any) -> Any:
 
 def _sample(orig: Any) -> Any:
     def wrapper(self: Any, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
-        step, proposer = _STEP, _proposer(self)
-        started, tokens = getattr(self, "_dyntree_forward", (0.0, 0))
-        tree_ms = step.derived.get("tree_ms", 0.0) if step is not None else 0.0
-        if proposer is not None and proposer.speculator is not None and tokens:
-            # the target's own forward; the tree-attention pass is priced as a cost of speculating
-            proposer.speculator.observe_forward(tokens, (time.perf_counter() - started) * 1e3 - tree_ms)
+        proposer = _proposer(self)
+        step = proposer.step if proposer is not None else None
+        tree = step.tree if step is not None else None
+        tree_ms = tree.attention_ms if tree is not None else 0.0
+        if proposer is not None and step is not None and step.decode_tokens:
+            # the target's own forward; the tree-attention work is priced as a cost of speculating
+            proposer.speculator.observe_forward(step.decode_tokens, (time.perf_counter() - step.started) * 1e3 - tree_ms)
         out = orig(self, logits, spec_decode_metadata)
-        if step is None or spec_decode_metadata is None or logits is None or proposer is None:
+        if tree is None or spec_decode_metadata is None or logits is None or proposer is None:
             return out
-        assert proposer.speculator is not None
         ends = spec_decode_metadata.cu_num_sampled_tokens.tolist()
-        flat = torch.cat([torch.arange(ends[i] - t.size, ends[i]) for i, t in zip(step.rows, step.batch.trees)])
-        step.accept = res = proposer.speculator.accept(step.batch, logits[flat.to(logits.device)], proposer.generator,
+        flat = torch.cat([torch.arange(ends[i] - t.size, ends[i]) for i, t in zip(tree.rows, tree.batch.trees)])
+        tree.accept = res = proposer.speculator.accept(tree.batch, logits[flat.to(logits.device)], proposer.generator,
                                                        overhead_ms=tree_ms)
         sampled = out.sampled_token_ids
-        for b, i in enumerate(step.rows):
+        for b, i in enumerate(tree.rows):
             sampled[i].fill_(-1)
             sampled[i, : len(res.tokens[b])] = torch.tensor(res.tokens[b], dtype=sampled.dtype)
         if "compaction" not in ablations():
-            _compact(self, step, res)
+            _compact(self, tree, res)
         return out
 
     return wrapper
@@ -194,34 +219,29 @@ def _propose_draft_token_ids(orig: Any) -> Any:
     def wrapper(self: Any, scheduler_output: Any, sampled_token_ids: Any, sampling_metadata: Any,
                 hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         proposer = _proposer(self)
-        if proposer is not None and proposer.speculator is not None:
-            num_reqs = self.input_batch.num_reqs
-            proposer.req_ids = list(self.input_batch.req_ids[:num_reqs])
-            proposer.params = {rid: _params(self.requests[rid].sampling_params) for rid in proposer.req_ids}
-            if proposer.speculator.needs_hidden:
-                _push_hidden(self, scheduler_output, hidden_states, proposer)
+        if proposer is not None and proposer.step is not None and proposer.speculator.needs_hidden:
+            _push_hidden(proposer.step, hidden_states, proposer)
         return orig(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, *args, **kwargs)
 
     return wrapper
 
 
-def _push_hidden(runner: Any, scheduler_output: Any, hidden: torch.Tensor, proposer: DynTreeProposer) -> None:
+def _push_hidden(step: StepRecord, hidden: torch.Tensor, proposer: "DynTreeProposer") -> None:
     """Hand the drafter the last-layer states of every position this step committed: all rows of a
     prefill chunk or plain decode, the accepted nodes of a tree."""
-    assert proposer.speculator is not None
-    step = _STEP
-    tree_of = {i: b for b, i in enumerate(step.rows)} if step is not None and step.accept is not None else {}
-    for i, rid in enumerate(proposer.req_ids):
-        n = int(scheduler_output.num_scheduled_tokens.get(rid, 0))
+    tree = step.tree
+    tree_of = {i: b for b, i in enumerate(tree.rows)} if tree is not None and tree.accept is not None else {}
+    for i, rid in enumerate(step.req_ids):
+        n = int(step.scheduled[i])
         if n == 0:
             continue
-        start = int(runner._dyntree_starts[i])
+        start = int(step.starts[i])
         if i in tree_of:
-            assert step is not None and step.accept is not None
-            rows = start + torch.tensor(step.accept.accepted(tree_of[i]))
+            assert tree is not None and tree.accept is not None
+            rows = start + torch.tensor(tree.accept.accepted(tree_of[i]))
         else:
             rows = torch.arange(start, start + n)
-        proposer.speculator.observe_hidden(rid, hidden[rows.to(hidden.device)], start=int(runner._dyntree_computed[i]))
+        proposer.speculator.observe_hidden(rid, hidden[rows.to(hidden.device)], start=int(step.computed[i]))
 
 
 def _params(sp: Any) -> SamplingParams | None:

@@ -53,7 +53,7 @@ class VllmSelfDraft(StackedSelfDraft):
     Args:
         model: vLLM's loaded Llama-family model (``model.model.layers``, ``model.lm_head``).
         proposer: the worker's :class:`~dyntree.vllm_plugin.proposer.DynTreeProposer`; its
-            ``runner`` (KV caches, block tables) and ``req_ids`` (batch order) are read each step.
+            ``runner`` (KV caches, block tables) and ``step.req_ids`` (batch order) are read each step.
         spec: what to quantize (weight-only).
         vocab: the real vocabulary (vLLM pads its LM head).
     """
@@ -70,7 +70,7 @@ class VllmSelfDraft(StackedSelfDraft):
         runner = self.proposer.runner
         if runner is None:
             raise RuntimeError("dyntree qspec: the model runner is not known yet (the runner patch did not run)")
-        row_of = {rid: i for i, rid in enumerate(self.proposer.req_ids)}
+        row_of = {rid: i for i, rid in enumerate(self.proposer.step.req_ids)}
         block_tables = runner.input_batch.block_table[0].block_table.cpu
         block_rows = [block_tables[row_of[r.request_id]] for r in requests]
         lengths = [r.kv_len for r in requests]

@@ -1,0 +1,60 @@
+"""A dense copy of tree requests' committed KV, beside vLLM's paged CPU cache.
+
+A tree node attends to its request's whole committed prefix. Reading that prefix out of vLLM's
+paged, ISA-specific cache layout in every layer of every step would copy the prefix each time;
+:class:`PrefixMirror` keeps, per request, one dense buffer ``[layers, 2, Hkv, capacity, D]``
+(keys then values, head-major) holding positions ``0 .. synced - 1`` and copies in only what was
+committed since (the tree attention plan says which positions; each layer copies its own).
+Committed positions never change in vLLM's cache (a recomputed request starts again from an empty
+mirror: the runner hooks call :meth:`release`), so the copy stays exact. Positions from
+``synced`` on are scratch: a step writes its tree nodes' K/V there.
+
+Memory: ``2 * layers * Hkv * D`` elements per token of each live tree request, grown by doubling,
+freed when the request ends.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PrefixMirror"]
+
+
+class PrefixMirror:
+    """Per-request dense KV copies of one KV-cache group (see the module docstring)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> None:
+        self.shape = (num_layers, 2, num_kv_heads, head_size)
+        self.dtype = dtype
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._synced: dict[str, int] = {}
+
+    def reserve(self, request_id: str, prefix: int, length: int) -> int:
+        """Make room for ``length`` positions of ``request_id`` and mark ``0 .. prefix - 1`` as
+        synced once this step's layers have run; returns how many were synced before (the layers
+        copy ``synced .. prefix - 1`` in). A shorter prefix than before (never in vLLM) is refused."""
+        synced = self._synced.get(request_id, 0)
+        if prefix < synced:
+            raise RuntimeError(f"dyntree: request {request_id!r} prefix shrank from {synced} to {prefix} without a release")
+        buf = self._buffers.get(request_id)
+        if buf is None or buf.shape[3] < length:
+            layers, two, hkv, d = self.shape
+            capacity = max(length, 2 * (buf.shape[3] if buf is not None else 0), 64)
+            grown = torch.empty(layers, two, hkv, capacity, d, dtype=self.dtype)
+            if buf is not None:
+                grown[:, :, :, :synced].copy_(buf[:, :, :, :synced])
+            self._buffers[request_id] = grown
+        self._synced[request_id] = prefix
+        return synced
+
+    def buffer(self, request_id: str) -> torch.Tensor:
+        """``[layers, 2, Hkv, capacity, D]``: the request's keys and values by position."""
+        return self._buffers[request_id]
+
+    def release(self, request_id: str) -> None:
+        """Forget the request (it ended, or vLLM recomputes it from the start)."""
+        self._buffers.pop(request_id, None)
+        self._synced.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._buffers)
