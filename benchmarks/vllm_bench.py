@@ -1,91 +1,83 @@
-"""vLLM with and without speculation, side by side in one run: no speculation, vLLM's own ``ngram``,
-and ``dyntree`` with each drafter (SmolLM2, Spec-Bench prompts across categories, chat template).
+"""vLLM with and without dyntree, side by side: no speculation, vLLM's own ``ngram``, and
+``{"method": "dyntree"}`` with the default (``auto``) and each drafter, on SmolLM2-135M-Instruct.
 
-    python benchmarks/vllm_bench.py --out benchmarks/results/vllm_bench_cpu.json [--dtype auto]
+    python benchmarks/vllm_bench.py [--rounds 3] [--dtype auto] [--out benchmarks/results/vllm/<machine>_<dtype>.json]
 
-Per config and batch size: tokens/s (generated tokens over the wall time of ``LLM.generate`` for
-each batch, prompts in order), tau (1 + accepted draft tokens per drafting step, from vLLM's
-spec-decode counters: over the steps that drafted), how many request-steps drafted, and whether
-the outputs equal the run without speculation. Plain decoding runs first and again last
-(``none_again``); speedups are against the faster of the two, so drift over the run cannot flatter
-speculation. ``dyntree_*`` configs run the defaults (adaptive
-controller on); ``*_fixed`` pin every step to the full tree. Each config runs in this process one
-after another; vLLM's start-up and one warm-up pass (all prompts, 16 tokens, largest batch: the
-controller's cost model is timed there) are not timed. ``--dtype auto``: bf16 on a CPU with native
-bf16, else fp32 (as ``dyntree generate`` picks).
+Prompt sets (Spec-Bench, chat template, first turn): ``chat`` = 8 MT-Bench questions from its
+non-coding categories, ``code`` = 8 MT-Bench coding questions. Each config runs in its own process
+(``--worker``: one ``LLM``, one untimed warm-up pass, then every set at batch 1 (prompts one by
+one) and batch 8 (all 8 at once) and batch 16 (both sets together)); configs are interleaved round
+by round, the order rotated each round, so a slow phase of the machine hits every config alike.
+Per config, set and batch: tokens/s per round (generated tokens over the wall time of
+``LLM.generate``), their median and spread, tau (1 + accepted draft tokens per drafting step, from
+vLLM's spec-decode counters), drafting steps, the median over rounds of the per-round speedup
+against no speculation and against vLLM ``ngram``, and the share of outputs identical to no
+speculation's (token for token; in bf16 a verify pass may flip a near-tied argmax, so only fp32
+promises identity). Writes JSON (and a PNG of the speedups when matplotlib is installed).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
+import statistics
+import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
-CONFIGS = {
+ROOT = Path(__file__).resolve().parents[1]
+SPEC_BENCH = Path(os.environ.get("DYNTREE_SHARED", ROOT.parent / "shared")) / "data" / "spec_bench" / "question.jsonl"
+CONFIGS: dict[str, dict[str, Any] | None] = {
     "none": None,
     "vllm_ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
-    "dyntree_ngram": {"method": "dyntree", "drafter": "ngram", "num_speculative_tokens": 16, "max_depth": 6},
-    "dyntree_hydra": {"method": "dyntree", "drafter": "hydra", "num_speculative_tokens": 16, "max_depth": 4},
-    "dyntree_qspec": {"method": "dyntree", "drafter": "qspec", "num_speculative_tokens": 16, "max_depth": 6},
-    "dyntree_ngram_fixed": {"method": "dyntree", "drafter": "ngram", "num_speculative_tokens": 16, "max_depth": 6,
-                            "adaptive": False},
-    "dyntree_hydra_fixed": {"method": "dyntree", "drafter": "hydra", "num_speculative_tokens": 16, "max_depth": 4,
-                            "adaptive": False},
+    "dyntree": {"method": "dyntree"},  # the default: auto drafter (Hydra heads here), adaptive
+    "dyntree_ngram": {"method": "dyntree", "drafter": "ngram"},
+    "dyntree_hydra": {"method": "dyntree", "drafter": "hydra"},
+    "dyntree_qspec": {"method": "dyntree", "drafter": "qspec"},
 }
+SETS = ("chat", "code")
+BATCHES = (1, 8, 16)
 
 
-def _counters(llm) -> dict[str, float]:
+def prompt_rows(n: int = 8) -> dict[str, list[dict[str, Any]]]:
+    """The two prompt sets: Spec-Bench's MT-Bench part (its first 80 rows), coding and the rest."""
+    rows = [json.loads(line) for line in SPEC_BENCH.open()][:80]
+    code = [r for r in rows if r["category"] == "coding"][:n]
+    chat = [r for r in rows if r["category"] != "coding"][:: 70 // n][:n]
+    return {"chat": chat, "code": code}
+
+
+def _counters(llm: Any) -> dict[str, float]:
     return {m.name: float(m.value) for m in llm.get_metrics()
             if m.name.startswith("vllm:spec_decode_num") and isinstance(getattr(m, "value", None), (int, float))}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
-    ap.add_argument("--batch-sizes", default="1,8")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
-    args = ap.parse_args()
+def worker(config: str, dtype: str, max_tokens: int, out: Path) -> None:
+    """One config in this process: every set and batch size once; writes its JSON to ``out``."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    import torch
-    import vllm
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from dyntree.models import model_path, pick_dtype
+    from dyntree.models import model_path
 
-    if args.dtype == "auto":
-        args.dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[pick_dtype("auto", torch.device("cpu"))[0]]
     path = str(model_path("smollm2"))
     tok = AutoTokenizer.from_pretrained(path)
-    rows = [json.loads(line) for line in SPEC_BENCH.open()]
-    picked = rows[:: max(1, len(rows) // args.prompts)][: args.prompts]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
-                                       add_generation_prompt=True) for r in picked]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
-    doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "device": f"cpu ({platform.machine()}, {os.cpu_count()} cores)", "dtype": args.dtype,
-           "versions": {"vllm": vllm.__version__, "torch": torch.__version__}, "model": "SmolLM2-135M-Instruct",
-           "prompts": [r.get("question_id", i) for i, r in enumerate(picked)], "max_tokens": args.max_tokens,
-           "configs": {}}
-    order = args.configs.split(",")
-    if "none" in order:
-        order.append("none_again")  # plain decoding once more at the end: the baseline is the faster run
-    for name in order:
-        llm = LLM(model=path, dtype=args.dtype, max_model_len=2048, seed=0, enforce_eager=True,
-                  disable_log_stats=False, speculative_config=CONFIGS[name.removesuffix("_again")])
-        llm.generate(prompts[: max(sizes)], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # warm-up
-        runs = {}
-        for b in sizes:
+    sets = {name: [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
+                                           add_generation_prompt=True) for r in rows]
+            for name, rows in prompt_rows().items()}
+    llm = LLM(model=path, dtype=dtype, max_model_len=2048, seed=0, enforce_eager=True, disable_log_stats=False,
+              speculative_config=CONFIGS[config])
+    llm.generate(sets["chat"] + sets["code"], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # warm-up
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    runs: dict[str, dict[str, Any]] = {}
+    for b in BATCHES:
+        for name in (SETS if b < 16 else ("chat+code",)):
+            prompts = sets["chat"] + sets["code"] if b == 16 else sets[name]
             before = _counters(llm)
             tokens, outs, wall = 0, [], 0.0
             for i in range(0, len(prompts), b):
@@ -97,23 +89,127 @@ def main() -> int:
             after = _counters(llm)
             drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
             acc = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get("vllm:spec_decode_num_accepted_tokens", 0)
-            runs[str(b)] = {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 3),
-                            "tau": round(1 + acc / drafts, 4) if drafts else 1.0, "drafting_steps": drafts, "outputs": outs}
-            print(f"{name:14} batch {b}: {tokens / wall:7.2f} tok/s  tau {runs[str(b)]['tau']:.2f}", flush=True)
-        doc["configs"][name] = runs
-        del llm
-        gc.collect()
-    base = doc["configs"].get("none")
-    if base is not None:
-        again = doc["configs"]["none_again"]
-        base = {b: max(base[b], again[b], key=lambda r: r["tokens_per_s"]) for b in base}
-    for name, runs in doc["configs"].items():
-        for b, run in runs.items():
-            if base is not None:
-                run["speedup"] = round(run["tokens_per_s"] / base[b]["tokens_per_s"], 4)
-                run["identical_to_none"] = sum(x == y for x, y in zip(run["outputs"], base[b]["outputs"])) / len(run["outputs"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+            runs[f"{name}/b{b}"] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                                    "tau": 1 + acc / drafts if drafts else 1.0, "drafting_steps": int(drafts),
+                                    "outputs": outs}
+    out.write_text(json.dumps(runs))
+
+
+def _median_ratio(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def summarize(rounds: list[dict[str, dict[str, Any]]], configs: list[str]) -> dict[str, Any]:
+    """Per config and cell: the rounds' tokens/s, median, spread, tau, speedups and identity."""
+    cells = list(rounds[0][configs[0]])
+    result: dict[str, Any] = {}
+    for c in configs:
+        result[c] = {}
+        for cell in cells:
+            runs = [r[c][cell] for r in rounds]
+            tps = [x["tokens_per_s"] for x in runs]
+            entry = {"tokens_per_s": [round(x, 3) for x in tps], "median_tokens_per_s": round(statistics.median(tps), 3),
+                     "spread": [round(min(tps), 3), round(max(tps), 3)],
+                     "tau": round(statistics.median(x["tau"] for x in runs), 3),
+                     "drafting_steps": int(statistics.median(x["drafting_steps"] for x in runs))}
+            for base in ("none", "vllm_ngram"):
+                if base in configs and base != c:
+                    entry[f"speedup_vs_{base}"] = round(_median_ratio(tps, [r[base][cell]["tokens_per_s"] for r in rounds]), 4)
+            if "none" in configs:
+                plain = rounds[0]["none"][cell]["outputs"]
+                entry["identical_to_none"] = round(sum(x == y for x, y in zip(runs[0]["outputs"], plain)) / len(plain), 4)
+            result[c][cell] = entry
+    return result
+
+
+def _plot(doc: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", flush=True)
+        return
+    configs = [c for c in doc["configs"] if c != "none"]
+    cells = list(doc["configs"]["none"])
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(cells)), 4.5))
+    width = 0.8 / len(configs)
+    for k, c in enumerate(configs):
+        vals = [doc["configs"][c][cell]["speedup_vs_none"] for cell in cells]
+        ax.bar([i + k * width for i in range(len(cells))], vals, width, label=c, color=plt.cm.tab10(k))
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], cells)
+    ax.set_ylabel("tokens/s over no speculation (median of rounds)")
+    ax.set_title(f"vLLM {doc['versions']['vllm']} on {doc['cpu']} ({doc['dtype']}), SmolLM2-135M, greedy")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="default: benchmarks/results/vllm/<machine>_<dtype>.json")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on a CPU with native bf16, else fp32) | bfloat16 | float32")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    import torch
+
+    from dyntree.models import machine_kind, pick_dtype
+
+    if args.dtype == "auto":
+        args.dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[pick_dtype("auto", torch.device("cpu"))[0]]
+    if args.worker:
+        worker(args.worker, args.dtype, args.max_tokens, Path(args.worker_out))
+        return 0
+    configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    short = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
+    out = Path(args.out or ROOT / "benchmarks" / "results" / "vllm" / f"{machine_kind()}_{short}.json")
+    rounds: list[dict[str, dict[str, Any]]] = []
+    started = time.time()
+    for r in range(args.rounds):
+        order = configs[r % len(configs):] + configs[: r % len(configs)]
+        rounds.append({})
+        for c in order:
+            tmp = out.with_suffix(f".{c}.tmp.json")
+            t = time.time()
+            proc = subprocess.run([sys.executable, __file__, "--worker", c, "--worker-out", str(tmp), "--dtype", args.dtype,
+                                   "--max-tokens", str(args.max_tokens)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+                raise SystemExit(f"config {c} failed in round {r + 1}")
+            rounds[-1][c] = json.loads(tmp.read_text())
+            tmp.unlink()
+            cells = "  ".join(f"{cell} {v['tokens_per_s']:.1f}" for cell, v in rounds[-1][c].items())
+            print(f"round {r + 1}/{args.rounds} {c:14s} ({time.time() - t:.0f} s)  tok/s: {cells}", flush=True)
+    import vllm
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    doc: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_kind(), "cpu": cpu,
+        "cores": os.cpu_count(), "dtype": short, "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+        "model": "SmolLM2-135M-Instruct", "max_tokens": args.max_tokens, "rounds": args.rounds,
+        "prompts": {name: [r["question_id"] for r in rows] for name, rows in prompt_rows().items()},
+        "speculative_configs": {c: CONFIGS[c] for c in configs}, "wall_s": round(time.time() - started),
+        "configs": summarize(rounds, configs),
+    }
+    if "none" in configs and "dyntree" in configs:
+        doc["summary"] = {
+            f"{cell}: default dyntree": (f"{v['speedup_vs_none']:.2f}x none"
+                                         + (f", {v['speedup_vs_vllm_ngram']:.2f}x vLLM ngram" if "speedup_vs_vllm_ngram" in v else ""))
+            for cell, v in doc["configs"]["dyntree"].items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    _plot(doc, out.with_suffix(".png"))
+    print(f"wrote {out}", flush=True)
     return 0
 
 
