@@ -12,9 +12,9 @@ requests carry a tree, where their rows start, their prefix lengths and masks, o
   (:class:`~dyntree.vllm_plugin.attention.TreeCPUAttentionMetadataBuilder`) are given the
   :class:`TreeStep` to plan into the step's attention metadata, which reaches every layer through
   vLLM's forward context;
-* ``_sample`` (after vLLM's own, which still serves every request without a tree): the speculator
-  verifies the trees (greedy or lossless sampling), the accepted path plus bonus replaces the
-  request's row of ``sampled_token_ids`` (``-1`` padded, so the scheduler rolls back exactly the
+* ``_sample``: the speculator verifies the trees (greedy or lossless sampling) on the unmodified
+  logits; vLLM's own sampler then serves the requests without a tree (it is skipped when every row
+  carries one); the accepted path plus bonus replaces the request's row of ``sampled_token_ids`` (``-1`` padded, so the scheduler rolls back exactly the
   rejected slots), and the accepted nodes' KV moves to positions ``prefix .. prefix + len - 1``
   (compaction; a depth-first tree whose accepted path is its first-child chain moves nothing);
 * ``propose_draft_token_ids`` (before vLLM's own): drafters that read hidden states get the
@@ -162,6 +162,8 @@ def _prepare_inputs(orig: Any) -> Any:
 
 def _sample(orig: Any) -> Any:
     def wrapper(self: Any, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
+        from vllm.v1.outputs import SamplerOutput
+
         proposer = _proposer(self)
         step = proposer.step if proposer is not None else None
         tree = step.tree if step is not None else None
@@ -169,13 +171,18 @@ def _sample(orig: Any) -> Any:
         if proposer is not None and step is not None and step.decode_tokens:
             # the target's own forward; the tree-attention work is priced as a cost of speculating
             proposer.speculator.observe_forward(step.decode_tokens, (time.perf_counter() - step.started) * 1e3 - tree_ms)
-        out = orig(self, logits, spec_decode_metadata)
         if tree is None or spec_decode_metadata is None or logits is None or proposer is None:
-            return out
+            return orig(self, logits, spec_decode_metadata)
         ends = spec_decode_metadata.cu_num_sampled_tokens.tolist()
         flat = torch.cat([torch.arange(ends[i] - t.size, ends[i]) for i, t in zip(tree.rows, tree.batch.trees)])
+        # verified first: vLLM's sampler may scale the logits in place
         tree.accept = res = proposer.speculator.accept(tree.batch, logits[flat.to(logits.device)], proposer.generator,
                                                        overhead_ms=tree_ms)
+        if len(tree.rows) == len(step.req_ids):  # every row carries a tree: vLLM's sampler has nothing to do
+            width = spec_decode_metadata.max_spec_len + 1
+            out = SamplerOutput(torch.full((len(tree.rows), width), -1, dtype=torch.int32, device=logits.device), None)
+        else:
+            out = orig(self, logits, spec_decode_metadata)
         sampled = out.sampled_token_ids
         for b, i in enumerate(tree.rows):
             sampled[i].fill_(-1)
