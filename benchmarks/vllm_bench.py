@@ -172,6 +172,7 @@ def main() -> int:
         ap.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
     short = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
     out = Path(args.out or ROOT / "benchmarks" / "results" / "vllm" / f"{machine_kind()}_{short}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     rounds: list[dict[str, dict[str, Any]]] = []
     started = time.time()
     for r in range(args.rounds):
@@ -206,7 +207,6 @@ def main() -> int:
             f"{cell}: default dyntree": (f"{v['speedup_vs_none']:.2f}x none"
                                          + (f", {v['speedup_vs_vllm_ngram']:.2f}x vLLM ngram" if "speedup_vs_vllm_ngram" in v else ""))
             for cell, v in doc["configs"]["dyntree"].items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     _plot(doc, out.with_suffix(".png"))
     print(f"wrote {out}", flush=True)

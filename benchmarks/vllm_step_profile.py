@@ -1,0 +1,141 @@
+"""Where a batch-1 decoding step's time goes inside vLLM, with and without dyntree.
+
+    python benchmarks/vllm_step_profile.py [--configs none,dyntree,dyntree_ngram] [--out ...]
+
+Each config runs in its own process with vLLM's engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+on the ``chat`` prompts of :mod:`vllm_bench` (batch 1, 64 tokens, after an untimed warm-up), with
+timers around the V1 runner's phases: the model forward (``_model_forward``; dyntree's tree
+attention inside it is timed apart), the rest of ``execute_model``, ``sample_tokens`` (logits,
+sampling or tree verification, KV compaction) and the proposer's drafting inside it; what remains
+of the wall time is vLLM's engine loop (scheduling, output processing). Reports milliseconds per
+step and the share of a step spent outside vLLM's own forward on dyntree's work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_bench import CONFIGS, ROOT, prompt_rows  # noqa: E402
+
+
+def _timed(owner: Any, name: str, key: str, totals: dict[str, float], calls: dict[str, int]) -> None:
+    orig: Callable[..., Any] = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            totals[key] += time.perf_counter() - t
+            calls[key] += 1
+
+    setattr(owner, name, wrapper)
+
+
+def worker(config: str, dtype: str, max_tokens: int) -> dict[str, Any]:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    import dyntree.vllm_plugin.attention as attention
+    import dyntree.vllm_plugin.proposer as proposer
+    from dyntree.models import model_path
+
+    totals: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    _timed(GPUModelRunner, "execute_model", "execute_model", totals, calls)
+    _timed(GPUModelRunner, "_model_forward", "forward", totals, calls)
+    _timed(GPUModelRunner, "sample_tokens", "sample_tokens", totals, calls)
+    _timed(attention, "tree_rows_attention", "tree_attention", totals, calls)
+    _timed(proposer.DynTreeProposer, "propose", "propose", totals, calls)
+    path = str(model_path("smollm2"))
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
+                                       add_generation_prompt=True) for r in prompt_rows()["chat"]]
+    llm = LLM(model=path, dtype=dtype, max_model_len=2048, seed=0, enforce_eager=True, disable_log_stats=False,
+              speculative_config=CONFIGS[config])
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    totals.clear()
+    calls.clear()
+    tokens, started = 0, time.perf_counter()
+    for p in prompts:
+        out = llm.generate([p], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+        tokens += len(out[0].outputs[0].token_ids)
+    wall = time.perf_counter() - started
+    n = calls["execute_model"]
+    ms = {k: 1e3 * v / n for k, v in totals.items()}
+    step_ms = 1e3 * wall / n
+    tree = ms.get("tree_attention", 0.0)
+    phases = {
+        "vllm_forward": ms["forward"] - tree,
+        "tree_attention": tree,
+        "execute_model_rest": ms["execute_model"] - ms["forward"],
+        "drafting": ms.get("propose", 0.0),
+        "sampling_and_verify": ms["sample_tokens"] - ms.get("propose", 0.0),
+        "engine_loop": step_ms - ms["execute_model"] - ms["sample_tokens"],
+    }
+    return {"steps": n, "tokens": tokens, "tokens_per_s": tokens / wall, "step_ms": step_ms,
+            "phases_ms": {k: round(v, 3) for k, v in phases.items()},
+            "share_outside_vllm_forward": round(1 - phases["vllm_forward"] / step_ms, 4)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default="none,dyntree,dyntree_ngram")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    import torch
+
+    from dyntree.models import machine_kind, pick_dtype
+
+    if args.dtype == "auto":
+        args.dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[pick_dtype("auto", torch.device("cpu"))[0]]
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args.dtype, args.max_tokens)), flush=True)
+        return 0
+    short = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
+    out = Path(args.out or ROOT / "benchmarks" / "results" / "vllm_step_profile" / f"{machine_kind()}_{short}.json")
+    results = {}
+    for c in args.configs.split(","):
+        proc = subprocess.run([sys.executable, __file__, "--worker", c, "--dtype", args.dtype,
+                               "--max-tokens", str(args.max_tokens)], capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            print(proc.stderr[-4000:], file=sys.stderr)
+            raise SystemExit(f"config {c} failed")
+        results[c] = json.loads(line.removeprefix("RESULT "))
+        r = results[c]
+        print(f"{c:14s} {r['tokens_per_s']:.1f} tok/s, {r['step_ms']:.1f} ms/step: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items()), flush=True)
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    import vllm
+
+    doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_kind(), "cpu": cpu,
+           "dtype": short, "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+           "setting": f"batch 1, {len(prompt_rows()['chat'])} chat prompts x {args.max_tokens} tokens, in-process engine",
+           "configs": results,
+           "summary": {c: f"{r['share_outside_vllm_forward']:.0%} of a step outside vLLM's forward "
+                          f"({r['step_ms']:.1f} ms/step)" for c, r in results.items()}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
