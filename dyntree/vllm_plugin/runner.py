@@ -13,10 +13,14 @@ requests carry a tree, where their rows start, their prefix lengths and masks, o
   :class:`TreeStep` to plan into the step's attention metadata, which reaches every layer through
   vLLM's forward context;
 * ``_sample``: the speculator verifies the trees (greedy or lossless sampling) on the unmodified
-  logits; vLLM's own sampler then serves the requests without a tree (it is skipped when every row
-  carries one); the accepted path plus bonus replaces the request's row of ``sampled_token_ids`` (``-1`` padded, so the scheduler rolls back exactly the
-  rejected slots), and the accepted nodes' KV moves to positions ``prefix .. prefix + len - 1``
-  (compaction; a depth-first tree whose accepted path is its first-child chain moves nothing);
+  logits; every decoding request it drafted for carries one (root-only when it drafted nothing,
+  which verifies as plain decoding), so a step of decoding rows is verified whole and its time and
+  tokens reach the adaptive controller's outcome check, as in the standalone engine; vLLM's own
+  sampler serves the rest (prefill chunks, requests that do not speculate) and is skipped when
+  nothing is left. The accepted path plus bonus replaces the request's row of
+  ``sampled_token_ids`` (``-1`` padded, so the scheduler rolls back exactly the rejected slots),
+  and the accepted nodes' KV moves to positions ``prefix .. prefix + len - 1`` (compaction; a
+  depth-first tree whose accepted path is its first-child chain moves nothing);
 * ``propose_draft_token_ids`` (before vLLM's own): drafters that read hidden states get the
   committed tokens' states, then vLLM calls the proposer, which reads the batch from the record.
 
@@ -84,16 +88,19 @@ class StepRecord:
 
 def plan_trees(req_ids: list[str], scheduled_drafts: dict[str, list[int]], num_scheduled: np.ndarray,
                computed: np.ndarray, trees: dict[Hashable, DraftTree]) -> TreeStep | None:
-    """The step's trees: requests whose scheduled drafts are (a prefix of) their proposed tree."""
+    """The step's trees: every decoding request the proposer drafted for, with its scheduled drafts
+    (a prefix of its proposed tree; none: a root-only tree, verified as plain decoding)."""
     ends = num_scheduled.cumsum()
     ids, kept, rows, starts, prefix = [], [], [], [], []
     for i, rid in enumerate(req_ids):
-        drafts = scheduled_drafts.get(rid)
-        if not drafts:
-            continue
+        drafts = scheduled_drafts.get(rid) or []
         tree = trees.get(rid)
         n = len(drafts) + 1
-        if tree is None or tree.size < n or tree.tokens[1:n].tolist() != list(drafts) or int(num_scheduled[i]) != n:
+        if int(num_scheduled[i]) != n or tree is None:
+            if drafts:
+                raise RuntimeError(f"dyntree: request {rid!r} was scheduled drafts that are not its proposed tree")
+            continue  # a prefill chunk, or a request that does not speculate
+        if tree.size < n or tree.tokens[1:n].tolist() != list(drafts):
             raise RuntimeError(f"dyntree: request {rid!r} was scheduled drafts that are not its proposed tree")
         ids.append(rid)
         kept.append(tree.prefix(n))  # the scheduler may cut a tree short: a prefix is still a tree
@@ -168,18 +175,25 @@ def _sample(orig: Any) -> Any:
         step = proposer.step if proposer is not None else None
         tree = step.tree if step is not None else None
         tree_ms = tree.attention_ms if tree is not None else 0.0
-        if proposer is not None and step is not None and step.decode_tokens:
-            # the target's own forward; the tree-attention work is priced as a cost of speculating
-            proposer.speculator.observe_forward(step.decode_tokens, (time.perf_counter() - step.started) * 1e3 - tree_ms)
-        if tree is None or spec_decode_metadata is None or logits is None or proposer is None:
+        whole = tree is not None and len(tree.rows) == len(step.req_ids)  # every row verified as a tree
+        forward_ms = (time.perf_counter() - step.started) * 1e3 - tree_ms if step is not None else 0.0
+        if proposer is not None and step is not None and step.decode_tokens and not whole:
+            # a forward with rows outside the trees refines the cost model only
+            proposer.speculator.observe_forward(step.decode_tokens, forward_ms)
+        if tree is None or logits is None or proposer is None or (spec_decode_metadata is None and not whole):
             return orig(self, logits, spec_decode_metadata)
-        ends = spec_decode_metadata.cu_num_sampled_tokens.tolist()
-        flat = torch.cat([torch.arange(ends[i] - t.size, ends[i]) for i, t in zip(tree.rows, tree.batch.trees)])
-        # verified first: vLLM's sampler may scale the logits in place
-        tree.accept = res = proposer.speculator.accept(tree.batch, logits[flat.to(logits.device)], proposer.generator,
-                                                       overhead_ms=tree_ms)
-        if len(tree.rows) == len(step.req_ids):  # every row carries a tree: vLLM's sampler has nothing to do
+        if spec_decode_metadata is None:  # nothing was drafted: one logits row per request
+            flat, width = torch.tensor(tree.rows), 1
+        else:
+            ends = spec_decode_metadata.cu_num_sampled_tokens.tolist()
+            flat = torch.cat([torch.arange(ends[i] - t.size, ends[i]) for i, t in zip(tree.rows, tree.batch.trees)])
             width = spec_decode_metadata.max_spec_len + 1
+        # verified first: vLLM's sampler may scale the logits in place. A whole step of decoding
+        # rows is reported as such: the controller checks its outcome, as the standalone engine's
+        tree.accept = res = proposer.speculator.accept(
+            tree.batch, logits[flat.to(logits.device)], proposer.generator,
+            forward_ms=forward_ms if whole and step.decode_tokens else None, overhead_ms=tree_ms)
+        if whole:  # vLLM's sampler has nothing left to do
             out = SamplerOutput(torch.full((len(tree.rows), width), -1, dtype=torch.int32, device=logits.device), None)
         else:
             out = orig(self, logits, spec_decode_metadata)
