@@ -303,6 +303,9 @@ def engine_rows(folder: Path, what: str, results: Path) -> list[str]:
     for path in docs:
         doc, to = load(path), link(path, results)
         machine, dtype, setting = parse_name(path)
+        if isinstance(doc, dict) and "none" in doc.get("configs", {}):
+            rows += config_rows(doc, f"{what}: {machine}, {dtype or '-'}", to)
+            continue
         summary = doc.get("summary") if isinstance(doc, dict) else None
         values = summary if isinstance(summary, dict) else {}
         text = "" if values else _text(summary)
@@ -315,6 +318,32 @@ def engine_rows(folder: Path, what: str, results: Path) -> list[str]:
         label = f"[{setting or path.stem}]({to}){': ' + _cell(text) if text else ''}"
         cells = [cell(values.get("plain"), speedup=False), *(cell(values.get(d)) for d, _ in DRAFTERS)]
         rows.append(f"| {what}: {machine}, {dtype or '-'} | {label} | " + " | ".join(cells) + " |")
+    return rows
+
+
+#: ``vllm_bench.py`` configs behind the table's drafter columns (``dyntree``: the default, ``auto``).
+ENGINE_CONFIGS = {"ngram": "dyntree_ngram", "hydra": "dyntree_hydra", "qspec": "dyntree_qspec"}
+
+
+def config_rows(doc: dict[str, Any], what: str, to: str) -> list[str]:
+    """An engine benchmark with per-config cells (``vllm_bench.py``): a row per prompt set and
+    batch; drafter cells are speedups over no speculation (tau), the default config (``auto``) stands
+    in for the drafter it resolves to, and the engine's own n-gram goes in the setting."""
+    configs = doc["configs"]
+    auto = doc.get("auto_drafter", "hydra")
+    rows = []
+    for cell_name, plain in configs["none"].items():
+        def cell(drafter: str) -> str:
+            name = ENGINE_CONFIGS[drafter]
+            run = configs.get(name) or (configs.get("dyntree") if drafter == auto else None)
+            run = run[cell_name] if run else None
+            return "-" if run is None else f"[{_x(run['speedup_vs_none'])} (tau {run['tau']:.2f})]({to})"
+
+        own = configs.get("vllm_ngram", {}).get(cell_name)
+        label = (f"{cell_name.replace('/b', ', batch ')}, {doc.get('rounds', 1)} rounds"
+                 + (f"; vLLM ngram {_x(own['speedup_vs_none'])}" if own else ""))
+        rows.append(f"| {what} | {label} | [{plain['median_tokens_per_s']:.1f}]({to}) | "
+                    + " | ".join(cell(d) for d, _ in DRAFTERS) + " |")
     return rows
 
 
