@@ -2,7 +2,7 @@
 
 :class:`CpuWeightOnly` is the :class:`~dyntree.common.quant.WeightKernel` the standalone engine
 hands to the quantized self-draft's ``QuantLinear`` layers on a CPU. It repacks a
-:class:`~dyntree.common.quant.QuantizedWeight` once, at build time, for
+:class:`~dyntree.kernels.quant_format.QuantizedWeight` once, at build time, for
 
 * ``aten._weight_int8pack_mm`` (int8, one scale per output channel): signed codes ``u - 128``
   (symmetric) or ``u - 128`` plus a per-channel offset ``(128 - z) * s`` applied as a rank-one
@@ -16,7 +16,7 @@ fp32 activations are rounded to bf16 around each matmul and the result is cast b
 changes the draft's numbers slightly, never the output (the target verifies every token).
 Weights the ops cannot take (grouped int8, other group sizes or shapes) get ``None`` from
 :meth:`CpuWeightOnly.prepare` and the layer dequantizes on the fly. The readable reference is
-:func:`~dyntree.common.quant.dequantize_weight` followed by a matmul.
+:func:`~dyntree.kernels.quant_format.dequantize_weight` followed by a matmul.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dyntree.common.quant import QuantizedWeight, unpack_int4
+from dyntree.kernels.quant_format import QuantizedWeight, unpack_int4
 
 __all__ = ["CpuWeightOnly", "cpu_kernels_available", "cpu_weight_kernel"]
 

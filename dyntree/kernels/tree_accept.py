@@ -10,8 +10,9 @@ padding (never accepted). Both variants return
   accepted draft tokens is ``accept_len - 1``, and the path ends at node
   ``accept_index[b, accept_len[b] - 1]``.
 
-The torch references *are* the core's verification (:mod:`dyntree.common.verify`), imported
-here under the kernel names, so there is one accept.
+The torch references are :mod:`dyntree.kernels.accept_reference`, imported here under the
+kernel names; the core's verification (:mod:`dyntree.common.verify`) uses the same functions, so
+there is one accept.
 
 **Greedy** (:func:`tree_accept_greedy_reference`): node ``i > 0`` *matches* iff
 ``tokens[i] == target_argmax[parents[i]]``; a node is accepted iff it and all its non-root
@@ -34,9 +35,9 @@ from __future__ import annotations
 
 import torch
 
-from dyntree.common.verify import check_tree_arrays
-from dyntree.common.verify import greedy_accept as tree_accept_greedy_reference
-from dyntree.common.verify import sampling_accept as tree_accept_sampling_reference
+from dyntree.kernels.accept_reference import check_tree_arrays
+from dyntree.kernels.accept_reference import greedy_accept as tree_accept_greedy_reference
+from dyntree.kernels.accept_reference import sampling_accept as tree_accept_sampling_reference
 from dyntree.kernels._triton import HAS_TRITON, next_pow2, tl, triton
 
 __all__ = [

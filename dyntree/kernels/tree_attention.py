@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from dyntree.common.tree import WORD_BITS, pack_ancestor_bits, unpack_ancestor_bits
+from dyntree.kernels.ancestor_bits import WORD_BITS, pack_ancestor_bits, unpack_ancestor_bits
 from dyntree.kernels._triton import HAS_TRITON, next_pow2, tl, triton
 
 __all__ = [

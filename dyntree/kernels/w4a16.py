@@ -2,7 +2,7 @@
 
 ``w4a16_matmul(x, packed, scales, zeros, group_size)`` computes ``x @ deq(W)^T`` for
 ``x [M, K]`` (fp16 / bf16; fp32 for interpreter tests) and a weight stored as in
-:mod:`dyntree.common.quant` (codes packed two per byte along ``K``: ``packed [N, ceil(K/2)]``,
+:mod:`dyntree.kernels.quant_format` (codes packed two per byte along ``K``: ``packed [N, ceil(K/2)]``,
 ``scales`` / ``zeros`` ``[N, ceil(K / group_size)]``, ``zeros is None`` = symmetric with implicit
 zero point 8). It is built for the draft's small-``M`` shapes (1..64 tokens), where the matmul is
 bound by reading the weight: int4 reads a quarter of the bytes of bf16.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dyntree.common.quant import QuantizedWeight, dequantize_weight
+from dyntree.kernels.quant_format import QuantizedWeight, dequantize_weight
 from dyntree.kernels._triton import HAS_TRITON, interpreting, tl, triton
 
 __all__ = ["HAS_TRITON", "W4A16Config", "W4A16Kernel", "w4a16_matmul", "w4a16_matmul_reference", "kernel_supports",
