@@ -242,7 +242,7 @@ def _drafter_note(asked: str, resolved: str) -> str:
     """The drafter that ran, and for ``auto`` why it was picked."""
     if asked != AUTO:
         return resolved
-    why = "the shipped heads fit this model" if resolved == "hydra" else "no shipped Hydra heads fit this model"
+    why = "the shipped heads fit this model" if resolved.startswith("hydra") else "no shipped Hydra heads fit this model"
     return f"{resolved} (auto: {why})"
 
 

@@ -53,7 +53,7 @@ def test_plain_batch_equals_plain_single(smol, smol_prompts, plain) -> None:
     assert [o.token_ids for o in batched] == [o.token_ids for o in plain[:8]]
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "hydra", "qspec"])
+@pytest.mark.parametrize("drafter", ["ngram", "hydra", "hydra+ngram", "qspec"])
 def test_continuous_batching_equals_plain(smol, smol_prompts, plain, drafter: str, monkeypatch) -> None:
     """At most 3 requests decode at once; finished ones hand their slot to the next prompt, whose
     prefill joins a batch that is mid-decode (cache rows appended, padded to the longest)."""
