@@ -46,6 +46,7 @@ def test_options_name_the_field() -> None:
     assert parse_options({"method": "dyntree", "drafter": "qspec:w4a16,g64"}).drafter == "qspec:w4a16,g64"
     default = parse_options({"method": "dyntree"})
     assert default.drafter == "auto" and default.adaptive  # the controller is on unless turned off
+    assert default.max_nodes == 15  # with the root, one 16-row tile of vLLM's CPU GEMM
     assert not parse_options({"method": "dyntree", "adaptive": False}).adaptive
     for bad, field in [({"max_depth": "deep"}, "max_depth"), ({"tree": "bushy"}, "tree"), ({"bogus": 1}, "bogus"),
                        ({"drafter": "medusa"}, "drafter"), ({"num_speculative_tokens": 300}, "max_nodes"),
