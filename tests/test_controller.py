@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import dyntree.common.controller as controller_module
-from dyntree.common.controller import CostModel, DraftCost, Plan, SpeculationController
+import dyntree.common.cost_model as cost_module
+from dyntree.common.controller import Plan, SpeculationController
+from dyntree.common.cost_model import CostModel, DraftCost
 from dyntree.common.options import ControllerOptions
 from dyntree.common.tree import DraftTree
 
@@ -50,7 +51,7 @@ def test_cost_model_measure_keeps_each_size_fastest_round(monkeypatch) -> None:
     """A slow spell of the machine during one round does not price that size: each size keeps
     its fastest timing over interleaved rounds (a fake clock: 2 and 4 tokens slow in round 1)."""
     now, calls = [0.0], []
-    monkeypatch.setattr(controller_module.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(cost_module.time, "perf_counter", lambda: now[0])
 
     def forward(n: int) -> None:
         calls.append(n)
@@ -70,6 +71,20 @@ def test_online_cost_model_starts_flat_at_the_first_forward_then_learns() -> Non
         model.observe(16, 30.0)
     assert model(1) == pytest.approx(10.0, abs=0.5) and model(16) == pytest.approx(30.0, abs=0.5)
     assert model(4) <= model(8) <= model(16)
+
+
+def test_cost_model_carries_a_forward_at_one_size_to_every_size() -> None:
+    """Knots timed with warm caches at start-up, then only verifies of 16 tokens observed at twice
+    the time: the one-token knot, never re-timed, rises too (the level), while 16 takes the rest
+    (the shape), so a batch that always speculates is not compared with a stale plain forward."""
+    cm = CostModel({1: 10.0, 16: 12.0, 32: 16.0}, lr=0.2)
+    for _ in range(80):
+        cm.observe(16, 24.0)
+    assert cm(16) == pytest.approx(24.0, rel=0.01)
+    assert 12.0 < cm(1) < 24.0 and cm(32) > 24.0
+    alone = CostModel({1: 10.0, 16: 12.0, 32: 16.0}, lr=0.2)
+    alone.observe(1, 1000.0)  # one odd step (a first call's one-time costs) moves the level by at most lr / 2
+    assert alone(16) <= 12.0 * 1.1 + 1e-9
 
 
 def test_compute_bound_forward_means_plain_decoding() -> None:
@@ -116,7 +131,7 @@ def test_cost_model_prices_attention_over_the_cached_tokens(monkeypatch) -> None
     # measure(): one request's and a batch's forwards against a longer prefix give the two
     # attention terms (a fake clock: 0.003 ms per query-token pair, 0.01 per request and token)
     now = [0.0]
-    monkeypatch.setattr(controller_module.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(cost_module.time, "perf_counter", lambda: now[0])
 
     def forward(rows: int, n: int, kv: int) -> None:
         now[0] += (10.0 + rows * n + 0.003 * rows * n * kv + 0.01 * rows * kv) / 1e3

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.controller import CostModel
+from dyntree.common.cost_model import CostModel
 from dyntree.common.drafters import AUTO, make_drafter
 from dyntree.models import machine_kind
 from dyntree.standalone.engine import RequestOutput, SpecEngine

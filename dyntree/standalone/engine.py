@@ -39,7 +39,7 @@ from dyntree import progress
 from dyntree.common import attention, linear
 from dyntree.common.attention import AttentionDispatch
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.controller import CostModel
+from dyntree.common.cost_model import CostModel
 from dyntree.common.drafter import Drafter
 from dyntree.common.speculator import AcceptResult, SpecRequest, Speculator
 from dyntree.common.tree import DraftBatch, TreeBatch

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dyntree.common.config import SpecConfig
-from dyntree.common.controller import CostModel
+from dyntree.common.cost_model import CostModel
 from dyntree.common.drafter import TargetInfo
 from dyntree.common.drafters import make_engine_drafter
 from dyntree.common.speculator import SpecRequest, Speculator
