@@ -43,11 +43,10 @@
   together): the cost model's knots are shared by every forward of
   that many tokens, so a verify of 16 requests x 2 tokens (the standalone engine padded its
   trees then) pulls the 16-token knot that
-  prices a plain step of 16 requests. At batch 16 against ~800 cached tokens that priced plain
-  steps 10-15% dearer than they ran, and Hydra's one-node trees, predicted to pay 10-15%, lost
-  ~12%. A plain step slower than predicted never lowers the bar: a comparison with plain steps
-  taken while the cost model still learned a new batch shape once made speculation look better
-  than plain decoding at batch 13 (0.92x).
+  prices a plain step of 16 requests, and can price plain steps dearer than they run. A plain
+  step slower than predicted never lowers the bar: a comparison with plain steps taken while the
+  cost model still learned a new batch shape can make speculation look better than plain
+  decoding (``docs/measurements.md``, cost models).
 """
 
 from __future__ import annotations
@@ -204,8 +203,8 @@ class SpeculationController:
         Plain Python floats: the table is small (``max_nodes x max_depth``), where tensor ops
         would cost more in dispatch than in math. Tables are kept by their inputs rounded to 0.01
         (alpha, delivery, the profile and the sibling gain): every request's alpha moves every
-        step it drafts, and a batch of 8 recomputed ~8 tables a step at a 0.001 grain (1.1 ms of
-        planning a step); a delivery only scales a table (the best depth does not change)."""
+        step it drafts, and at a finer grain a batch recomputes a table per request every step; a
+        delivery only scales a table (the best depth does not change)."""
         return self._table(alpha, delivery)[0]
 
     def _table(self, alpha: float, delivery: float) -> tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]:

@@ -25,12 +25,10 @@ class CostModel:
     requests against ``kv`` cached tokens each adds ``(kv - kv_ref) * (attn_ms * tokens + row_ms *
     rows)``. Attention computes with every cached token for every query token (``attn_ms``), and
     reads every request's cached keys and values once, however many query tokens the request has
-    (``row_ms``: memory-bound). On a 2-core CPU with SmolLM2 in fp32, timed at start-up, the first
-    is 0.5-2.2 us per pair and the second 2.6-3.4 us per request and cached token: 12 requests x 1
-    token against 800 cached tokens spend ~45 ms of a forward in attention, one request x 8 tokens
-    against 300 ~3 ms (30 layers x 100 us), though both are just query tokens to the knots. Without
-    the row term the knots learned the batch's attention as the cost of any forward of that many
-    tokens, so wider verifies looked free.
+    (``row_ms``: memory-bound): a batch of one-token requests over long prefixes spends far more of
+    its forward in attention than one request's tree of as many tokens, though both are just
+    query tokens to the knots. Without the row term the knots learned the batch's attention as
+    the cost of any forward of that many tokens, so wider verifies looked free.
     """
 
     def __init__(self, points: Mapping[int, float] | Sequence[tuple[int, float]], lr: float = 0.2,
@@ -75,9 +73,8 @@ class CostModel:
 
         Each size keeps its fastest of ``repeats`` timings, taken in interleaved rounds over all
         sizes: noise only ever adds time, and a slow spell of a shared machine then has to hit one
-        size in every round to distort it (timed back to back, one spell priced 2- and 4-token
-        verifies at 1.6x a 1-token step on a CPU where they cost 1.05x, and the controller hardly
-        speculated for a whole run)."""
+        size in every round to distort it (timed back to back, one slow spell can price small
+        verifies far above a plain step and keep the controller from speculating for a whole run)."""
         timed: list[Callable[[], object]] = [lambda n=int(n): forward(n) for n in sizes]
         n_long = max((int(m) for m in sizes if m < 64), default=min(int(m) for m in sizes))
         probe = kv_forward is not None and kv_long > kv_ref and n_long > 1 and rows > 1
@@ -182,8 +179,7 @@ class DraftCost:
 
     ``depth`` is the deepest tree of the step, ``nodes`` the draft nodes of the whole batch and
     ``rows`` the requests that draft (a drafter that runs a forward per depth, such as the
-    quantized self-draft, pays per depth for every drafting request: measured ~13 ms per depth
-    for one request and ~54 for four on a 2-core CPU). Exponentially forgetting least squares,
+    quantized self-draft, pays per depth for every drafting request). Exponentially forgetting least squares,
     regularised toward the prior coefficients (the ``draft_ms_*`` options), so it starts from them
     and follows the measured drafter (including tree building) as steps are observed;
     coefficients are kept non-negative.

@@ -347,8 +347,7 @@ class PrefixAttention(nn.Module):
         kv = past.extend(k, v, valid)
         if t == 1 and kv.mask is None:
             # one new position that sees every slot (a decoding step): no mask, and plain products
-            # (torch's CPU flash kernel costs 2.4x as much for one query: 189 vs 78 us against 300
-            # slots, bf16, 2-core EPYC)
+            # (torch's CPU flash kernel is slower for one query: docs/measurements.md)
             scores = (q @ kv.keys.transpose(-1, -2)).float() * self.head_dim**-0.5
             attn = torch.softmax(scores, dim=-1).to(kv.values.dtype) @ kv.values
         else:
@@ -465,30 +464,18 @@ class HydraHeads(nn.Module):
         return self.config.num_heads
 
     def use_int8(self, kernel: "WeightKernel | None" = None) -> "HydraHeads":
-        """Run the output rows' product, the heads' largest (8,192 x 576 for SmolLM2: 19 MB of
-        fp32 or 9.4 MB of bf16 rows per head call), on int8 weights. fp32 heads: an int8 GEMM
-        (:class:`~dyntree.common.linear.Int8Weight`, inputs quantized per call). Half-precision heads
-        need ``kernel`` (a weight-only low-bit matmul: torch's CPU int8 op, which computes in bf16);
-        their output rows take FBGEMM's int8 GEMM too where torch has it (the output rows of a
-        head call at 1 / 3 rows inside a decoding step, AVX512-BF16 EPYC: 0.61 / 0.56 ms against
-        0.74 / 0.85 with the weight-only op, whose cost grows with the rows: 166 / 298 / 586 us
-        at 1 / 4 / 6 rows with the weights in cache, FBGEMM 91 / 114 / 141; 16-node dynamic
-        trees, 10 coding + 16 MT-Bench chat prompts x 48 tokens, bf16: drafting 13.2 -> 10.4 and
-        11.8 -> 8.8 ms a step, tau 2.994 -> 2.994 and 2.279 -> 2.245), else the kernel. With
-        ``kernel`` the heads' own linears and the prefix
-        layer's also keep int8 weights (one scale per output row) and take their inputs rounded to
-        the kernel's compute dtype, not quantized. Quantized inputs cost tau there (coding, 16-node
-        dynamic trees: 2.75 with the output rows in int8, 2.70 with the prefix layer's too, 2.64
-        with every linear; fp32 2.73); weight-only barely moves it (8 chat prompts, 16-node trees:
-        2.395 against 2.41 with fp32 layers; drafting 12.7 vs 15.0 ms per step on a 2-core CPU with
-        int8 for every call, unclear with the row cap below: 19.9 / 14.5 vs 18.4 / 17.8 ms in
-        alternated runs on a slow, noisy VM). On a CPU the heads' calls are bound by the bytes of
-        weight they read (a bf16 head call reads 12-15 MB and took ~2.2 ms in a decoding step on a
-        2-core AVX512-BF16 EPYC; its output-row product alone 1.04 ms at one row there, 0.31 ms
-        with the weights hot in cache), so halving them pays at the row counts a step uses (in a
-        step there, int8 output rows 0.43 / 0.49 / 0.95 ms at 1 / 4 / 6 rows against bf16 1.04 /
-        1.18 / 1.23). Only calls of at most :data:`INT8_MAX_ROWS` rows take the int8 copies (the
-        dense weights stay for larger ones); linears the kernel does not serve stay as they are.
+        """Run the output rows' product, the heads' largest (``vocab' x hidden``), on int8 weights.
+        fp32 heads: an int8 GEMM (:class:`~dyntree.common.linear.Int8Weight`, inputs quantized per
+        call). Half-precision heads need ``kernel`` (a weight-only low-bit matmul: torch's CPU int8
+        op, which computes in bf16); their output rows take FBGEMM's int8 GEMM too where torch has
+        it (faster at the row counts of a step), else the kernel. With ``kernel`` the heads' own
+        linears and the prefix layer's also keep int8 weights (one scale per output row) and take
+        their inputs rounded to the kernel's compute dtype, not quantized (quantized inputs cost
+        tau; weight-only barely moves it). On a CPU the heads' calls are bound by the bytes of
+        weight they read, so halving them pays at the row counts a step uses. Only calls of at
+        most :data:`INT8_MAX_ROWS` rows take the int8 copies (the dense weights stay for larger
+        ones); linears the kernel does not serve stay as they are. Measurements:
+        ``docs/measurements.md`` (Hydra heads).
         Returns ``self``."""
         if self.out_weight.dtype == torch.float32:
             self._out_int8 = Int8Weight(self.out_weight)
@@ -596,7 +583,7 @@ def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 #: The most rows a call of an int8 weight-only linear takes; larger ones (the prefix layer catching
 #: up on a prompt's positions) stay on the dense weight: with bf16 compute emulated on a CPU without
-#: native bf16, torch's int8 op loses to fp32 GEMM from ~32 rows on (2.5x at 400 rows).
+#: native bf16, torch's int8 op loses to fp32 GEMM at a few dozen rows and more.
 INT8_MAX_ROWS = 16
 
 

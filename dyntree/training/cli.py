@@ -61,8 +61,8 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
                    help="distillation labels: soft (the target's whole softmax, default), hard (its top-1 "
                         "token), topK (its K most likely tokens renormalised, e.g. top8)")
     p.add_argument("--train-dtype", default="fp32", choices=("fp32", "bf16"),
-                   help="bf16: the training forward under autocast (fp32 weights and optimiser; 2.2x the steps/s "
-                        "of fp32 for SmolLM2's heads on a 2-core AVX512-BF16 CPU); the checkpoint is saved as usual")
+                   help="bf16: the training forward under autocast (fp32 weights and optimiser; faster on a CPU "
+                        "with native bf16); the checkpoint is saved as usual")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
