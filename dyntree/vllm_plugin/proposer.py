@@ -25,7 +25,7 @@ from dyntree.common.drafters import make_engine_drafter
 from dyntree.common.speculator import SpecRequest, Speculator
 from dyntree.common.tree import DraftTree
 from dyntree.vllm_plugin.options import ENV
-from dyntree.vllm_plugin.runner import StepRecord
+from dyntree.vllm_plugin.step import StepRecord
 
 __all__ = ["DynTreeProposer"]
 
