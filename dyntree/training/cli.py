@@ -95,8 +95,8 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
 
 
 def run_train_heads(args: argparse.Namespace) -> int:
-    from dyntree.common.hydra import (ACCEPTANCE_FILE, HydraConfig, HydraHeads, HydraMismatchError,
-                                      default_prefix_heads, read_config, save_heads)
+    from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, default_prefix_heads
+    from dyntree.common.hydra_checkpoint import ACCEPTANCE_FILE, read_config, save_heads
     from dyntree.models import cache_root, load_model, parse_dtype, resolve_device
     from dyntree.training.data import generate_cache, read_prompts
     from dyntree.common.hydra import TargetIdentity
@@ -217,7 +217,7 @@ def _measure_only(args: argparse.Namespace, identity, embed: torch.Tensor, lm_he
     measured on every cached sequence, written to --out."""
     import shutil
 
-    from dyntree.common.hydra import ACCEPTANCE_FILE, load_heads
+    from dyntree.common.hydra_checkpoint import ACCEPTANCE_FILE, load_heads
     from dyntree.training.trainer import HeadData, measure_acceptance
 
     heads = load_heads(args.init_from, identity, embed.float(), lm_head.float(), torch.float32, device)

@@ -36,7 +36,8 @@ import torch
 
 from dyntree.common.drafter import Candidates, DraftRequest, Drafter, TargetInfo, top_candidates
 from dyntree.common.calibration import AcceptanceTable
-from dyntree.common.hydra import HydraHeads, PrefixKV, TargetIdentity, load_acceptance, load_heads
+from dyntree.common.hydra import HydraHeads, PrefixKV, TargetIdentity
+from dyntree.common.hydra_checkpoint import load_acceptance, load_heads
 from dyntree.common.linear import int8_available
 
 if TYPE_CHECKING:
