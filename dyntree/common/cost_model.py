@@ -29,6 +29,14 @@ class CostModel:
     its forward in attention than one request's tree of as many tokens, though both are just
     query tokens to the knots. Without the row term the knots learned the batch's attention as
     the cost of any forward of that many tokens, so wider verifies looked free.
+
+    The knots are kept per batch size (the forward's requests, rounded down to a power of two):
+    each batch size's knots start as the measured ones and learn from that batch size's forwards
+    only. One request's tree of 16 tokens and 16 requests of one token each are both 16 query
+    tokens, but not the same forward: learned into one set of knots, a batch of one that
+    speculates every step taught the knots that its 16-token verify costs what its plain step
+    costs, and at batch 8 a verify of 8 roots and 8 drafts then looked as cheap as a plain step.
+    ``ys`` are one request's knots.
     """
 
     def __init__(self, points: Mapping[int, float] | Sequence[tuple[int, float]], lr: float = 0.2,
@@ -40,8 +48,8 @@ class CostModel:
             if n < 1 or not ms > 0:
                 raise ValueError(f"CostModel point ({n}, {ms}): n_tokens must be >= 1 and ms > 0")
         self.xs = [int(n) for n, _ in items]
-        self.ys = [float(ms) for _, ms in items]
-        self._monotone()
+        self._start = _monotone([float(ms) for _, ms in items])  # every batch size's starting knots
+        self._ys: dict[int, list[float]] = {1: list(self._start)}
         if not attn_ms >= 0 or not row_ms >= 0 or kv_ref < 0:
             raise ValueError(f"CostModel: attn_ms ({attn_ms}), row_ms ({row_ms}) and kv_ref ({kv_ref}) must be >= 0")
         self.lr = lr
@@ -94,14 +102,25 @@ class CostModel:
         return cls(points, lr, attn, kv_ref, row)
 
     def copy(self) -> "CostModel":
-        """An independent copy (knots, attention term, learning rate)."""
-        model = CostModel(list(zip(self.xs, self.ys)), self.lr, self.attn_ms, self.kv_ref, self.row_ms)
+        """An independent copy (every batch size's knots, the attention terms, the learning rate)."""
+        model = CostModel(list(zip(self.xs, self._start)), self.lr, self.attn_ms, self.kv_ref, self.row_ms)
+        model._ys = {b: list(ys) for b, ys in self._ys.items()}
         model._unseen = self._unseen
         return model
 
-    def _monotone(self) -> None:
-        for i in range(1, len(self.ys)):
-            self.ys[i] = max(self.ys[i], self.ys[i - 1])
+    @property
+    def ys(self) -> list[float]:
+        """One request's knots (ms at each of :attr:`xs`)."""
+        return self._ys[1]
+
+    def knots(self, rows: int = 1) -> list[float]:
+        """The knots of forwards of ``rows`` requests (a power-of-two batch size's; created from
+        the measured knots at its first use)."""
+        bucket = 1 << (max(int(rows), 1).bit_length() - 1)
+        ys = self._ys.get(bucket)
+        if ys is None:
+            ys = self._ys[bucket] = list(self._start)
+        return ys
 
     def _segment(self, n: float) -> tuple[int, float]:
         """Left knot index and the weight of the right knot for ``n`` (clamped)."""
@@ -114,7 +133,7 @@ class CostModel:
     def __call__(self, n_tokens: float, kv: int | None = None, rows: int = 1) -> float:
         """Predicted ms of a forward of ``n_tokens`` query tokens from ``rows`` requests, each
         against ``kv`` cached tokens (``None``: ``kv_ref``, the knots' own)."""
-        xs, ys = self.xs, self.ys
+        xs, ys = self.xs, self.knots(rows)
         if len(xs) == 1:
             base = ys[0] * max(n_tokens, xs[0]) / xs[0]
         else:
@@ -142,21 +161,29 @@ class CostModel:
         if n_tokens < 1 or not ms > 0:
             raise ValueError(f"observe({n_tokens}, {ms}): n_tokens must be >= 1 and ms > 0")
         if self._unseen:
-            self.ys, self._unseen = [float(ms)] * len(self.xs), False
+            self._start, self._unseen = [float(ms)] * len(self.xs), False
+            self._ys = {1: list(self._start)}
             return
+        ys = self.knots(rows)
         ratio = min(max(ms / max(self(n_tokens, kv, rows), 1e-6), 0.5), 2.0)  # one odd step moves it little
         level = 1 + self.lr / 2 * (ratio - 1)
-        self.ys = [y * level for y in self.ys]
+        ys[:] = [y * level for y in ys]
         err = ms - self(n_tokens, kv, rows)
         i, w = self._segment(n_tokens)
         if len(self.xs) == 1:
-            self.ys[0] += self.lr * err * self.xs[0] / max(n_tokens, self.xs[0])
+            ys[0] += self.lr * err * self.xs[0] / max(n_tokens, self.xs[0])
         else:
             w = min(w, 1.0)
-            self.ys[i] += self.lr * (1 - w) * err
-            self.ys[i + 1] += self.lr * w * err
-        self.ys = [max(y, 1e-6) for y in self.ys]
-        self._monotone()
+            ys[i] += self.lr * (1 - w) * err
+            ys[i + 1] += self.lr * w * err
+        ys[:] = _monotone([max(y, 1e-6) for y in ys])
+
+
+def _monotone(ys: list[float]) -> list[float]:
+    """``ys`` made non-decreasing in place (a forward of more tokens never costs less); returns it."""
+    for i in range(1, len(ys)):
+        ys[i] = max(ys[i], ys[i - 1])
+    return ys
 
 
 def _fastest_ms(calls: Sequence[Callable[[], object]], repeats: int) -> list[float]:
