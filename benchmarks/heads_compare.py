@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.hydra import HydraHeads, TargetIdentity, load_heads
+from dyntree.common.hydra import HydraHeads, TargetIdentity
+from dyntree.common.hydra_checkpoint import load_heads
 from dyntree.models import load_model, machine_kind
 from dyntree.standalone.bench import Prompt, encode_prompt, load_prompts
 from dyntree.standalone.engine import SpecEngine

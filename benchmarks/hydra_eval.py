@@ -29,7 +29,8 @@ from results_index import result_path
 
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafters.hydra import SHIPPED_HEADS
-from dyntree.common.hydra import HydraHeads, TargetIdentity, load_heads
+from dyntree.common.hydra import HydraHeads, TargetIdentity
+from dyntree.common.hydra_checkpoint import load_heads
 from dyntree.models import load_model, machine_kind
 from dyntree.standalone.bench import Prompt, encode_prompt, load_prompts
 from dyntree.standalone.engine import SpecEngine

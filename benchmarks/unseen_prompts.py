@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer
 
-from dyntree.common.hydra import read_config
+from dyntree.common.hydra_checkpoint import read_config
 from dyntree.models import model_path
 from dyntree.training.data import encode_prompt, read_prompts
 

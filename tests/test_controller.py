@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import dyntree.common.controller as controller_module
-from dyntree.common.controller import CostModel, DraftCost, Plan, SpeculationController
+import dyntree.common.cost_model as cost_module
+from dyntree.common.controller import Plan, SpeculationController
+from dyntree.common.cost_model import CostModel, DraftCost
 from dyntree.common.options import ControllerOptions
 from dyntree.common.tree import DraftTree
 
@@ -50,7 +51,7 @@ def test_cost_model_measure_keeps_each_size_fastest_round(monkeypatch) -> None:
     """A slow spell of the machine during one round does not price that size: each size keeps
     its fastest timing over interleaved rounds (a fake clock: 2 and 4 tokens slow in round 1)."""
     now, calls = [0.0], []
-    monkeypatch.setattr(controller_module.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(cost_module.time, "perf_counter", lambda: now[0])
 
     def forward(n: int) -> None:
         calls.append(n)
@@ -70,6 +71,35 @@ def test_online_cost_model_starts_flat_at_the_first_forward_then_learns() -> Non
         model.observe(16, 30.0)
     assert model(1) == pytest.approx(10.0, abs=0.5) and model(16) == pytest.approx(30.0, abs=0.5)
     assert model(4) <= model(8) <= model(16)
+
+
+def test_cost_model_carries_a_forward_at_one_size_to_every_size() -> None:
+    """Knots timed with warm caches at start-up, then only verifies of 16 tokens observed at twice
+    the time: the one-token knot, never re-timed, rises too (the level), while 16 takes the rest
+    (the shape), so a batch that always speculates is not compared with a stale plain forward."""
+    cm = CostModel({1: 10.0, 16: 12.0, 32: 16.0}, lr=0.2)
+    for _ in range(80):
+        cm.observe(16, 24.0)
+    assert cm(16) == pytest.approx(24.0, rel=0.01)
+    assert 12.0 < cm(1) < 24.0 and cm(32) >= cm(16)
+
+
+def test_cost_model_learns_each_batch_size_apart() -> None:
+    """One request's 16-token verifies priced at its plain step's cost must not teach batch 8 that
+    8 roots and 8 drafts cost what 8 roots do: each batch size learns its own knots, from the
+    measured ones."""
+    cm = CostModel({1: 20.0, 8: 22.0, 16: 24.0}, lr=0.2)
+    for _ in range(100):
+        cm.observe(16, 40.0, rows=1)  # a lone request's tree costs what its plain step does
+        cm.observe(1, 40.0, rows=1)
+    assert cm(16) == pytest.approx(40.0, rel=0.02) and cm(1) == pytest.approx(40.0, rel=0.02)
+    assert cm(8, rows=8) == pytest.approx(22.0) and cm(16, rows=8) == pytest.approx(24.0)  # untouched
+    for _ in range(100):
+        cm.observe(8, 44.0, rows=8)
+        cm.observe(16, 70.0, rows=8)
+    assert cm(16, rows=8) == pytest.approx(70.0, rel=0.03) and cm(8, rows=9) == pytest.approx(44.0, rel=0.03)
+    assert cm(16) == pytest.approx(40.0, rel=0.02)  # batch 1's knots did not move
+    assert cm.copy()(16, rows=8) == pytest.approx(cm(16, rows=8))
 
 
 def test_compute_bound_forward_means_plain_decoding() -> None:
@@ -116,7 +146,7 @@ def test_cost_model_prices_attention_over_the_cached_tokens(monkeypatch) -> None
     # measure(): one request's and a batch's forwards against a longer prefix give the two
     # attention terms (a fake clock: 0.003 ms per query-token pair, 0.01 per request and token)
     now = [0.0]
-    monkeypatch.setattr(controller_module.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(cost_module.time, "perf_counter", lambda: now[0])
 
     def forward(rows: int, n: int, kv: int) -> None:
         now[0] += (10.0 + rows * n + 0.003 * rows * n * kv + 0.01 * rows * kv) / 1e3
@@ -146,7 +176,7 @@ def test_batch_attention_makes_wide_verifies_dear() -> None:
     for _ in range(40):
         without.observe_step(12, measured_plain, 800, 12)
         with_rows.observe_step(12, measured_plain, 800, 12)
-    assert with_rows.cost(24, 800, 12) / measured_plain > 1.2 > 1.1 > without.cost(24, 800, 12) / measured_plain
+    assert with_rows.cost(24, 800, 12) / measured_plain > 1.2 > without.cost(24, 800, 12) / measured_plain
     assert all(p == Plan("none", 0, 0) for p in with_rows.plan(batch, kv=800))
     assert any(p.max_nodes > 0 for p in without.plan(batch, kv=800))
 

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from spec_support import tiny_llama
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.controller import CostModel
+from dyntree.common.cost_model import CostModel
 from dyntree.common.drafter import NoDrafter
 from dyntree.common.drafters import make_drafter
 from dyntree.models import model_path

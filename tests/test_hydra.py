@@ -13,15 +13,8 @@ from torch import nn
 from dyntree.common.config import SpecConfig
 from dyntree.common.drafter import DraftRequest
 from dyntree.common.drafters.hydra import HydraDrafter, parse_hydra_options
-from dyntree.common.hydra import (
-    HydraConfig,
-    HydraHeads,
-    HydraMismatchError,
-    TargetIdentity,
-    load_acceptance,
-    load_heads,
-    save_heads,
-)
+from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, TargetIdentity
+from dyntree.common.hydra_checkpoint import load_acceptance, load_heads, save_heads
 from dyntree.common.speculator import Speculator, SpecRequest
 from dyntree.common.calibration import CONFIDENCE_EDGES
 from dyntree.common.linear import int8_available

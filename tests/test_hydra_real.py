@@ -11,7 +11,8 @@ import torch
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafters import make_drafter
 from dyntree.common.drafters.hydra import SHIPPED_HEADS, HydraDrafter
-from dyntree.common.hydra import HydraMismatchError, load_acceptance
+from dyntree.common.hydra import HydraMismatchError
+from dyntree.common.hydra_checkpoint import load_acceptance
 from dyntree.standalone.engine import SpecEngine
 from dyntree.standalone.target import make_hf_drafter
 

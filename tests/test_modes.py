@@ -15,7 +15,7 @@ import torch
 
 from dyntree.common.builder import PartialTree, TreeBuilder
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.controller import CostModel
+from dyntree.common.cost_model import CostModel
 from dyntree.common.drafter import DraftRequest
 from dyntree.common.drafters import make_drafter
 from dyntree.common.speculator import Speculator

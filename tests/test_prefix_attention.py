@@ -18,16 +18,8 @@ from dyntree.common.controller import Plan
 from dyntree.common.drafter import DraftRequest
 from dyntree.common.drafters import make_drafter
 from dyntree.common.drafters.hydra import HydraDrafter
-from dyntree.common.hydra import (
-    HydraConfig,
-    HydraHeads,
-    HydraMismatchError,
-    PrefixKV,
-    TargetIdentity,
-    load_acceptance,
-    load_heads,
-    save_heads,
-)
+from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, PrefixKV, TargetIdentity
+from dyntree.common.hydra_checkpoint import load_acceptance, load_heads, save_heads
 from dyntree.common.speculator import Speculator, SpecRequest
 from dyntree.common.tree import DraftTree
 from dyntree.standalone.engine import SpecEngine

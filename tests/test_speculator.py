@@ -228,7 +228,7 @@ def test_sampled_requests_verify_losslessly_on_the_first_token() -> None:
 def test_engine_timings_reach_the_controller() -> None:
     """An engine that times whole forwards reports them with ``observe_forward``; time its trees
     add outside the target forward (``accept(overhead_ms=...)``) is priced with the drafting."""
-    from dyntree.common.controller import CostModel
+    from dyntree.common.cost_model import CostModel
 
     sp = Speculator(make_drafter("ngram"), SpecConfig(adaptive=True, max_nodes=4, max_depth=4), vocab_size=V,
                     cost_model=CostModel({1: 10.0, 16: 20.0}, lr=1.0))
@@ -261,7 +261,7 @@ def test_engine_timings_reach_the_controller() -> None:
 def test_the_controller_prices_attention_at_the_prefix_each_engine_reads(rectangular: bool) -> None:
     # A paged engine's rows read their own prefixes (the mean); one rectangular cache (the
     # standalone engine) makes every row read the longest.
-    from dyntree.common.controller import CostModel
+    from dyntree.common.cost_model import CostModel
 
     sp = Speculator(make_drafter("ngram"), SpecConfig(adaptive=True), vocab_size=V,
                     cost_model=CostModel({1: 10.0, 16: 20.0}), rectangular_kv=rectangular)

@@ -38,7 +38,7 @@ def _tree():
 
 def _step(tree, prefix: int, start: int, mask: torch.Tensor):
     from dyntree.common.tree import DraftBatch
-    from dyntree.vllm_plugin.runner import TreeStep
+    from dyntree.vllm_plugin.step import TreeStep
 
     return TreeStep(DraftBatch.from_trees(["r"], [tree]), rows=[0], starts=[start], prefix=[prefix], masks=[mask])
 

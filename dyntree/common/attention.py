@@ -2,12 +2,10 @@
 
 Engines verify trees with an explicit additive mask, and with a mask transformers' ``sdpa`` repeats
 every KV head's cache once per query group before calling ``scaled_dot_product_attention``: two
-copies of the whole cache per layer per step. Worse, on a CPU in bf16 the fused kernel handles one
-or a few query rows far from the memory bound. Measured on a 2-core AVX512-BF16 EPYC (SmolLM2: 9
-query / 3 KV heads, one layer, microseconds): 1 query row against 1000 cached tokens, 554 with
-``sdpa`` vs 125 with two matmuls; batch 8 x 1 row x 450 tokens, 1832 vs 201; yet in fp32, or with
-16 query rows, the fused kernel is often the fastest. So three equivalent ways are kept, none
-copying K/V per group:
+copies of the whole cache per layer per step. Worse, on a CPU in bf16 the fused kernel can handle
+one or a few query rows far from the memory bound, while in fp32, or with 16 query rows, it is
+often the fastest (``docs/measurements.md``, CPU attention). So three equivalent ways are kept,
+none copying K/V per group:
 
 * ``gqa``: ``scaled_dot_product_attention(..., enable_gqa=True)`` with the mask;
 * ``rows``: the query heads of one KV head stacked as the rows of one fused call;
@@ -15,8 +13,7 @@ copying K/V per group:
 
 :func:`calibrate` times the three at a grid of (batch, query rows, cached tokens), over caches
 that are views of bigger buffers as the engines' are, for a head shape
-and dtype (~2.3 s once for SmolLM2's heads on a 2-core CPU, kept on disk per CPU, torch version,
-threads, dtype and shape), and
+and dtype (once, kept on disk per CPU, torch version, threads, dtype and shape), and
 :class:`AttentionDispatch` picks, per call, the fastest at the nearest grid point (log scale).
 :func:`attend` follows the dispatch active in this thread (:meth:`AttentionDispatch.active`) and is
 ``gqa`` anywhere else. The three compute the same attention with a different summation order, like
@@ -58,7 +55,7 @@ def grouped_matmul(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     kv_heads = key.shape[1]
     groups = h // kv_heads
     # a cache view (the first slots of a bigger buffer) is copied first: on a CPU the product over
-    # the view costs ~4x the copy plus the product (bf16, 16 x 3 heads x 405 slots: 684 vs 38 + 160 us)
+    # the view costs several times the copy plus the product
     w = torch.matmul(query.reshape(b, kv_heads, groups * q, d), key.contiguous().transpose(2, 3)) * scaling
     if mask is not None:  # the same for every head
         w = (w.view(b, kv_heads, groups, q, -1) + mask[:, :, None]).view(b, kv_heads, groups * q, -1)
@@ -147,8 +144,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     """``[b, h, q, d]`` attention (additive ``mask`` or none) by the dispatch active in this
     thread, ``gqa`` without one. Under a dispatch, one query row without a mask (a plain decoding
     step, a draft chain's forward) never takes ``gqa``: unmasked, ``rows`` beat it at every
-    calibration shape with one query row on a 2-core AVX-512 CPU in fp32 (b=1: 57 vs 79 us at 301
-    keys, 87 vs 140 at 1024; b=4: 87 vs 155, 265 vs 475), while the calibration times masked calls."""
+    calibration shape with one query row where it was measured (``docs/measurements.md``), while
+    the calibration times masked calls."""
     dispatch: AttentionDispatch | None = getattr(_ACTIVE, "dispatch", None)
     if dispatch is None:
         name = "gqa"

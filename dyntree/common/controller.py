@@ -43,25 +43,23 @@
   together): the cost model's knots are shared by every forward of
   that many tokens, so a verify of 16 requests x 2 tokens (the standalone engine padded its
   trees then) pulls the 16-token knot that
-  prices a plain step of 16 requests. At batch 16 against ~800 cached tokens that priced plain
-  steps 10-15% dearer than they ran, and Hydra's one-node trees, predicted to pay 10-15%, lost
-  ~12%. A plain step slower than predicted never lowers the bar: a comparison with plain steps
-  taken while the cost model still learned a new batch shape once made speculation look better
-  than plain decoding at batch 13 (0.92x).
+  prices a plain step of 16 requests, and can price plain steps dearer than they run. A plain
+  step slower than predicted never lowers the bar: a comparison with plain steps taken while the
+  cost model still learned a new batch shape can make speculation look better than plain
+  decoding (``docs/measurements.md``, cost models).
 """
 
 from __future__ import annotations
 
-import bisect
 import math
-import time
 from dataclasses import dataclass
-from typing import Callable, Hashable, Literal, Mapping, Sequence
+from typing import Hashable, Literal, Sequence
 
+from dyntree.common.cost_model import CostModel, DraftCost
 from dyntree.common.options import ControllerOptions
 from dyntree.common.tree import DraftTree
 
-__all__ = ["Plan", "CostModel", "DraftCost", "SpeculationController"]
+__all__ = ["Plan", "SpeculationController"]
 
 
 @dataclass(frozen=True)
@@ -71,215 +69,6 @@ class Plan:
     mode: Literal["none", "chain", "tree"]
     max_nodes: int
     max_depth: int
-
-
-class CostModel:
-    """Milliseconds of one target forward as a piecewise-linear function of its query tokens,
-    plus attention over the cached tokens.
-
-    Between measured sizes the cost is interpolated; below the smallest it is that size's cost;
-    above the largest the last segment is extended (with one point: proportional to tokens). The
-    knots hold one request's forwards against ``kv_ref`` cached tokens; a forward of ``rows``
-    requests against ``kv`` cached tokens each adds ``(kv - kv_ref) * (attn_ms * tokens + row_ms *
-    rows)``. Attention computes with every cached token for every query token (``attn_ms``), and
-    reads every request's cached keys and values once, however many query tokens the request has
-    (``row_ms``: memory-bound). On a 2-core CPU with SmolLM2 in fp32, timed at start-up, the first
-    is 0.5-2.2 us per pair and the second 2.6-3.4 us per request and cached token: 12 requests x 1
-    token against 800 cached tokens spend ~45 ms of a forward in attention, one request x 8 tokens
-    against 300 ~3 ms (30 layers x 100 us), though both are just query tokens to the knots. Without
-    the row term the knots learned the batch's attention as the cost of any forward of that many
-    tokens, so wider verifies looked free.
-    """
-
-    def __init__(self, points: Mapping[int, float] | Sequence[tuple[int, float]], lr: float = 0.2,
-                 attn_ms: float = 0.0, kv_ref: int = 0, row_ms: float = 0.0) -> None:
-        items = sorted(dict(points).items())
-        if not items:
-            raise ValueError("CostModel needs at least one (n_tokens, ms) point")
-        for n, ms in items:
-            if n < 1 or not ms > 0:
-                raise ValueError(f"CostModel point ({n}, {ms}): n_tokens must be >= 1 and ms > 0")
-        self.xs = [int(n) for n, _ in items]
-        self.ys = [float(ms) for _, ms in items]
-        self._monotone()
-        if not attn_ms >= 0 or not row_ms >= 0 or kv_ref < 0:
-            raise ValueError(f"CostModel: attn_ms ({attn_ms}), row_ms ({row_ms}) and kv_ref ({kv_ref}) must be >= 0")
-        self.lr = lr
-        self.attn_ms, self.row_ms, self.kv_ref = float(attn_ms), float(row_ms), int(kv_ref)
-        self._unseen = False  # set by :meth:`online`: the first observation sets every knot
-
-    @classmethod
-    def online(cls, sizes: Sequence[int], lr: float = 0.2) -> "CostModel":
-        """A model learned from the engine's own forwards, for engines that cannot time dummy
-        forwards up front: the first observed forward sets every knot (a flat cost: an optimistic
-        start for wide verifies, which the next observations correct), then :meth:`observe` refines
-        the knots near each observed size."""
-        model = cls({int(n): 1.0 for n in sizes}, lr)
-        model._unseen = True
-        return model
-
-    @classmethod
-    def measure(
-        cls, forward: Callable[[int], object], sizes: Sequence[int], repeats: int = 5, lr: float = 0.2,
-        kv_forward: Callable[[int, int, int], object] | None = None, kv_ref: int = 0, kv_long: int = 0,
-        rows: int = 8,
-    ) -> "CostModel":
-        """Time ``forward(n)`` (which must block until the forward is done) at each size, against
-        ``kv_ref`` cached tokens. With ``kv_forward(r, n, kv)`` (a forward of ``r`` requests x
-        ``n`` query tokens against ``kv`` cached tokens each) also fit the attention terms: one
-        request x the largest size below 64 and ``rows`` requests x 1 token, each against
-        ``kv_ref`` and ``kv_long`` cached tokens; the first difference is ``row_ms + n * attn_ms``
-        per extra cached token, the second ``rows * (row_ms + attn_ms)``.
-
-        Each size keeps its fastest of ``repeats`` timings, taken in interleaved rounds over all
-        sizes: noise only ever adds time, and a slow spell of a shared machine then has to hit one
-        size in every round to distort it (timed back to back, one spell priced 2- and 4-token
-        verifies at 1.6x a 1-token step on a CPU where they cost 1.05x, and the controller hardly
-        speculated for a whole run)."""
-        timed: list[Callable[[], object]] = [lambda n=int(n): forward(n) for n in sizes]
-        n_long = max((int(m) for m in sizes if m < 64), default=min(int(m) for m in sizes))
-        probe = kv_forward is not None and kv_long > kv_ref and n_long > 1 and rows > 1
-        if probe:
-            assert kv_forward is not None
-            timed += [lambda r=r, n=n, kv=kv: kv_forward(r, n, kv)
-                      for r, n in ((1, n_long), (rows, 1)) for kv in (kv_ref, kv_long)]
-        best = _fastest_ms(timed, repeats)
-        points = dict(zip((int(n) for n in sizes), best[: len(sizes)]))
-        attn = row = 0.0
-        if probe:
-            span = kv_long - kv_ref
-            per_token = max(best[-3] - best[-4], 0.0) / span  # row_ms + n_long * attn_ms
-            per_row = max(best[-1] - best[-2], 0.0) / (rows * span)  # row_ms + attn_ms
-            attn = max(per_token - per_row, 0.0) / (n_long - 1)
-            row = max(per_row - attn, 0.0)
-        return cls(points, lr, attn, kv_ref, row)
-
-    def copy(self) -> "CostModel":
-        """An independent copy (knots, attention term, learning rate)."""
-        model = CostModel(list(zip(self.xs, self.ys)), self.lr, self.attn_ms, self.kv_ref, self.row_ms)
-        model._unseen = self._unseen
-        return model
-
-    def _monotone(self) -> None:
-        for i in range(1, len(self.ys)):
-            self.ys[i] = max(self.ys[i], self.ys[i - 1])
-
-    def _segment(self, n: float) -> tuple[int, float]:
-        """Left knot index and the weight of the right knot for ``n`` (clamped)."""
-        xs = self.xs
-        if len(xs) == 1 or n <= xs[0]:
-            return 0, 0.0
-        i = min(bisect.bisect_right(xs, n) - 1, len(xs) - 2)
-        return i, (n - xs[i]) / (xs[i + 1] - xs[i])
-
-    def __call__(self, n_tokens: float, kv: int | None = None, rows: int = 1) -> float:
-        """Predicted ms of a forward of ``n_tokens`` query tokens from ``rows`` requests, each
-        against ``kv`` cached tokens (``None``: ``kv_ref``, the knots' own)."""
-        xs, ys = self.xs, self.ys
-        if len(xs) == 1:
-            base = ys[0] * max(n_tokens, xs[0]) / xs[0]
-        else:
-            i, w = self._segment(n_tokens)
-            base = ys[i] + w * (ys[i + 1] - ys[i])  # w > 1 extends the last segment
-        return base + self._attention(n_tokens, kv, rows, base)
-
-    def _attention(self, n_tokens: float, kv: int | None, rows: int, base: float) -> float:
-        """The attention terms: ms beyond (or, with fewer cached tokens, short of) the knots'."""
-        if kv is None or not (self.attn_ms or self.row_ms):
-            return 0.0
-        return max((kv - self.kv_ref) * (self.attn_ms * n_tokens + self.row_ms * rows), -0.5 * base)
-
-    def observe(self, n_tokens: int, ms: float, kv: int | None = None, rows: int = 1) -> None:
-        """Move the knots toward one measured forward (``ms`` for ``n_tokens`` query tokens of
-        ``rows`` requests against ``kv`` cached tokens each; the attention terms are taken as
-        measured)."""
-        if n_tokens < 1 or not ms > 0:
-            raise ValueError(f"observe({n_tokens}, {ms}): n_tokens must be >= 1 and ms > 0")
-        if self._unseen:
-            self.ys, self._unseen = [float(ms)] * len(self.xs), False
-            return
-        err = ms - self(n_tokens, kv, rows)
-        i, w = self._segment(n_tokens)
-        if len(self.xs) == 1:
-            self.ys[0] += self.lr * err * self.xs[0] / max(n_tokens, self.xs[0])
-        else:
-            w = min(w, 1.0)
-            self.ys[i] += self.lr * (1 - w) * err
-            self.ys[i + 1] += self.lr * w * err
-        self.ys = [max(y, 1e-6) for y in self.ys]
-        self._monotone()
-
-
-def _fastest_ms(calls: Sequence[Callable[[], object]], repeats: int) -> list[float]:
-    """The fastest wall-clock ms of each call over ``repeats`` rounds that time every call once
-    (in order), after one warm-up call each."""
-    for call in calls:
-        call()
-    best = [math.inf] * len(calls)
-    for _ in range(max(repeats, 1)):
-        for i, call in enumerate(calls):
-            t0 = time.perf_counter()
-            call()
-            best[i] = min(best[i], (time.perf_counter() - t0) * 1e3)
-    return best
-
-
-class DraftCost:
-    """Milliseconds of one drafting step as ``a + b * depth + c * nodes + e * depth * rows``,
-    learned online.
-
-    ``depth`` is the deepest tree of the step, ``nodes`` the draft nodes of the whole batch and
-    ``rows`` the requests that draft (a drafter that runs a forward per depth, such as the
-    quantized self-draft, pays per depth for every drafting request: measured ~13 ms per depth
-    for one request and ~54 for four on a 2-core CPU). Exponentially forgetting least squares,
-    regularised toward the prior coefficients (the ``draft_ms_*`` options), so it starts from them
-    and follows the measured drafter (including tree building) as steps are observed;
-    coefficients are kept non-negative.
-    """
-
-    def __init__(self, prior: Sequence[float], forget: float = 0.98, prior_weight: float = 1.0) -> None:
-        if len(prior) != 4 or any(not c >= 0 for c in prior):
-            raise ValueError(f"DraftCost prior must be 4 non-negative coefficients, got {prior}")
-        # plain floats: a 4 x 4 solve per step costs less in Python than in tensor-op dispatch
-        self.prior = tuple(float(c) for c in prior)
-        self.forget, self.prior_weight = forget, prior_weight
-        self._xx = [[0.0] * 4 for _ in range(4)]
-        self._xy = [0.0] * 4
-        self.coef = self.prior
-
-    def __call__(self, depth: int, nodes: int, rows: int = 1) -> float:
-        if nodes <= 0:
-            return 0.0
-        a, b, c, e = self.coef
-        return a + b * depth + c * nodes + e * depth * rows
-
-    def observe(self, depth: int, nodes: int, ms: float, rows: int = 1) -> None:
-        """One measured drafting step (``nodes`` > 0, ``rows`` >= 1 requests drafting)."""
-        if nodes <= 0 or depth <= 0 or rows <= 0 or not ms >= 0:
-            raise ValueError(f"DraftCost.observe({depth}, {nodes}, {ms}, {rows}): depth, nodes, rows > 0 and "
-                             "ms >= 0 needed")
-        x, f, w = (1.0, float(depth), float(nodes), float(depth * rows)), self.forget, self.prior_weight
-        self._xx = [[f * v + xi * xj for v, xj in zip(row, x)] for row, xi in zip(self._xx, x)]
-        self._xy = [f * v + xi * ms for v, xi in zip(self._xy, x)]
-        ridged = [[v + (w if i == j else 0.0) for j, v in enumerate(row)] for i, row in enumerate(self._xx)]
-        coef = _solve(ridged, [v + w * p for v, p in zip(self._xy, self.prior)])
-        self.coef = tuple(max(c, 0.0) for c in coef)
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """``x`` with ``a x = b`` for a small non-singular ``a`` (Gaussian elimination, partial pivoting)."""
-    n = len(b)
-    m = [row[:] + [v] for row, v in zip(a, b)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(col + 1, n):
-            k = m[r][col] / m[col][col]
-            m[r] = [v - k * p for v, p in zip(m[r], m[col])]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
-    return x
 
 
 @dataclass
@@ -414,8 +203,8 @@ class SpeculationController:
         Plain Python floats: the table is small (``max_nodes x max_depth``), where tensor ops
         would cost more in dispatch than in math. Tables are kept by their inputs rounded to 0.01
         (alpha, delivery, the profile and the sibling gain): every request's alpha moves every
-        step it drafts, and a batch of 8 recomputed ~8 tables a step at a 0.001 grain (1.1 ms of
-        planning a step); a delivery only scales a table (the best depth does not change)."""
+        step it drafts, and at a finer grain a batch recomputes a table per request every step; a
+        delivery only scales a table (the best depth does not change)."""
         return self._table(alpha, delivery)[0]
 
     def _table(self, alpha: float, delivery: float) -> tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]:

@@ -113,10 +113,8 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(x, k, dim=-1)`` of ``[F, V]`` rows, in two small top-k's where ``V`` splits into
     blocks of :data:`TOPK_BLOCK` and ``k`` is at most a twelfth of the blocks: the ``k`` largest
     entries lie in the ``k`` blocks with the largest maxima (ties aside), so only those ``k``
-    blocks are searched. On a 2-core AVX512 EPYC, one / four rows: ``V`` = 49152, ``k`` = 4: 50 vs
-    85 us, 95 vs 246; ``k`` = 8: 65 vs 88, 161 vs 241; ``V`` = 32768, ``k`` = 8 (beyond a twelfth):
-    72 vs 58, 101 vs 103; ``V`` = 8192 (Hydra heads' reduced vocabulary), ``k`` = 4: 33 vs 16,
-    71 vs 45."""
+    blocks are searched (beyond a twelfth, or with few blocks, one top-k was as fast or faster:
+    ``docs/measurements.md``)."""
     f, v = x.shape
     blocks = v // TOPK_BLOCK
     if v % TOPK_BLOCK or 12 * k > blocks:
@@ -138,8 +136,7 @@ def top_candidates(
     top-k / top-p applied exactly as to the target's logits. ``token_map`` maps column ``j`` to a
     full token id (a drafter over a reduced vocabulary). Rows of all ``-inf`` get no candidates.
     ``with_entropy=False`` skips the rows' entropies (a log-softmax and three passes over the
-    vocabulary; with the caches swept by 100 MB before each call, as the target's forward leaves
-    them: 256 vs 506 us for one row of 8,192 and 329 vs 789 for three, 2-core AVX512-BF16 EPYC).
+    vocabulary).
     """
     x = logits.float()
     ent = None

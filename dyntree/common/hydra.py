@@ -1,4 +1,5 @@
-"""Hydra draft heads: the trained, sequentially dependent drafter, and its checkpoint format.
+"""Hydra draft heads: the trained, sequentially dependent drafter's model and its configuration
+(checkpoint files: :mod:`dyntree.common.hydra_checkpoint`; drafting: :mod:`dyntree.common.drafters.hydra`).
 
 Head ``k`` (1-based) reads the target's last-layer hidden state ``h_t`` (after the final norm:
 the LM-head input at the committed token before the root) together with the input embeddings of
@@ -23,8 +24,8 @@ The output goes through the target's frozen LM head, either in full or restricte
 vocabulary (the ``V`` most frequent tokens of the training data, ``token_map[j]`` = full id of
 reduced id ``j``). The target's embedding and LM-head weights are borrowed at load time and never
 stored: a checkpoint directory holds ``model.safetensors`` (the head weights and the token map) and
-``config.json`` (:class:`HydraConfig`, including the identity of the target it was trained on).
-Loading checks that identity and refuses a mismatch naming the dimension.
+``config.json`` (:class:`HydraConfig`, including the :class:`TargetIdentity` of the target it was
+trained on); loading checks that identity and refuses a mismatch naming the dimension.
 
 Torch only: this module never imports transformers.
 """
@@ -35,14 +36,12 @@ import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dyntree.common.calibration import AcceptanceTable
 from dyntree.common.kv_store import KVStore, append_kv
 from dyntree.common.linear import Int8Weight, install, int8_available, linear
 
@@ -51,7 +50,7 @@ if TYPE_CHECKING:
     from dyntree.common.quant import WeightKernel
 
 __all__ = [
-    "ACCEPTANCE_FILE",
+    "DTYPES",
     "tokenizer_sha256",
     "HydraConfig",
     "HydraHeads",
@@ -60,16 +59,11 @@ __all__ = [
     "PrefixKV",
     "TargetIdentity",
     "default_prefix_heads",
-    "load_acceptance",
-    "load_heads",
-    "save_heads",
 ]
 
 FORMAT_VERSION = 1
-#: Optional file of a checkpoint directory: the heads' measured acceptance per depth, rank and
-#: confidence (:class:`~dyntree.common.calibration.AcceptanceTable`), the tree builder's calibration.
-ACCEPTANCE_FILE = "acceptance.json"
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: The weight dtypes a checkpoint may store, by their names in ``config.json``.
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: The prefix layer's SwiGLU MLP width, in multiples of the hidden size.
 PREFIX_MLP_RATIO = 3
 #: RoPE base of the prefix layer.
@@ -158,8 +152,8 @@ class HydraConfig:
                 f"HydraConfig.hidden_size={self.hidden_size} differs from target.hidden_size="
                 f"{self.target.hidden_size}"
             )
-        if self.dtype not in _DTYPES:
-            raise HydraMismatchError(f"HydraConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise HydraMismatchError(f"HydraConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         self._check_prefix()
 
     def _check_prefix(self) -> None:
@@ -347,8 +341,7 @@ class PrefixAttention(nn.Module):
         kv = past.extend(k, v, valid)
         if t == 1 and kv.mask is None:
             # one new position that sees every slot (a decoding step): no mask, and plain products
-            # (torch's CPU flash kernel costs 2.4x as much for one query: 189 vs 78 us against 300
-            # slots, bf16, 2-core EPYC)
+            # (torch's CPU flash kernel is slower for one query: docs/measurements.md)
             scores = (q @ kv.keys.transpose(-1, -2)).float() * self.head_dim**-0.5
             attn = torch.softmax(scores, dim=-1).to(kv.values.dtype) @ kv.values
         else:
@@ -465,30 +458,18 @@ class HydraHeads(nn.Module):
         return self.config.num_heads
 
     def use_int8(self, kernel: "WeightKernel | None" = None) -> "HydraHeads":
-        """Run the output rows' product, the heads' largest (8,192 x 576 for SmolLM2: 19 MB of
-        fp32 or 9.4 MB of bf16 rows per head call), on int8 weights. fp32 heads: an int8 GEMM
-        (:class:`~dyntree.common.linear.Int8Weight`, inputs quantized per call). Half-precision heads
-        need ``kernel`` (a weight-only low-bit matmul: torch's CPU int8 op, which computes in bf16);
-        their output rows take FBGEMM's int8 GEMM too where torch has it (the output rows of a
-        head call at 1 / 3 rows inside a decoding step, AVX512-BF16 EPYC: 0.61 / 0.56 ms against
-        0.74 / 0.85 with the weight-only op, whose cost grows with the rows: 166 / 298 / 586 us
-        at 1 / 4 / 6 rows with the weights in cache, FBGEMM 91 / 114 / 141; 16-node dynamic
-        trees, 10 coding + 16 MT-Bench chat prompts x 48 tokens, bf16: drafting 13.2 -> 10.4 and
-        11.8 -> 8.8 ms a step, tau 2.994 -> 2.994 and 2.279 -> 2.245), else the kernel. With
-        ``kernel`` the heads' own linears and the prefix
-        layer's also keep int8 weights (one scale per output row) and take their inputs rounded to
-        the kernel's compute dtype, not quantized. Quantized inputs cost tau there (coding, 16-node
-        dynamic trees: 2.75 with the output rows in int8, 2.70 with the prefix layer's too, 2.64
-        with every linear; fp32 2.73); weight-only barely moves it (8 chat prompts, 16-node trees:
-        2.395 against 2.41 with fp32 layers; drafting 12.7 vs 15.0 ms per step on a 2-core CPU with
-        int8 for every call, unclear with the row cap below: 19.9 / 14.5 vs 18.4 / 17.8 ms in
-        alternated runs on a slow, noisy VM). On a CPU the heads' calls are bound by the bytes of
-        weight they read (a bf16 head call reads 12-15 MB and took ~2.2 ms in a decoding step on a
-        2-core AVX512-BF16 EPYC; its output-row product alone 1.04 ms at one row there, 0.31 ms
-        with the weights hot in cache), so halving them pays at the row counts a step uses (in a
-        step there, int8 output rows 0.43 / 0.49 / 0.95 ms at 1 / 4 / 6 rows against bf16 1.04 /
-        1.18 / 1.23). Only calls of at most :data:`INT8_MAX_ROWS` rows take the int8 copies (the
-        dense weights stay for larger ones); linears the kernel does not serve stay as they are.
+        """Run the output rows' product, the heads' largest (``vocab' x hidden``), on int8 weights.
+        fp32 heads: an int8 GEMM (:class:`~dyntree.common.linear.Int8Weight`, inputs quantized per
+        call). Half-precision heads need ``kernel`` (a weight-only low-bit matmul: torch's CPU int8
+        op, which computes in bf16); their output rows take FBGEMM's int8 GEMM too where torch has
+        it (faster at the row counts of a step), else the kernel. With ``kernel`` the heads' own
+        linears and the prefix layer's also keep int8 weights (one scale per output row) and take
+        their inputs rounded to the kernel's compute dtype, not quantized (quantized inputs cost
+        tau; weight-only barely moves it). On a CPU the heads' calls are bound by the bytes of
+        weight they read, so halving them pays at the row counts a step uses. Only calls of at
+        most :data:`INT8_MAX_ROWS` rows take the int8 copies (the dense weights stay for larger
+        ones); linears the kernel does not serve stay as they are. Measurements:
+        ``docs/measurements.md`` (Hydra heads).
         Returns ``self``."""
         if self.out_weight.dtype == torch.float32:
             self._out_int8 = Int8Weight(self.out_weight)
@@ -596,7 +577,7 @@ def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 #: The most rows a call of an int8 weight-only linear takes; larger ones (the prefix layer catching
 #: up on a prompt's positions) stay on the dense weight: with bf16 compute emulated on a CPU without
-#: native bf16, torch's int8 op loses to fp32 GEMM from ~32 rows on (2.5x at 400 rows).
+#: native bf16, torch's int8 op loses to fp32 GEMM at a few dozen rows and more.
 INT8_MAX_ROWS = 16
 
 
@@ -626,93 +607,3 @@ def _int8_linears(module: nn.Module, kernel: "WeightKernel") -> None:
                 setattr(module, name, _Int8Rows(child, quantized))
         elif not isinstance(child, _Int8Rows):
             _int8_linears(child, kernel)
-
-
-def save_heads(heads: HydraHeads, out_dir: str | Path, dtype: torch.dtype = torch.float16) -> Path:
-    """Write ``model.safetensors`` + ``config.json`` to ``out_dir`` (weights cast to ``dtype``)."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    dtype_name = {v: k for k, v in _DTYPES.items()}[dtype]
-    tensors = {k: v.detach().to("cpu") for k, v in heads.state_dict().items()}
-    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
-    save_file(tensors, str(out / "model.safetensors"))
-    cfg = HydraConfig(**{**asdict(heads.config), "target": heads.config.target, "dtype": dtype_name})
-    (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
-    return out
-
-
-def read_config(ckpt_dir: str | Path) -> HydraConfig:
-    path = Path(ckpt_dir) / "config.json"
-    if not path.is_file():
-        raise HydraMismatchError(f"{path} does not exist: not a Hydra checkpoint directory")
-    return HydraConfig.from_json(json.loads(path.read_text()))
-
-
-def check_target(config: HydraConfig, target: TargetIdentity) -> None:
-    """Raise :class:`HydraMismatchError` naming the first dimension where heads and target differ."""
-    mine = config.target
-    if mine.hidden_size != target.hidden_size:
-        raise HydraMismatchError(
-            f"hidden size mismatch: heads were trained for hidden size {mine.hidden_size} "
-            f"({mine.name}), the target has {target.hidden_size} ({target.name})"
-        )
-    if mine.vocab_size != target.vocab_size:
-        raise HydraMismatchError(
-            f"vocabulary mismatch: heads were trained for vocabulary {mine.vocab_size} "
-            f"({mine.name}), the target has {target.vocab_size} ({target.name})"
-        )
-    if mine.tokenizer_sha256 != target.tokenizer_sha256:
-        raise HydraMismatchError(
-            f"tokenizer mismatch: heads were trained with tokenizer {mine.tokenizer_sha256[:12]} "
-            f"({mine.name}), the target's tokenizer is {target.tokenizer_sha256[:12]} ({target.name})"
-        )
-
-
-def load_heads(
-    ckpt_dir: str | Path,
-    target: TargetIdentity,
-    embed: torch.Tensor,
-    lm_head: torch.Tensor,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-) -> HydraHeads:
-    """Load heads from ``ckpt_dir`` for ``target`` (refusing a mismatch), in ``dtype`` on ``device``."""
-    from safetensors.torch import load_file
-
-    config = read_config(ckpt_dir)
-    check_target(config, target)
-    weights_path = Path(ckpt_dir) / "model.safetensors"
-    if not weights_path.is_file():
-        raise HydraMismatchError(f"{weights_path} does not exist")
-    state = load_file(str(weights_path))
-    token_map = state.get("token_map")
-    heads = HydraHeads(
-        config,
-        embed.to(device=device, dtype=dtype),
-        lm_head.to(device=device, dtype=dtype),
-        token_map if config.reduced_vocab else None,
-    )
-    missing, unexpected = heads.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise HydraMismatchError(
-            f"model.safetensors does not match config.json: missing {missing}, unexpected {unexpected}"
-        )
-    return heads.to(device=device, dtype=dtype).eval()
-
-
-def load_acceptance(ckpt_dir: str | Path) -> AcceptanceTable | None:
-    """The checkpoint's measured :class:`AcceptanceTable` (``None`` when it has none); refuses a
-    table whose depths are not the heads'."""
-    path = Path(ckpt_dir) / ACCEPTANCE_FILE
-    if not path.is_file():
-        return None
-    try:
-        table = AcceptanceTable.load(path)
-    except ValueError as exc:
-        raise HydraMismatchError(str(exc)) from None
-    heads = read_config(ckpt_dir).num_heads
-    if table.acceptance.shape[0] != heads:
-        raise HydraMismatchError(f"{path}: the table has {table.acceptance.shape[0]} depths, the heads {heads}")
-    return table

@@ -1,41 +1,33 @@
 """Faster CPU linears for the few query tokens of decoding and tree verification.
 
 ``F.linear(x, W)`` (``x @ W.T`` over the ``[out, in]`` weight) sends a 2-16 row input to a GEMM path
-that on a CPU without AMX runs far from the memory bound: SmolLM2's 210 decoder linears cost ~43 ms
-for 1 row, ~70-77 ms for 2-4 rows and ~79 ms for 16 rows (fp32, 2 AVX2 cores, one calibration),
-while the same product computed as ``(W @ x.T).T`` costs ~33 ms for 1-4 rows (1 row padded to 2),
-~52 ms for 8 and ~66 ms for 16. A GEMM lays the weight out in its blocked format on every call
-(our reading of why both stay slow); a third form, MKL's packed GEMM
-(``torch.ops.mkl._mkl_linear``, what torch's own compiler uses for frozen fp32 linears), packs each
-weight once. MKL packs a weight for a row count, but the packed layout has the same size for every
-row count, and a copy packed for ``P`` rows computes products of any ``m <= P`` rows correctly and
-about as fast as a copy packed for exactly ``m`` (a 2-core AVX-512 Xeon, all of SmolLM2's linears
-with its LM head, interleaved: packed for 64 rows, 28 / 31 / 34 / 41 / 54 ms at 1 / 4 / 8 / 16 /
-32 rows against 29 / 30 / 34 / 41 / 53 packed for exactly those rows and 28 / 64 / 79 / 130 / 146
-with ``F.linear``; a copy packed for 8 rows used at 16 costs 55 ms, so the copy is packed for the
-largest row count it serves). So the routing keeps ONE packed copy per weight, packed for
-:data:`PACK_ROWS` rows, and calls it with the input's own row count (no padding). The forms'
-speeds depend on the CPU, the dtype and the row count, so :func:`calibrate` times all three on the
-model's own linears at every row count up to 17 and a few beyond (once: kept on disk per CPU, torch
-version, threads, dtype and linear shapes; it also checks that the packed copy reproduces
-``F.linear`` at every row count, and never routes there where it does not), and
-:class:`LinearDispatch` then routes each call by its row count. The packed copy costs one more copy
-of the weights (~540 MB for SmolLM2 in fp32 with its LM head); it follows in-place changes of its
-weight (it is repacked when the weight's version or storage changes). Routing is per thread and
-only inside :meth:`LinearDispatch.active`: :func:`linear` (what core code such as the Hydra heads'
-LM-head product calls) and the ``nn.Linear`` modules that :func:`install` reroutes through it run
-stock ``F.linear`` anywhere else (``model.generate`` in benchmarks, another engine). A weight
-without a packed copy (the Hydra heads') takes the best of the other two forms.
+that on a CPU without AMX can run far from the memory bound, and the same product computed as
+``(W @ x.T).T``, or by MKL's packed GEMM (``torch.ops.mkl._mkl_linear``, what torch's own compiler
+uses for frozen fp32 linears; it packs each weight once), is often faster. MKL packs a weight for a
+row count, but the packed layout has the same size for every row count, and a copy packed for
+``P`` rows computes products of any ``m <= P`` rows correctly, so the routing keeps ONE packed copy
+per weight, packed for :data:`PACK_ROWS` rows (the largest row count it serves), and calls it with
+the input's own row count (no padding). The forms' speeds depend on the CPU, the dtype and the row
+count, so :func:`calibrate` times all three on the model's own linears at every row count up to
+17 and a few beyond (once: kept on disk per CPU, torch version, threads, dtype and linear shapes;
+it also checks that the packed copy reproduces ``F.linear`` at every row count, and never routes
+there where it does not), and :class:`LinearDispatch` then routes each call by its row count. The
+packed copy costs one more copy of the weights; it follows in-place changes of its weight (it is
+repacked when the weight's version or storage changes). Routing is per thread and only inside
+:meth:`LinearDispatch.active`: :func:`linear` (what core code such as the Hydra heads' LM-head
+product calls) and the ``nn.Linear`` modules that :func:`install` reroutes through it run stock
+``F.linear`` anywhere else (``model.generate`` in benchmarks, another engine). A weight without a
+packed copy (the Hydra heads') takes the best of the other two forms. Measurements behind these
+choices: ``docs/measurements.md`` (CPU linears).
 
 The forms compute the same products with a different summation order, like any two GEMM
 kernels: fp32 results agree to rounding, and plain and speculative decoding both go through it.
 
 For draft-side weights (never the target's), :class:`Int8Weight` runs a linear as FBGEMM's
 dynamic int8 GEMM (``torch.ops.quantized.linear_dynamic``): the weight stored
-int8 per output channel, the input quantized per call. On an AVX2 CPU that moves a quarter of
-the bytes and runs 2-5x faster than the fp32 product at 1-8 rows (SmolLM2's 8,192 x 576 Hydra
-output rows: ~0.25-0.6 vs ~1.2-1.4 ms); the logits move by ~1-2% of their range, which changes
-which tokens are drafted now and then, never the output (the target verifies every token).
+int8 per output channel, the input quantized per call: a quarter of the bytes of fp32. The logits
+move by ~1-2% of their range, which changes which tokens are drafted now and then, never the
+output (the target verifies every token).
 """
 
 from __future__ import annotations
@@ -77,8 +69,7 @@ _PAD = threading.local()
 def _padded(x: torch.Tensor, pad_to: int) -> tuple[torch.Tensor, int]:
     """``x``'s rows as a 2-D tensor of at least ``pad_to`` rows, and how many rows are real. The
     padding rows hold whatever an earlier call left there (each output row of a product depends on
-    its own input row only): a per-thread buffer, because building the padding anew (a ``cat`` of
-    a broadcast row) cost ~12 ms per SmolLM2 forward."""
+    its own input row only): a per-thread buffer, so no padding is built per call."""
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
     if m >= pad_to:
@@ -231,7 +222,6 @@ class LinearDispatch:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                packed: PackedWeight | None = None) -> torch.Tensor:
         # the common case first, with the fewest checks: this runs for every linear of a forward
-        # (~210 calls per SmolLM2 step), and each check costs ~1 us of a 35 us one-row product
         m = x.numel() // x.shape[-1] if x.dim() >= 2 else 0
         form, rows = self.route(m, packed is not None)
         if form == LINEAR or x.device.type != "cpu":
@@ -385,7 +375,7 @@ def install(module: nn.Module, packed: bool = False) -> nn.Module:
         if packed:
             lin._dyntree_packed = PackedWeight(lin.weight)
         else:  # set, not looked up with a default: a missing module attribute raises inside
-            lin.__dict__.setdefault("_dyntree_packed", None)  # nn.Module.__getattr__ (~6 us a call)
+            lin.__dict__.setdefault("_dyntree_packed", None)  # nn.Module.__getattr__ (slow per call)
     return module
 
 

@@ -41,8 +41,7 @@ class CalibrationOptions(BaseModel):
     )
     refresh: int = Field(
         32, ge=1, description="observations folded in before the predictions are recomputed (1: after every "
-        "update; a recomputation cost ~0.7 ms of a decoding step on a 2-core CPU, and 32 observations move "
-        "the evidence by ~3%)"
+        "update; 32 observations move the evidence by ~3%)"
     )
 
     @model_validator(mode="after")
@@ -124,8 +123,8 @@ class ControllerOptions(BaseModel):
     )
     allow_trees: bool = Field(True, description="False: only chains (or nothing)")
     ema: float = Field(
-        0.1, gt=0, le=1, description="weight of the newest step in the acceptance EMA (0.3 let a few misses "
-        "stop a request's speculation: 1.03-1.07x vs 1.30x for Hydra at batch 1 on this CPU)"
+        0.1, gt=0, le=1, description="weight of the newest step in the acceptance EMA (a larger weight lets a "
+        "few misses stop a request's speculation)"
     )
     alpha_prior: float = Field(
         0.5, ge=0, le=1, description="top-1 draft acceptance assumed before any is observed (then new "

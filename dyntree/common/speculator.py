@@ -29,7 +29,8 @@ import torch
 from dyntree.common.builder import BuiltTree, PartialTree, TreeBuilder
 from dyntree.common.calibration import Calibrator
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.controller import CostModel, Plan, SpeculationController
+from dyntree.common.controller import Plan, SpeculationController
+from dyntree.common.cost_model import CostModel
 from dyntree.common.drafter import Candidates, DraftRequest, Drafter
 from dyntree.common.options import TreeMode
 from dyntree.common.sampling import process_logits, sample_verify

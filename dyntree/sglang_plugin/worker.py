@@ -20,7 +20,7 @@ state and the :class:`~dyntree.common.speculator.Speculator`:
 Drafters: n-gram, Hydra heads (hidden states captured from the target's forwards) and the
 quantized self-draft (:class:`~dyntree.sglang_plugin.selfdraft.SglangSelfDraft`, over the token
 pool). SGLang has no dummy forward to time up front, so the controller's cost model is learned
-from the verify forwards themselves (:meth:`~dyntree.common.controller.CostModel.online`).
+from the verify forwards themselves (:meth:`~dyntree.common.cost_model.CostModel.online`).
 
 Requests that leave the decode batch (finished, aborted, retracted) are released from the
 speculator. Requests asking for what tree verification does not apply (penalties, ``min_p``,
@@ -36,7 +36,7 @@ from typing import Any, Hashable
 
 import torch
 
-from dyntree.common.controller import CostModel
+from dyntree.common.cost_model import CostModel
 from dyntree.common.drafter import TargetInfo
 from dyntree.common.drafters import make_engine_drafter
 from dyntree.common.speculator import SpecRequest, Speculator

@@ -11,8 +11,7 @@ N, D]``, against the batch's ``[B, KV, L, D]`` cache and a ``[B, 1, T, L]`` mask
 width attend as one batch, and so, padded to the widest, do rows of several widths, unless the
 calibrated timings predict that splitting pays: every row's root in one batched call and each
 longer row's other tokens over its own cache row (a view). Reading the cache dominates a few
-query rows (SmolLM2, bf16, 2-core AVX512-BF16 EPYC, 16 rows x 256 cached tokens: 693 us a layer
-for one query row each, 670 for four), so small trees pad and only a few wide ones split.
+query rows, so small trees pad and only a few wide ones split.
 ``"dyntree_grouped"`` is always the two-matmul form, which distillation-data generation uses for
 its batched greedy decoding.
 """
@@ -97,8 +96,7 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                       attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                       **_: Any) -> tuple[torch.Tensor, None]:
     """Eager attention without repeating K/V per query group (Hugging Face's ``repeat_kv`` copies the
-    whole cache every step). Batched greedy generation with SmolLM2 on a 2-core AVX512-BF16 CPU
-    (bf16, batch 64): 295-333 tokens/s against 232-256 with ``eager`` and 178-194 with ``sdpa``."""
+    whole cache every step)."""
     return grouped_matmul(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
 
 
@@ -124,7 +122,7 @@ def attention_scope(model: Any, dispatch: AttentionDispatch | None) -> Iterator[
     """Within this block (this thread), ``model`` attends through the engine's attention, routed by
     ``dispatch`` (``None``: ``gqa`` everywhere); its own attention implementation is restored after."""
     outer = model.config._attn_implementation
-    if outer != ENGINE:  # switching walks the model (~1 ms): an inner scope (a step) keeps the outer's
+    if outer != ENGINE:  # switching walks the model: an inner scope (a step) keeps the outer's
         model.set_attn_implementation(ENGINE)
     try:
         with dispatch.active() if dispatch is not None else nullcontext():

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.controller import CostModel
+from dyntree.common.cost_model import CostModel
 from dyntree.common.drafters import AUTO, make_drafter
 from dyntree.models import machine_kind
 from dyntree.standalone.engine import RequestOutput, SpecEngine
@@ -229,8 +229,8 @@ def run_lockstep(
 ) -> list[dict[str, Any]]:
     """Bench runs of several ``(mode, spec)`` jobs over the same prompts, interleaved one unit of
     work (a prefill or a decoding step) at a time: each job's time is the sum of its own units, so
-    a phase in which a shared machine runs slower hits every job alike (the units are ~20-150 ms;
-    such phases last seconds). The job that goes first rotates every cycle. Each job's outputs,
+    a phase in which a shared machine runs slower hits every job alike (a unit is far shorter than
+    such a phase). The job that goes first rotates every cycle. Each job's outputs,
     steps and statistics are what a run of its own gives: the engines share only the model's
     weights."""
     runs = [_ModeRun(model, tokenizer, encoded[0], m, s, params, batch_size, cost, fast_linear, fast_attention)

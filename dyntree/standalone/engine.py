@@ -39,7 +39,7 @@ from dyntree import progress
 from dyntree.common import attention, linear
 from dyntree.common.attention import AttentionDispatch
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.controller import CostModel
+from dyntree.common.cost_model import CostModel
 from dyntree.common.drafter import Drafter
 from dyntree.common.speculator import AcceptResult, SpecRequest, Speculator
 from dyntree.common.tree import DraftBatch, TreeBatch
@@ -67,8 +67,7 @@ PREFILL_SLACK = 1.25
 def prefill_groups(lengths: Sequence[int], slack: float = PREFILL_SLACK) -> list[list[int]]:
     """Indices of prompts to prefill together: by length, each group's padded size (its longest
     prompt x its size) at most ``slack`` x its real tokens, so a long prompt joining short ones
-    does not make them all pay its length (five Spec-Bench prompts of 40-769 tokens: 2.4x
-    their tokens in one padded forward)."""
+    does not make them all pay its length."""
     groups: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda j: (lengths[j], j)):
         g = groups[-1] if groups else None
@@ -225,7 +224,7 @@ class SpecEngine:
         outputs are the ``StopIteration`` value. A caller can interleave several engines step by
         step (``dyntree bench --lockstep``): each unit runs inside this engine's kernel scope and
         holds no scope across a ``yield``; a loop inside the :meth:`kernel_scope` of an engine over
-        the same model switches the model's attention once rather than per unit (~1 ms). The
+        the same model switches the model's attention once rather than per unit. The
         arguments are checked at the call."""
         params = params or SamplingParams()
         if any(len(p) == 0 for p in prompts):

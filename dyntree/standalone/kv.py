@@ -11,8 +11,7 @@ row's queries over its own cache row. Compaction then copies each row's accepted
 ``[kv_len[b], kv_len[b] + a_b)`` and the cache is cropped to the longest row.
 
 Transformers' ``DynamicLayer`` appends by concatenation, which copies a layer's whole cache on
-every forward: at batch 13 with 800 cached tokens (SmolLM2, fp32, 2-core CPU) that is 480 MB and
-~150 ms of a ~190 ms decoding step. :class:`GrowingCache` keeps each layer's keys and values as
+every forward (most of a decoding step at large batches: ``docs/measurements.md``). :class:`GrowingCache` keeps each layer's keys and values as
 views into a buffer with headroom, so an append writes only the new tokens; the buffer is copied
 only when it runs out of room (growing by a quarter) or when the surgery below replaced the
 tensors (rows leaving or joining the batch).

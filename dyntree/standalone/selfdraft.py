@@ -7,9 +7,7 @@ whose layer list is the draft's (:func:`~dyntree.common.drafters.qspec.build_dra
 with quantization off it computes exactly what the target computes. Where a weight kernel serves
 the quantized layers (torch's int8/int4 ops on CPU, the W4A16 Triton kernel on CUDA) and the
 layers are Llama's, the same layers run fused instead (:mod:`dyntree.common.fused_draft`)
-and the draft reads an int8 copy of the LM head: on a 2-core AVX-512 CPU in fp32, SmolLM2's draft
-forward of one token costs ~25 ms against ~51 ms for a target forward, about half of it the
-low-bit matmuls. KV: the draft reads the engine's committed prefix KV (its cache rows, read-only)
+and the draft reads an int8 copy of the LM head. KV: the draft reads the engine's committed prefix KV (its cache rows, read-only)
 and writes its draft tokens' KV into the free slots after that prefix in the engine's own cache
 buffers, which the verify forward overwrites (:meth:`~dyntree.common.fused_draft.ScratchKV.lend`);
 where the requests are not the cache's rows in order, a scratch cache for one step

@@ -61,8 +61,8 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
                    help="distillation labels: soft (the target's whole softmax, default), hard (its top-1 "
                         "token), topK (its K most likely tokens renormalised, e.g. top8)")
     p.add_argument("--train-dtype", default="fp32", choices=("fp32", "bf16"),
-                   help="bf16: the training forward under autocast (fp32 weights and optimiser; 2.2x the steps/s "
-                        "of fp32 for SmolLM2's heads on a 2-core AVX512-BF16 CPU); the checkpoint is saved as usual")
+                   help="bf16: the training forward under autocast (fp32 weights and optimiser; faster on a CPU "
+                        "with native bf16); the checkpoint is saved as usual")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -95,8 +95,8 @@ def add_train_heads_parser(subparsers: argparse._SubParsersAction) -> argparse.A
 
 
 def run_train_heads(args: argparse.Namespace) -> int:
-    from dyntree.common.hydra import (ACCEPTANCE_FILE, HydraConfig, HydraHeads, HydraMismatchError,
-                                      default_prefix_heads, read_config, save_heads)
+    from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, default_prefix_heads
+    from dyntree.common.hydra_checkpoint import ACCEPTANCE_FILE, read_config, save_heads
     from dyntree.models import cache_root, load_model, parse_dtype, resolve_device
     from dyntree.training.data import generate_cache, read_prompts
     from dyntree.common.hydra import TargetIdentity
@@ -217,7 +217,7 @@ def _measure_only(args: argparse.Namespace, identity, embed: torch.Tensor, lm_he
     measured on every cached sequence, written to --out."""
     import shutil
 
-    from dyntree.common.hydra import ACCEPTANCE_FILE, load_heads
+    from dyntree.common.hydra_checkpoint import ACCEPTANCE_FILE, load_heads
     from dyntree.training.trainer import HeadData, measure_acceptance
 
     heads = load_heads(args.init_from, identity, embed.float(), lm_head.float(), torch.float32, device)

@@ -40,7 +40,8 @@ import torch
 from tqdm import tqdm
 
 from dyntree.common.calibration import CONFIDENCE_EDGES, AcceptanceTable, bin_confidence
-from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, check_target, read_config
+from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError
+from dyntree.common.hydra_checkpoint import check_target, read_config
 from dyntree.training.data import HiddenCache
 
 __all__ = ["TrainConfig", "loss_top_k", "HeadData", "train", "evaluate", "measure_acceptance", "reduced_token_map",

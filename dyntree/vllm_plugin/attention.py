@@ -3,7 +3,7 @@
 vLLM's pattern: :class:`TreeCPUAttentionMetadataBuilder` plans once per step on host metadata and
 :class:`TreeCPUAttentionImpl.forward` runs per layer on plain tensors. The runner hooks
 (:mod:`dyntree.vllm_plugin.runner`) hand the builder the step's
-:class:`~dyntree.vllm_plugin.runner.TreeStep` (:meth:`~TreeCPUAttentionMetadataBuilder.plan_trees`)
+:class:`~dyntree.vllm_plugin.step.TreeStep` (:meth:`~TreeCPUAttentionMetadataBuilder.plan_trees`)
 before vLLM builds the step's attention metadata; the plan then reaches every layer inside that
 metadata (:class:`TreeCPUAttentionMetadata`), through vLLM's forward context.
 
@@ -39,7 +39,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from dyntree.vllm_plugin.kv_layout import KVLayout
 from dyntree.vllm_plugin.mirror import PrefixMirror
-from dyntree.vllm_plugin.runner import TreeStep
+from dyntree.vllm_plugin.step import TreeStep
 
 __all__ = ["TreeRows", "TreeAttentionPlan", "plan_tree_rows", "tree_rows_attention", "TreeCPUAttentionMetadata",
            "TreeCPUAttentionMetadataBuilder", "TreeCPUAttentionImpl", "TreeCPUAttentionBackend"]

@@ -19,13 +19,13 @@ import numpy as np
 import torch
 
 from dyntree.common.config import SpecConfig
-from dyntree.common.controller import CostModel
+from dyntree.common.cost_model import CostModel
 from dyntree.common.drafter import TargetInfo
 from dyntree.common.drafters import make_engine_drafter
 from dyntree.common.speculator import SpecRequest, Speculator
 from dyntree.common.tree import DraftTree
 from dyntree.vllm_plugin.options import ENV
-from dyntree.vllm_plugin.runner import StepRecord
+from dyntree.vllm_plugin.step import StepRecord
 
 __all__ = ["DynTreeProposer"]
 

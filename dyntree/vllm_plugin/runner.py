@@ -1,16 +1,15 @@
-"""Tree verification inside vLLM's V1 model runner: the step record and three runner hooks.
+"""Tree verification inside vLLM's V1 model runner: three runner hooks.
 
 vLLM schedules each request's draft nodes (root first) as an ordinary run of query tokens with
-linear KV slots. Each step the hooks build one explicit :class:`StepRecord` (request ids and
-sampling, committed lengths, query starts, forward timing, and the :class:`TreeStep`: which
-requests carry a tree, where their rows start, their prefix lengths and masks, one flat
-:class:`~dyntree.common.tree.DraftBatch`) and hand it on by argument:
+linear KV slots. Each step the hooks build one explicit
+:class:`~dyntree.vllm_plugin.step.StepRecord` (with its
+:class:`~dyntree.vllm_plugin.step.TreeStep`) and hand it on by argument:
 
 * ``_prepare_inputs`` (after vLLM's own): the proposer opens the step
   (:meth:`~dyntree.vllm_plugin.proposer.DynTreeProposer.begin_step`); tree rows get RoPE positions
   ``prefix + depth`` (slots stay linear); the tree attention builders
   (:class:`~dyntree.vllm_plugin.attention.TreeCPUAttentionMetadataBuilder`) are given the
-  :class:`TreeStep` to plan into the step's attention metadata, which reaches every layer through
+  :class:`~dyntree.vllm_plugin.step.TreeStep` to plan into the step's attention metadata, which reaches every layer through
   vLLM's forward context;
 * ``_sample``: the speculator verifies the trees (greedy or lossless sampling) on the unmodified
   logits; every decoding request it drafted for carries one (root-only when it drafted nothing,
@@ -30,88 +29,21 @@ piece off: a test control whose outputs must then differ from plain decoding.
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from dyntree.common.config import SamplingParams
 from dyntree.common.speculator import AcceptResult
-from dyntree.common.tree import DraftBatch, DraftTree
 from dyntree.vllm_plugin.kv_layout import KVLayout
+from dyntree.vllm_plugin.step import StepRecord, TreeStep, ablations, plan_trees
 
 if TYPE_CHECKING:
-    from dyntree.vllm_plugin.attention import TreeAttentionPlan, TreeCPUAttentionMetadataBuilder
+    from dyntree.vllm_plugin.attention import TreeCPUAttentionMetadataBuilder
     from dyntree.vllm_plugin.proposer import DynTreeProposer
 
-__all__ = ["TreeStep", "StepRecord", "ablations", "plan_trees", "install"]
-
-
-def ablations() -> frozenset[str]:
-    return frozenset(a.strip() for a in os.environ.get("DYNTREE_VLLM_ABLATE", "").split(",") if a.strip())
-
-
-@dataclass
-class TreeStep:
-    """Host metadata of one step's trees (request ``b`` of ``batch`` is batch row ``rows[b]``)."""
-
-    batch: DraftBatch
-    rows: list[int]  # input-batch index of each tree request
-    starts: list[int]  # first query row of each tree request
-    prefix: list[int]  # committed tokens before each root (its KV is cached)
-    masks: list[torch.Tensor]  # [T, T] bool: the nodes each node may attend to within its tree
-    accept: AcceptResult | None = None
-    attention: "list[TreeAttentionPlan]" = field(default_factory=list)  # what the builders planned from it
-
-    @property
-    def attention_ms(self) -> float:
-        """Time the layers spent on tree rows beside vLLM's kernel this step."""
-        return sum(p.spent_ms for p in self.attention)
-
-
-@dataclass
-class StepRecord:
-    """One engine step as the adapter sees it (batch row ``i`` is request ``req_ids[i]``)."""
-
-    req_ids: list[str]
-    params: dict[str, SamplingParams | None]  # None: the request decodes plainly
-    computed: np.ndarray  # committed tokens (KV cached) per row before this step
-    starts: np.ndarray  # first query row per row
-    scheduled: np.ndarray  # query tokens per row
-    started: float  # perf_counter when the forward began
-    decode_tokens: int  # the forward's query tokens when it holds decoding rows only, else 0
-    tree: TreeStep | None
-
-
-def plan_trees(req_ids: list[str], scheduled_drafts: dict[str, list[int]], num_scheduled: np.ndarray,
-               computed: np.ndarray, trees: dict[Hashable, DraftTree]) -> TreeStep | None:
-    """The step's trees: every decoding request the proposer drafted for, with its scheduled drafts
-    (a prefix of its proposed tree; none: a root-only tree, verified as plain decoding)."""
-    ends = num_scheduled.cumsum()
-    ids, kept, rows, starts, prefix = [], [], [], [], []
-    for i, rid in enumerate(req_ids):
-        drafts = scheduled_drafts.get(rid) or []
-        tree = trees.get(rid)
-        n = len(drafts) + 1
-        if int(num_scheduled[i]) != n or tree is None:
-            if drafts:
-                raise RuntimeError(f"dyntree: request {rid!r} was scheduled drafts that are not its proposed tree")
-            continue  # a prefill chunk, or a request that does not speculate
-        if tree.size < n or tree.tokens[1:n].tolist() != list(drafts):
-            raise RuntimeError(f"dyntree: request {rid!r} was scheduled drafts that are not its proposed tree")
-        ids.append(rid)
-        kept.append(tree.prefix(n))  # the scheduler may cut a tree short: a prefix is still a tree
-        rows.append(i)
-        starts.append(int(ends[i]) - n)
-        prefix.append(int(computed[i]))
-    if not kept:
-        return None
-    causal = "mask" in ablations()
-    masks = [torch.tril(torch.ones(t.size, t.size, dtype=torch.bool)) if causal else t.ancestor_mask() for t in kept]
-    return TreeStep(DraftBatch.from_trees(ids, kept), rows, starts, prefix, masks)
+__all__ = ["install"]
 
 
 def _proposer(runner: Any) -> "DynTreeProposer | None":

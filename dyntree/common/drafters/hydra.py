@@ -36,7 +36,8 @@ import torch
 
 from dyntree.common.drafter import Candidates, DraftRequest, Drafter, TargetInfo, top_candidates
 from dyntree.common.calibration import AcceptanceTable
-from dyntree.common.hydra import HydraHeads, PrefixKV, TargetIdentity, load_acceptance, load_heads
+from dyntree.common.hydra import HydraHeads, PrefixKV, TargetIdentity
+from dyntree.common.hydra_checkpoint import load_acceptance, load_heads
 from dyntree.common.linear import int8_available
 
 if TYPE_CHECKING:
@@ -50,9 +51,8 @@ SHIPPED_HEADS = Path(__file__).resolve().parents[2] / "assets" / "hydra-smollm2"
 
 #: The most committed positions a request's prefix layer reads when it starts (its first draft, or
 #: after the engine skipped positions): the last ones. The shipped heads were trained on windows of
-#: 64 positions; reading a whole prompt costs one layer pass per prompt token (at batch 16 that
-#: was ~8% of a step on a 2-core CPU) and moved tau by nothing measurable (6 chat prompts of
-#: 210-769 tokens, 16-node trees: 1.7407 either way).
+#: 64 positions; reading a whole prompt costs one layer pass per prompt token and moved tau by
+#: nothing measurable (``docs/measurements.md``).
 PREFIX_CONTEXT = 64
 
 

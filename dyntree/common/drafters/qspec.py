@@ -18,9 +18,8 @@ Step: a call to :meth:`QSpecDrafter.expand` whose partial trees hold only their 
 step (the backend drops its scratch); each call forwards one depth's frontier of every request in
 one batched draft forward. Own trees (``SpecConfig.tree`` unset) are the builder's ``beam`` shape,
 its width spread over the depths of the budget (``ceil(max_nodes / max_depth)``, ``topk`` = width),
-so a chain budget drafts a chain. A fixed width of 4 (the default until this change) filled a
-chain budget of 8 at depth 2: 13 raw Spec-Bench prompts x 64 tokens on a 2-core AVX-512 CPU,
-adaptive, tau 5.12 and 1.17x plain with width 4, 6.69 and 1.32x spread.
+so a chain budget drafts a chain (a fixed width filled a chain budget at depth 2:
+``docs/measurements.md``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,257 @@
+"""What a step costs, learned: the target's forward as a function of its query tokens
+(:class:`CostModel`) and the drafter's step as a function of tree depth and batch nodes
+(:class:`DraftCost`). The adaptive controller (:mod:`dyntree.common.controller`) prices plans
+with them; engines seed a :class:`CostModel` from their own timed forwards
+(:meth:`CostModel.measure`) or learn it online (:meth:`CostModel.online`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from typing import Callable, Mapping, Sequence
+
+__all__ = ["CostModel", "DraftCost"]
+
+
+class CostModel:
+    """Milliseconds of one target forward as a piecewise-linear function of its query tokens,
+    plus attention over the cached tokens.
+
+    Between measured sizes the cost is interpolated; below the smallest it is that size's cost;
+    above the largest the last segment is extended (with one point: proportional to tokens). The
+    knots hold one request's forwards against ``kv_ref`` cached tokens; a forward of ``rows``
+    requests against ``kv`` cached tokens each adds ``(kv - kv_ref) * (attn_ms * tokens + row_ms *
+    rows)``. Attention computes with every cached token for every query token (``attn_ms``), and
+    reads every request's cached keys and values once, however many query tokens the request has
+    (``row_ms``: memory-bound): a batch of one-token requests over long prefixes spends far more of
+    its forward in attention than one request's tree of as many tokens, though both are just
+    query tokens to the knots. Without the row term the knots learned the batch's attention as
+    the cost of any forward of that many tokens, so wider verifies looked free.
+
+    The knots are kept per batch size (the forward's requests, rounded down to a power of two):
+    each batch size's knots start as the measured ones and learn from that batch size's forwards
+    only. One request's tree of 16 tokens and 16 requests of one token each are both 16 query
+    tokens, but not the same forward: learned into one set of knots, a batch of one that
+    speculates every step taught the knots that its 16-token verify costs what its plain step
+    costs, and at batch 8 a verify of 8 roots and 8 drafts then looked as cheap as a plain step.
+    ``ys`` are one request's knots.
+    """
+
+    def __init__(self, points: Mapping[int, float] | Sequence[tuple[int, float]], lr: float = 0.2,
+                 attn_ms: float = 0.0, kv_ref: int = 0, row_ms: float = 0.0) -> None:
+        items = sorted(dict(points).items())
+        if not items:
+            raise ValueError("CostModel needs at least one (n_tokens, ms) point")
+        for n, ms in items:
+            if n < 1 or not ms > 0:
+                raise ValueError(f"CostModel point ({n}, {ms}): n_tokens must be >= 1 and ms > 0")
+        self.xs = [int(n) for n, _ in items]
+        self._start = _monotone([float(ms) for _, ms in items])  # every batch size's starting knots
+        self._ys: dict[int, list[float]] = {1: list(self._start)}
+        if not attn_ms >= 0 or not row_ms >= 0 or kv_ref < 0:
+            raise ValueError(f"CostModel: attn_ms ({attn_ms}), row_ms ({row_ms}) and kv_ref ({kv_ref}) must be >= 0")
+        self.lr = lr
+        self.attn_ms, self.row_ms, self.kv_ref = float(attn_ms), float(row_ms), int(kv_ref)
+        self._unseen = False  # set by :meth:`online`: the first observation sets every knot
+
+    @classmethod
+    def online(cls, sizes: Sequence[int], lr: float = 0.2) -> "CostModel":
+        """A model learned from the engine's own forwards, for engines that cannot time dummy
+        forwards up front: the first observed forward sets every knot (a flat cost: an optimistic
+        start for wide verifies, which the next observations correct), then :meth:`observe` refines
+        the knots near each observed size."""
+        model = cls({int(n): 1.0 for n in sizes}, lr)
+        model._unseen = True
+        return model
+
+    @classmethod
+    def measure(
+        cls, forward: Callable[[int], object], sizes: Sequence[int], repeats: int = 5, lr: float = 0.2,
+        kv_forward: Callable[[int, int, int], object] | None = None, kv_ref: int = 0, kv_long: int = 0,
+        rows: int = 8,
+    ) -> "CostModel":
+        """Time ``forward(n)`` (which must block until the forward is done) at each size, against
+        ``kv_ref`` cached tokens. With ``kv_forward(r, n, kv)`` (a forward of ``r`` requests x
+        ``n`` query tokens against ``kv`` cached tokens each) also fit the attention terms: one
+        request x the largest size below 64 and ``rows`` requests x 1 token, each against
+        ``kv_ref`` and ``kv_long`` cached tokens; the first difference is ``row_ms + n * attn_ms``
+        per extra cached token, the second ``rows * (row_ms + attn_ms)``.
+
+        Each size keeps its fastest of ``repeats`` timings, taken in interleaved rounds over all
+        sizes: noise only ever adds time, and a slow spell of a shared machine then has to hit one
+        size in every round to distort it (timed back to back, one slow spell can price small
+        verifies far above a plain step and keep the controller from speculating for a whole run)."""
+        timed: list[Callable[[], object]] = [lambda n=int(n): forward(n) for n in sizes]
+        n_long = max((int(m) for m in sizes if m < 64), default=min(int(m) for m in sizes))
+        probe = kv_forward is not None and kv_long > kv_ref and n_long > 1 and rows > 1
+        if probe:
+            assert kv_forward is not None
+            timed += [lambda r=r, n=n, kv=kv: kv_forward(r, n, kv)
+                      for r, n in ((1, n_long), (rows, 1)) for kv in (kv_ref, kv_long)]
+        best = _fastest_ms(timed, repeats)
+        points = dict(zip((int(n) for n in sizes), best[: len(sizes)]))
+        attn = row = 0.0
+        if probe:
+            span = kv_long - kv_ref
+            per_token = max(best[-3] - best[-4], 0.0) / span  # row_ms + n_long * attn_ms
+            per_row = max(best[-1] - best[-2], 0.0) / (rows * span)  # row_ms + attn_ms
+            attn = max(per_token - per_row, 0.0) / (n_long - 1)
+            row = max(per_row - attn, 0.0)
+        return cls(points, lr, attn, kv_ref, row)
+
+    def copy(self) -> "CostModel":
+        """An independent copy (every batch size's knots, the attention terms, the learning rate)."""
+        model = CostModel(list(zip(self.xs, self._start)), self.lr, self.attn_ms, self.kv_ref, self.row_ms)
+        model._ys = {b: list(ys) for b, ys in self._ys.items()}
+        model._unseen = self._unseen
+        return model
+
+    @property
+    def ys(self) -> list[float]:
+        """One request's knots (ms at each of :attr:`xs`)."""
+        return self._ys[1]
+
+    def knots(self, rows: int = 1) -> list[float]:
+        """The knots of forwards of ``rows`` requests (a power-of-two batch size's; created from
+        the measured knots at its first use)."""
+        bucket = 1 << (max(int(rows), 1).bit_length() - 1)
+        ys = self._ys.get(bucket)
+        if ys is None:
+            ys = self._ys[bucket] = list(self._start)
+        return ys
+
+    def _segment(self, n: float) -> tuple[int, float]:
+        """Left knot index and the weight of the right knot for ``n`` (clamped)."""
+        xs = self.xs
+        if len(xs) == 1 or n <= xs[0]:
+            return 0, 0.0
+        i = min(bisect.bisect_right(xs, n) - 1, len(xs) - 2)
+        return i, (n - xs[i]) / (xs[i + 1] - xs[i])
+
+    def __call__(self, n_tokens: float, kv: int | None = None, rows: int = 1) -> float:
+        """Predicted ms of a forward of ``n_tokens`` query tokens from ``rows`` requests, each
+        against ``kv`` cached tokens (``None``: ``kv_ref``, the knots' own)."""
+        xs, ys = self.xs, self.knots(rows)
+        if len(xs) == 1:
+            base = ys[0] * max(n_tokens, xs[0]) / xs[0]
+        else:
+            i, w = self._segment(n_tokens)
+            base = ys[i] + w * (ys[i + 1] - ys[i])  # w > 1 extends the last segment
+        return base + self._attention(n_tokens, kv, rows, base)
+
+    def _attention(self, n_tokens: float, kv: int | None, rows: int, base: float) -> float:
+        """The attention terms: ms beyond (or, with fewer cached tokens, short of) the knots'."""
+        if kv is None or not (self.attn_ms or self.row_ms):
+            return 0.0
+        return max((kv - self.kv_ref) * (self.attn_ms * n_tokens + self.row_ms * rows), -0.5 * base)
+
+    def observe(self, n_tokens: int, ms: float, kv: int | None = None, rows: int = 1) -> None:
+        """Move the knots toward one measured forward (``ms`` for ``n_tokens`` query tokens of
+        ``rows`` requests against ``kv`` cached tokens each; the attention terms are taken as
+        measured).
+
+        Two moves: every knot is scaled by ``lr / 2`` of the relative error (the level), then the
+        knots around ``n_tokens`` take ``lr`` of what is left (the shape). The level carries what a
+        forward at one size says about every size: timed back to back at start-up, forwards run
+        with the weights warm in the caches, while an engine's steps interleave drafting and
+        sampling; a batch that always speculates never re-times the plain forward it is compared
+        with, and local moves alone would leave that knot at its start-up value."""
+        if n_tokens < 1 or not ms > 0:
+            raise ValueError(f"observe({n_tokens}, {ms}): n_tokens must be >= 1 and ms > 0")
+        if self._unseen:
+            self._start, self._unseen = [float(ms)] * len(self.xs), False
+            self._ys = {1: list(self._start)}
+            return
+        ys = self.knots(rows)
+        ratio = min(max(ms / max(self(n_tokens, kv, rows), 1e-6), 0.5), 2.0)  # one odd step moves it little
+        level = 1 + self.lr / 2 * (ratio - 1)
+        ys[:] = [y * level for y in ys]
+        err = ms - self(n_tokens, kv, rows)
+        i, w = self._segment(n_tokens)
+        if len(self.xs) == 1:
+            ys[0] += self.lr * err * self.xs[0] / max(n_tokens, self.xs[0])
+        else:
+            w = min(w, 1.0)
+            ys[i] += self.lr * (1 - w) * err
+            ys[i + 1] += self.lr * w * err
+        ys[:] = _monotone([max(y, 1e-6) for y in ys])
+
+
+def _monotone(ys: list[float]) -> list[float]:
+    """``ys`` made non-decreasing in place (a forward of more tokens never costs less); returns it."""
+    for i in range(1, len(ys)):
+        ys[i] = max(ys[i], ys[i - 1])
+    return ys
+
+
+def _fastest_ms(calls: Sequence[Callable[[], object]], repeats: int) -> list[float]:
+    """The fastest wall-clock ms of each call over ``repeats`` rounds that time every call once
+    (in order), after one warm-up call each."""
+    for call in calls:
+        call()
+    best = [math.inf] * len(calls)
+    for _ in range(max(repeats, 1)):
+        for i, call in enumerate(calls):
+            t0 = time.perf_counter()
+            call()
+            best[i] = min(best[i], (time.perf_counter() - t0) * 1e3)
+    return best
+
+
+class DraftCost:
+    """Milliseconds of one drafting step as ``a + b * depth + c * nodes + e * depth * rows``,
+    learned online.
+
+    ``depth`` is the deepest tree of the step, ``nodes`` the draft nodes of the whole batch and
+    ``rows`` the requests that draft (a drafter that runs a forward per depth, such as the
+    quantized self-draft, pays per depth for every drafting request). Exponentially forgetting least squares,
+    regularised toward the prior coefficients (the ``draft_ms_*`` options), so it starts from them
+    and follows the measured drafter (including tree building) as steps are observed;
+    coefficients are kept non-negative.
+    """
+
+    def __init__(self, prior: Sequence[float], forget: float = 0.98, prior_weight: float = 1.0) -> None:
+        if len(prior) != 4 or any(not c >= 0 for c in prior):
+            raise ValueError(f"DraftCost prior must be 4 non-negative coefficients, got {prior}")
+        # plain floats: a 4 x 4 solve per step costs less in Python than in tensor-op dispatch
+        self.prior = tuple(float(c) for c in prior)
+        self.forget, self.prior_weight = forget, prior_weight
+        self._xx = [[0.0] * 4 for _ in range(4)]
+        self._xy = [0.0] * 4
+        self.coef = self.prior
+
+    def __call__(self, depth: int, nodes: int, rows: int = 1) -> float:
+        if nodes <= 0:
+            return 0.0
+        a, b, c, e = self.coef
+        return a + b * depth + c * nodes + e * depth * rows
+
+    def observe(self, depth: int, nodes: int, ms: float, rows: int = 1) -> None:
+        """One measured drafting step (``nodes`` > 0, ``rows`` >= 1 requests drafting)."""
+        if nodes <= 0 or depth <= 0 or rows <= 0 or not ms >= 0:
+            raise ValueError(f"DraftCost.observe({depth}, {nodes}, {ms}, {rows}): depth, nodes, rows > 0 and "
+                             "ms >= 0 needed")
+        x, f, w = (1.0, float(depth), float(nodes), float(depth * rows)), self.forget, self.prior_weight
+        self._xx = [[f * v + xi * xj for v, xj in zip(row, x)] for row, xi in zip(self._xx, x)]
+        self._xy = [f * v + xi * ms for v, xi in zip(self._xy, x)]
+        ridged = [[v + (w if i == j else 0.0) for j, v in enumerate(row)] for i, row in enumerate(self._xx)]
+        coef = _solve(ridged, [v + w * p for v, p in zip(self._xy, self.prior)])
+        self.coef = tuple(max(c, 0.0) for c in coef)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """``x`` with ``a x = b`` for a small non-singular ``a`` (Gaussian elimination, partial pivoting)."""
+    n = len(b)
+    m = [row[:] + [v] for row, v in zip(a, b)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            k = m[r][col] / m[col][col]
+            m[r] = [v - k * p for v, p in zip(m[r], m[col])]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x

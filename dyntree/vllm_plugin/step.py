@@ -1,0 +1,94 @@
+"""One vLLM engine step as the plugin sees it: the explicit record the runner hooks
+(:mod:`dyntree.vllm_plugin.runner`) build and hand on by argument, to the proposer
+(:meth:`~dyntree.vllm_plugin.proposer.DynTreeProposer.begin_step`) and to the tree attention
+metadata builders (:mod:`dyntree.vllm_plugin.attention`), never through module globals.
+
+:class:`TreeStep` is the host metadata of the step's trees (which requests carry one, where their
+rows start, their prefix lengths and ancestor masks, one flat
+:class:`~dyntree.common.tree.DraftBatch`); :class:`StepRecord` the whole step (request ids and
+sampling, committed lengths, query starts, forward timing, the trees); :func:`plan_trees` builds
+the former from what vLLM scheduled. ``DYNTREE_VLLM_ABLATE`` (:func:`ablations`) switches one piece
+of tree verification off, a test control whose outputs must then differ from plain decoding.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Hashable
+
+import numpy as np
+import torch
+
+from dyntree.common.config import SamplingParams
+from dyntree.common.speculator import AcceptResult
+from dyntree.common.tree import DraftBatch, DraftTree
+
+if TYPE_CHECKING:
+    from dyntree.vllm_plugin.attention import TreeAttentionPlan
+
+__all__ = ["TreeStep", "StepRecord", "ablations", "plan_trees"]
+
+
+def ablations() -> frozenset[str]:
+    return frozenset(a.strip() for a in os.environ.get("DYNTREE_VLLM_ABLATE", "").split(",") if a.strip())
+
+
+@dataclass
+class TreeStep:
+    """Host metadata of one step's trees (request ``b`` of ``batch`` is batch row ``rows[b]``)."""
+
+    batch: DraftBatch
+    rows: list[int]  # input-batch index of each tree request
+    starts: list[int]  # first query row of each tree request
+    prefix: list[int]  # committed tokens before each root (its KV is cached)
+    masks: list[torch.Tensor]  # [T, T] bool: the nodes each node may attend to within its tree
+    accept: AcceptResult | None = None
+    attention: "list[TreeAttentionPlan]" = field(default_factory=list)  # what the builders planned from it
+
+    @property
+    def attention_ms(self) -> float:
+        """Time the layers spent on tree rows beside vLLM's kernel this step."""
+        return sum(p.spent_ms for p in self.attention)
+
+
+@dataclass
+class StepRecord:
+    """One engine step as the adapter sees it (batch row ``i`` is request ``req_ids[i]``)."""
+
+    req_ids: list[str]
+    params: dict[str, SamplingParams | None]  # None: the request decodes plainly
+    computed: np.ndarray  # committed tokens (KV cached) per row before this step
+    starts: np.ndarray  # first query row per row
+    scheduled: np.ndarray  # query tokens per row
+    started: float  # perf_counter when the forward began
+    decode_tokens: int  # the forward's query tokens when it holds decoding rows only, else 0
+    tree: TreeStep | None
+
+
+def plan_trees(req_ids: list[str], scheduled_drafts: dict[str, list[int]], num_scheduled: np.ndarray,
+               computed: np.ndarray, trees: dict[Hashable, DraftTree]) -> TreeStep | None:
+    """The step's trees: every decoding request the proposer drafted for, with its scheduled drafts
+    (a prefix of its proposed tree; none: a root-only tree, verified as plain decoding)."""
+    ends = num_scheduled.cumsum()
+    ids, kept, rows, starts, prefix = [], [], [], [], []
+    for i, rid in enumerate(req_ids):
+        drafts = scheduled_drafts.get(rid) or []
+        tree = trees.get(rid)
+        n = len(drafts) + 1
+        if int(num_scheduled[i]) != n or tree is None:
+            if drafts:
+                raise RuntimeError(f"dyntree: request {rid!r} was scheduled drafts that are not its proposed tree")
+            continue  # a prefill chunk, or a request that does not speculate
+        if tree.size < n or tree.tokens[1:n].tolist() != list(drafts):
+            raise RuntimeError(f"dyntree: request {rid!r} was scheduled drafts that are not its proposed tree")
+        ids.append(rid)
+        kept.append(tree.prefix(n))  # the scheduler may cut a tree short: a prefix is still a tree
+        rows.append(i)
+        starts.append(int(ends[i]) - n)
+        prefix.append(int(computed[i]))
+    if not kept:
+        return None
+    causal = "mask" in ablations()
+    masks = [torch.tril(torch.ones(t.size, t.size, dtype=torch.bool)) if causal else t.ancestor_mask() for t in kept]
+    return TreeStep(DraftBatch.from_trees(ids, kept), rows, starts, prefix, masks)
