@@ -1,4 +1,4 @@
-"""The engine's attention (dyntree.common.attention, dyntree.standalone.attention): three K/V-copy-free
+"""The engine's attention (dyntree.kernels.cpu_attention, dyntree.standalone.attention): three K/V-copy-free
 implementations equal to repeat-KV attention, routed by a calibration cached on disk, active only
 inside the engine's scope; on the real model each one decodes exactly what transformers'
 ``generate()`` does (fp32)."""
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from dyntree.common import attention
-from dyntree.common.attention import IMPLS, AttentionDispatch, attend
+from dyntree.kernels import cpu_attention as attention
+from dyntree.kernels.cpu_attention import IMPLS, AttentionDispatch, attend
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.drafters import make_drafter
 from dyntree.standalone import attention as engine_attention

@@ -17,7 +17,7 @@ from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, Ta
 from dyntree.common.hydra_checkpoint import load_acceptance, load_heads, save_heads
 from dyntree.common.speculator import Speculator, SpecRequest
 from dyntree.common.calibration import CONFIDENCE_EDGES
-from dyntree.common.linear import int8_available
+from dyntree.kernels.cpu_linear import int8_available
 from dyntree.training.trainer import (
     HeadData,
     TrainConfig,
@@ -608,7 +608,7 @@ def test_weight_only_int8_bf16_heads_track_bf16_heads() -> None:
     has it, else the weight-only kernel): few-row calls stay close to the bf16 logits, a call of
     more rows than the cap takes the bf16 rows exactly; without a kernel they cannot go int8."""
     from dyntree.common.hydra import INT8_MAX_ROWS
-    from dyntree.common.linear import Int8Weight, int8_available
+    from dyntree.kernels.cpu_linear import Int8Weight, int8_available
     from dyntree.kernels.cpu_weight_only import CpuWeightOnly, cpu_kernels_available
 
     if not cpu_kernels_available():

@@ -1,4 +1,4 @@
-"""The CPU linear routing (dyntree.common.linear): same products as F.linear, routed by row count
+"""The CPU linear routing (dyntree.kernels.cpu_linear): same products as F.linear, routed by row count
 only inside an active dispatch, calibration cached on disk."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dyntree.common import linear
-from dyntree.common.linear import LINEAR, PACKED, TRANSPOSED, LinearDispatch, PackedWeight
+from dyntree.kernels import cpu_linear as linear
+from dyntree.kernels.cpu_linear import LINEAR, PACKED, TRANSPOSED, LinearDispatch, PackedWeight
 
 
 def _timings(fast_rows: dict[int, float]) -> dict[int, tuple[float, float]]:

@@ -11,7 +11,7 @@ module computes the same layer:
 
 with the target's projections stacked and quantized as one weight each (the same codes and scales
 as quantizing them one by one: every output row has its own), :func:`rms_norm` as three ops and
-:func:`~dyntree.common.attention.attend` (grouped-query attention, routed like the engine's). It
+:func:`~dyntree.kernels.cpu_attention.attend` (grouped-query attention, routed like the engine's). It
 reads the target's norms and rotary, so it is the draft the HF path runs, up to float rounding
 and the norms' epsilon, without the HF path's per-projection copies; :func:`fuse_layers` returns
 ``None`` (and the caller keeps the HF path) for any layer that is not exactly that shape, or
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dyntree.common.attention import attend
+from dyntree.kernels.cpu_attention import attend
 from dyntree.common.kv_store import KVStore, append_kv
 from dyntree.common.quant import QSpec, QuantLinear, WeightKernel
 

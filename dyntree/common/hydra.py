@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dyntree.common.kv_store import KVStore, append_kv
-from dyntree.common.linear import Int8Weight, install, int8_available, linear
+from dyntree.kernels.cpu_linear import Int8Weight, install, int8_available, linear
 
 if TYPE_CHECKING:
     from dyntree.common.drafter import TargetInfo
@@ -450,7 +450,7 @@ class HydraHeads(nn.Module):
             token_map if token_map is not None else torch.empty(0, dtype=torch.int64),
             persistent=True,
         )
-        install(self)  # the heads' linears follow the engine's CPU routing (dyntree.common.linear)
+        install(self)  # the heads' linears follow the engine's CPU routing (dyntree.kernels.cpu_linear)
         self._out_int8: Int8Weight | _Int8Rows | None = None
 
     @property
@@ -459,7 +459,7 @@ class HydraHeads(nn.Module):
 
     def use_int8(self, kernel: "WeightKernel | None" = None) -> "HydraHeads":
         """Run the output rows' product, the heads' largest (``vocab' x hidden``), on int8 weights.
-        fp32 heads: an int8 GEMM (:class:`~dyntree.common.linear.Int8Weight`, inputs quantized per
+        fp32 heads: an int8 GEMM (:class:`~dyntree.kernels.cpu_linear.Int8Weight`, inputs quantized per
         call). Half-precision heads need ``kernel`` (a weight-only low-bit matmul: torch's CPU int8
         op, which computes in bf16); their output rows take FBGEMM's int8 GEMM too where torch has
         it (faster at the row counts of a step), else the kernel. With ``kernel`` the heads' own

@@ -1,7 +1,9 @@
 """Triton kernels for tree verification, each with a readable torch reference beside it, and the
 formats and references they define (packed ancestor masks, the quantized weight format, the
-tree-accept references) plus torch's CPU low-bit ops. This package imports no other ``dyntree``
-package: the core and the engines build on it.
+tree-accept references) plus the CPU ops: torch's low-bit matmuls (:mod:`~dyntree.kernels.cpu_weight_only`)
+and the calibrated routing of few-row linears and attention (:mod:`~dyntree.kernels.cpu_linear`,
+:mod:`~dyntree.kernels.cpu_attention`). This package imports no other ``dyntree`` package: the core
+and the engines build on it.
 
 Public ops (Triton on CUDA, torch reference elsewhere; see :mod:`dyntree.kernels.dispatch`):
 paged tree attention for vLLM and SGLang KV layouts, greedy and sampling tree accept, and KV

@@ -1,7 +1,7 @@
 """The engine's attention as a transformers attention function, and the scope that switches a
 model to it.
 
-``"dyntree"`` runs :func:`dyntree.common.attention.attend` (the calibrated choice among three
+``"dyntree"`` runs :func:`dyntree.kernels.cpu_attention.attend` (the calibrated choice among three
 K/V-copy-free implementations; see that module) on the additive 4-D masks the engine passes, and
 unmasked on one-token forwards the engine passes no mask for (its mask function then builds none:
 every row sees its whole cache); anything it does not handle (soft-capping, sliding windows,
@@ -26,7 +26,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask
 
-from dyntree.common.attention import AttentionDispatch, active_dispatch, attend, grouped_matmul
+from dyntree.kernels.cpu_attention import AttentionDispatch, active_dispatch, attend, grouped_matmul
 from dyntree.standalone.kv import RaggedLayout, active_layout
 
 __all__ = ["ENGINE", "GROUPED", "attention_scope", "grouped_attention"]

@@ -36,8 +36,8 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from dyntree import progress
-from dyntree.common import attention, linear
-from dyntree.common.attention import AttentionDispatch
+from dyntree.kernels import cpu_attention as attention, cpu_linear as linear
+from dyntree.kernels.cpu_attention import AttentionDispatch
 from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.cost_model import CostModel
 from dyntree.common.drafter import Drafter
@@ -82,7 +82,7 @@ def _cpu_linears(model: torch.nn.Module) -> linear.LinearDispatch | None:
     """The model's linear routing, calibrated once per model object (timings cached on disk);
     ``None`` where ``F.linear`` is the fastest at every row count (the linears stay untouched)."""
     if not hasattr(model, "_dyntree_linear_dispatch"):
-        dispatch = linear.calibrate(model, cache_dir=cache_root() / "linear")
+        dispatch = linear.calibrate(model, cache_dir=cache_root() / "linear", announce=progress.step)
         if dispatch.routes:
             linear.install(model, dispatch.packs)
         model._dyntree_linear_dispatch = dispatch if dispatch.routes else None
@@ -98,7 +98,7 @@ def _cpu_attention(model: torch.nn.Module) -> AttentionDispatch:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         have = model._dyntree_attention_dispatch = attention.calibrate(
             heads, getattr(cfg, "num_key_value_heads", None) or heads, head_dim, next(model.parameters()).dtype,
-            cache_dir=cache_root() / "attention")
+            cache_dir=cache_root() / "attention", announce=progress.step)
     return have
 
 
@@ -154,9 +154,9 @@ class SpecEngine:
         controller; without one it is measured on the first adaptive ``generate`` and kept.
         ``materialize_draft``: a ``qspec`` draft keeps dense copies of its quantized weights
         (same numbers, faster on CPU). ``fast_linear``: on a CPU, the engine's forwards (and the
-        drafter's) route linears through a :mod:`~dyntree.common.linear` dispatch calibrated once
+        drafter's) route linears through a :mod:`~dyntree.kernels.cpu_linear` dispatch calibrated once
         per model (``model.generate`` outside the engine is untouched). ``fast_attention``: on a
-        CPU, the engine's forwards attend through a :mod:`~dyntree.common.attention` dispatch
+        CPU, the engine's forwards attend through a :mod:`~dyntree.kernels.cpu_attention` dispatch
         calibrated once per model (no per-group K/V copies; the fastest kernel per shape)."""
         self.model = model
         self.tokenizer = tokenizer

@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from dyntree.common.kv_store import KVStore, append_kv
-from dyntree.common.linear import thread_scope
+from dyntree.kernels.cpu_linear import thread_scope
 
 __all__ = ["GrowingCache", "GrowingLayer", "RaggedLayout", "active_layout", "ragged", "seq_len", "append_rows",
            "compact", "crop", "select_rows"]

@@ -22,6 +22,7 @@ any two kernels; fp32 results agree to rounding.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -33,8 +34,7 @@ from typing import Callable, ContextManager, Mapping
 import torch
 import torch.nn.functional as F
 
-from dyntree import progress
-from dyntree.common.linear import cpu_name, thread_scope
+from dyntree.kernels.cpu_linear import cpu_name, thread_scope
 
 __all__ = ["AttentionDispatch", "IMPLS", "active_dispatch", "attend", "calibrate", "grouped_matmul"]
 
@@ -166,11 +166,13 @@ def _fingerprint(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, g
 
 
 def calibrate(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, repeats: int = 5,
-              cache_dir: Path | None = None, grid: Grid = (GRID_BATCH, GRID_QUERY, GRID_KV)) -> AttentionDispatch:
+              cache_dir: Path | None = None, grid: Grid = (GRID_BATCH, GRID_QUERY, GRID_KV),
+              announce: Callable[[str], ContextManager[None]] | None = None) -> AttentionDispatch:
     """Time every implementation at every ``grid`` point (batch, query rows, cached tokens) on CPU
     tensors of this head shape and dtype (best of ``repeats``, interleaved, after a warm-up; a tree-shaped mask).
     With ``cache_dir``, timings are read from / written to a JSON file there keyed by the CPU,
-    torch, threads, dtype, shape and grid."""
+    torch, threads, dtype, shape and grid. ``announce(what)`` wraps the timing when it runs (the
+    caller's progress line)."""
     path = cache_dir / f"attention-{_fingerprint(heads, kv_heads, head_dim, dtype, grid)}.json" if cache_dir else None
     if path is not None and path.is_file():
         try:
@@ -182,7 +184,8 @@ def calibrate(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, repe
     timings: dict[tuple[int, int, int], dict[str, float]] = {}
     points = len(grid[0]) * len(grid[1]) * len(grid[2])
     where = f"; cached in {path.parent}" if path is not None else ""
-    with progress.step(f"timing this CPU's attention forms at {points} shapes (once per machine{where})"), \
+    say = announce or (lambda _: contextlib.nullcontext())
+    with say(f"timing this CPU's attention forms at {points} shapes (once per machine{where})"), \
             torch.inference_mode():
         for b in grid[0]:
             for q in grid[1]:

@@ -42,13 +42,12 @@ import types
 import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import ContextManager, Iterator, Mapping, Sequence
+from typing import Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dyntree import progress
 
 __all__ = ["Int8Weight", "LinearDispatch", "PackedWeight", "calibrate", "cpu_name", "install", "int8_available",
            "linear", "mkl_packed_available", "thread_scope", "CALIBRATION_ROWS", "PACK_ROWS"]
@@ -305,13 +304,15 @@ def _packs_agree(linears: Sequence[nn.Linear], packs: Sequence[torch.Tensor], in
 
 
 def calibrate(model: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats: int = 4,
-              cache_dir: Path | None = None) -> LinearDispatch:
+              cache_dir: Path | None = None,
+              announce: Callable[[str], ContextManager[None]] | None = None) -> LinearDispatch:
     """Time the three forms over all of ``model``'s linears (each with its own weights, so memory
     traffic is real) at each row count: best of ``repeats`` rounds after a warm-up round, every
     form at every row count within each round, so that a slow spell of the machine hits all of
     them alike. The packed form (fp32 with MKL only) runs over one packed copy of every weight,
     and only where :func:`_packs_agree`. With ``cache_dir``, timings are read from / written to a
-    JSON file there keyed by the CPU, torch version, thread count, dtype and linear shapes."""
+    JSON file there keyed by the CPU, torch version, thread count, dtype and linear shapes.
+    ``announce(what)`` wraps the timing when it runs (the caller's progress line)."""
     linears = _linears(model)
     if not linears:
         return LinearDispatch({r: (1.0, 1.0) for r in rows})
@@ -323,7 +324,8 @@ def calibrate(model: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats:
             pass  # a damaged cache file is measured again and rewritten
     p = linears[0].weight
     where = f"; cached in {path.parent}" if path is not None else ""
-    with progress.step(f"timing this CPU's linear layers at {len(rows)} row counts (once per machine{where})"), \
+    say = announce or (lambda _: nullcontext())
+    with say(f"timing this CPU's linear layers at {len(rows)} row counts (once per machine{where})"), \
             torch.inference_mode():
         inputs = {k: torch.randn(max(rows), k, dtype=p.dtype, device=p.device) for k in {m.in_features for m in linears}}
         packing = p.device.type == "cpu" and mkl_packed_available(p.dtype)
