@@ -55,7 +55,7 @@ import math
 from dataclasses import dataclass
 from typing import Hashable, Literal, Sequence
 
-from dyntree.common.cost_model import CostModel, DraftCost
+from dyntree.common.cost_model import CostModel, DraftCost, batch_bucket
 from dyntree.common.options import ControllerOptions
 from dyntree.common.tree import DraftTree
 
@@ -164,17 +164,12 @@ class SpeculationController:
             profile.append(above)
         return profile
 
-    @staticmethod
-    def _bucket(rows: int) -> int:
-        """The outcome check's batch-size bucket: ``rows`` rounded down to a power of two."""
-        return 1 << (max(rows, 1).bit_length() - 1)
-
     def outcome_factor(self, rows: int = 1) -> float:
         """At batches of ``rows`` requests, the measured over predicted throughput of speculative
         steps (1.0 until observed): what a speculative plan's predicted rate is multiplied by,
         within ``[1 / outcome_bound, 1]``. It only ever vetoes: a measured rate above the
         prediction does not talk the planner into speculation its models say does not pay."""
-        got, want = self._outcome.get(self._bucket(rows), (1.0, 1.0))
+        got, want = self._outcome.get(batch_bucket(rows), (1.0, 1.0))
         return min(max(got / want, 1 / self.options.outcome_bound), 1.0)
 
     def plain_factor(self, rows: int = 1) -> float:
@@ -182,7 +177,7 @@ class SpeculationController:
         (1.0 until observed), within ``[1, outcome_bound]``: what plain decoding's predicted rate
         is multiplied by where speculation is compared with it. It only ever raises the bar: a
         plain step slower than predicted does not talk the planner into speculation."""
-        got, want = self._plain_outcome.get(self._bucket(rows), (1.0, 1.0))
+        got, want = self._plain_outcome.get(batch_bucket(rows), (1.0, 1.0))
         return min(max(got / want, 1.0), self.options.outcome_bound)
 
     @property
@@ -301,7 +296,7 @@ class SpeculationController:
             alloc = [0] * b
             # idle: the speculative outcome drifts back toward 1, so a bad spell (or a cost model
             # that was wrong and has learned since) does not end speculation at this batch size
-            bucket = self._bucket(b)
+            bucket = batch_bucket(b)
             if bucket in self._outcome:
                 got, want = self._outcome[bucket]
                 self._outcome[bucket] = (got + o.outcome_relax * (want - got), want)
@@ -403,7 +398,7 @@ class SpeculationController:
         # what the plan predicted for the time the step took, within [1/4, 4] x what it got: a
         # first call's one-time costs (or one preempted step) must not outweigh the steps around it
         want = min(max(ms * rate, tokens / 4), tokens * 4)
-        e, bucket = self.options.outcome_ema, self._bucket(rows)
+        e, bucket = self.options.outcome_ema, batch_bucket(rows)
         ratios = self._outcome if speculative else self._plain_outcome
         got0, want0 = ratios.get(bucket, (want, want))  # starts at ratio 1
         # each factor is bounded on one side where it is read, and credit from steps on the other

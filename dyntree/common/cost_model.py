@@ -12,7 +12,7 @@ import math
 import time
 from typing import Callable, Mapping, Sequence
 
-__all__ = ["CostModel", "DraftCost"]
+__all__ = ["CostModel", "DraftCost", "batch_bucket"]
 
 
 class CostModel:
@@ -114,13 +114,9 @@ class CostModel:
         return self._ys[1]
 
     def knots(self, rows: int = 1) -> list[float]:
-        """The knots of forwards of ``rows`` requests (a power-of-two batch size's; created from
-        the measured knots at its first use)."""
-        bucket = 1 << (max(int(rows), 1).bit_length() - 1)
-        ys = self._ys.get(bucket)
-        if ys is None:
-            ys = self._ys[bucket] = list(self._start)
-        return ys
+        """The knots of forwards of ``rows`` requests (a power-of-two batch size's; the measured
+        knots until that batch size's first forward is observed)."""
+        return self._ys.get(batch_bucket(rows), self._start)
 
     def _segment(self, n: float) -> tuple[int, float]:
         """Left knot index and the weight of the right knot for ``n`` (clamped)."""
@@ -164,7 +160,7 @@ class CostModel:
             self._start, self._unseen = [float(ms)] * len(self.xs), False
             self._ys = {1: list(self._start)}
             return
-        ys = self.knots(rows)
+        ys = self._ys.setdefault(batch_bucket(rows), list(self._start))
         ratio = min(max(ms / max(self(n_tokens, kv, rows), 1e-6), 0.5), 2.0)  # one odd step moves it little
         level = 1 + self.lr / 2 * (ratio - 1)
         ys[:] = [y * level for y in ys]
@@ -177,6 +173,11 @@ class CostModel:
             ys[i] += self.lr * (1 - w) * err
             ys[i + 1] += self.lr * w * err
         ys[:] = _monotone([max(y, 1e-6) for y in ys])
+
+
+def batch_bucket(rows: int) -> int:
+    """A forward's batch size rounded down to a power of two (the knots' key)."""
+    return 1 << (max(int(rows), 1).bit_length() - 1)
 
 
 def _monotone(ys: list[float]) -> list[float]:

@@ -108,6 +108,8 @@ class NgramDrafter(Drafter):
         Sampling shapes the share like the target's logits (its log is the logit). The entropies
         come with the shares at no cost: they are returned whatever ``entropy`` says."""
         rows = sum(len(f) for f in frontiers)
+        # the history a lookup reads: its longest key and its longest match (not a copy of it all per node)
+        context = max(MAX_MATCH, self.options.max_n)
         ids = torch.zeros(rows, k, dtype=torch.int64)
         probs = torch.zeros(rows, k)
         ents = torch.zeros(rows)
@@ -117,7 +119,7 @@ class NgramDrafter(Drafter):
             for node in front:
                 drafted = part.path_tokens(node)[1:]  # the root is the last committed token
                 counts: dict[int, float] = defaultdict(float)
-                matches = self._matches(index, index.tokens + drafted)
+                matches = self._matches(index, index.tokens[-context:] + drafted)
                 for weight, c in matches:
                     counts[index.tokens[c]] += weight
                 if counts:

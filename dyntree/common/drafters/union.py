@@ -33,8 +33,7 @@ def merge_candidates(parts: Sequence[Candidates], k: int) -> Candidates:
     The entropy is the first part's where that part had a candidate for the row, else the next's
     (``None`` if the first part carries none)."""
     ids = torch.cat([p.ids for p in parts], dim=1)
-    probs = torch.cat([p.probs for p in parts], dim=1).clone()
-    probs, order = probs.sort(dim=1, descending=True, stable=True)
+    probs, order = torch.cat([p.probs for p in parts], dim=1).sort(dim=1, descending=True, stable=True)
     ids = ids.gather(1, order)
     live = probs > 0
     same = (ids[:, :, None] == ids[:, None, :]) & live[:, None, :]
@@ -61,9 +60,8 @@ class UnionDrafter(Drafter):
             raise ValueError("a union drafter needs at least two drafters")
         for p in parts:
             if not p.drafts_with_builder or p.needs_self_draft:
-                raise ValueError(f"drafter {p.name!r} cannot be part of a union: it does not draft through the "
-                                 "tree builder's expand" if not p.drafts_with_builder else
-                                 f"drafter {p.name!r} cannot be part of a union: it drafts with the engine's forward")
+                raise ValueError(f"drafter {p.name!r} cannot be part of a union: only drafters that grow trees "
+                                 "through the builder's expand without the engine's forward can")
         self.parts = list(parts)
         self.name = "+".join(p.name for p in parts)  # type: ignore[misc]
         lead = parts[0]
