@@ -80,6 +80,33 @@ def test_unsupported_vllm_versions_are_refused() -> None:
     check_version("0.32.0")
     with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x .* this is vLLM 0\.33\.0"):
         check_version("0.33.0")
+    check_version("0.26.1", "cuda")  # the newest vLLM for the GPU machines' torch 2.11
+    for version, platform in (("0.26.0", "cpu"), ("0.32.0", "cuda"), ("0.32.0", "RocmPlatform")):
+        with pytest.raises(RuntimeError, match=f"this is vLLM {version} on {platform}"):
+            check_version(version, platform)
+
+
+@needs_vllm
+def test_cuda_start_up_picks_triton_attention_and_refuses_by_name() -> None:
+    """On CUDA: TRITON_ATTN is chosen when no backend is; another backend, CUDA graphs and the CPU-only
+    self-draft are refused, each by name."""
+    from types import SimpleNamespace
+
+    from vllm.config.attention import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from dyntree.vllm_plugin import _cuda_problems
+
+    args = SimpleNamespace(enforce_eager=True, attention_config=AttentionConfig(), attention_backend=None)
+    assert _cuda_problems(args, "hydra+ngram") == []
+    assert args.attention_config.backend == AttentionBackendEnum.TRITON_ATTN
+    assert _cuda_problems(SimpleNamespace(enforce_eager=True, attention_config=AttentionConfig(),
+                                          attention_backend="TRITON_ATTN"), "ngram") == []
+    problems = _cuda_problems(SimpleNamespace(enforce_eager=False, attention_config=AttentionConfig(),
+                                              attention_backend="FLASH_ATTN"), "qspec")
+    assert any("enforce_eager=True" in p for p in problems)
+    assert any("drafter 'qspec'" in p for p in problems)
+    assert any("FLASH_ATTN attention backend" in p for p in problems)
 
 
 @needs_vllm

@@ -114,11 +114,12 @@ def test_controls_change_the_rows(control: str) -> None:
 
 
 def test_chains_are_left_to_vllms_kernel() -> None:
-    from dyntree.common.tree import DraftTree
-    from dyntree.vllm_plugin.attention import _is_chain
+    from dyntree.common.tree import DraftBatch, DraftTree
+    from dyntree.vllm_plugin.step import TreeStep
 
-    assert _is_chain(DraftTree.chain(1, [2, 3, 4]).ancestor_mask())
-    assert not _is_chain(_tree().ancestor_mask())
+    trees = [DraftTree.chain(1, [2, 3, 4]), _tree()]
+    step = TreeStep(DraftBatch.from_trees(["a", "b"], trees), [0, 1], [0, 4], [9, 9], [t.ancestor_mask() for t in trees])
+    assert step.branching == [1]
 
 
 def test_mirror_grows_keeps_and_releases() -> None:

@@ -6,9 +6,14 @@ under ``TRITON_INTERPRET=1``, as the tests do) and ``backend="torch"`` forces th
 
 Engine layouts:
 
-* **vLLM 0.32**: ``kv_cache`` ``[2, num_blocks, block_size, Hkv, D]`` (index 0 = K, 1 = V) and
+* **vLLM**, either of its GPU cache layouts, told apart by rank:
+  ``[2, num_blocks, block_size, Hkv, D]`` (FlashAttention backend; index 0 = K, 1 = V), or the
+  Triton backend's ``[num_blocks, Hkv, block_size, 2 * D]`` (logical order, any stride order: K is
+  the first ``D`` of the last dimension, V the second, as its ``transpose(1, 2).split(D, -1)``);
   ``block_table`` ``[B, max_blocks]``; ``seq_lens`` and ``query_start_loc`` as in its attention
-  metadata. Request ``b``'s logical position ``p`` is block ``block_table[b, p // block_size]``.
+  metadata. Request ``b``'s logical position ``p`` is block ``block_table[b, p // block_size]``
+  (``block_table_rows`` picks other rows of a bigger table: the engine's whole batch). vLLM's
+  CPU backend packs its cache per ISA and is not such a layout.
 * **SGLang 0.5.23**: token pool ``k_buffer``/``v_buffer`` ``[pool_size, Hkv, D]`` (one layer),
   ``req_to_token`` ``[max_reqs, max_context]`` slot ids and ``req_pool_indices`` ``[B]``
   (page size 1). SGLang's ``batch.seq_lens`` excludes the verify window, so pass
@@ -40,12 +45,18 @@ __all__ = [
 ]
 
 
-def _vllm_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            f"kv_cache must be vLLM's [2, num_blocks, block_size, num_kv_heads, head_size], got {tuple(kv_cache.shape)}"
-        )
-    return kv_cache[0], kv_cache[1]
+def _vllm_views(kv_cache: torch.Tensor, head_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[num_blocks, block_size, Hkv, D]`` views of one layer's vLLM GPU cache (either
+    layout; ``head_dim``: the queries' ``D``, which the Triton layout's last dimension must double)."""
+    if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
+        return kv_cache[0], kv_cache[1]
+    if kv_cache.dim() == 4 and kv_cache.shape[3] % 2 == 0 and head_dim in (None, kv_cache.shape[3] // 2):
+        k, v = kv_cache.transpose(1, 2).split(kv_cache.shape[3] // 2, dim=-1)
+        return k, v
+    raise ValueError(
+        "kv_cache must be vLLM's [2, num_blocks, block_size, num_kv_heads, head_size] or its Triton backend's "
+        f"[num_blocks, num_kv_heads, block_size, 2 * head_size], got {tuple(kv_cache.shape)}"
+    )
 
 
 def _sglang_views(k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +100,7 @@ def tree_attention_vllm(
     tree_bits: torch.Tensor | None,
     scale: float | None = None,
     *,
+    block_table_rows: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
@@ -98,8 +110,9 @@ def tree_attention_vllm(
     (``None``: causal chain). ``scale`` defaults to ``head_dim ** -0.5``; ``max_seq_len`` avoids a
     device sync when the kernel splits long prefixes.
     """
-    k_cache, v_cache = _vllm_views(kv_cache)
-    return _attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, tree_bits, scale, None, max_seq_len, backend)
+    k_cache, v_cache = _vllm_views(kv_cache, q.shape[-1])
+    return _attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, tree_bits, scale, block_table_rows,
+                      max_seq_len, backend)
 
 
 def tree_attention_sglang(
@@ -155,14 +168,15 @@ def kv_compact_vllm(
     accept_index: torch.Tensor,
     accept_len: torch.Tensor,
     *,
+    block_table_rows: torch.Tensor | None = None,
     backend: Backend = "auto",
 ) -> None:
     """In place: move each request's accepted nodes to positions ``prefix_lens[b] + k`` (one layer)."""
     k_cache, v_cache = _vllm_views(kv_cache)
     if resolve_backend(backend, kv_cache, block_table, prefix_lens, accept_index, accept_len) == "triton":
-        _kvc.kv_compact_triton(k_cache, v_cache, block_table, prefix_lens, accept_index, accept_len)
+        _kvc.kv_compact_triton(k_cache, v_cache, block_table, prefix_lens, accept_index, accept_len, block_table_rows)
     else:
-        _kvc.kv_compact_reference(k_cache, v_cache, block_table, prefix_lens, accept_index, accept_len)
+        _kvc.kv_compact_reference(k_cache, v_cache, block_table, prefix_lens, accept_index, accept_len, block_table_rows)
 
 
 def kv_compact_sglang(

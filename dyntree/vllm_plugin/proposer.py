@@ -85,8 +85,12 @@ class DynTreeProposer:
         limit = min(int(runner.max_num_tokens), self.spec.controller.max_batch_tokens,
                     int(self.vllm_config.scheduler_config.max_num_seqs) * (1 + self.spec.max_nodes))
         sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= limit]
-        return CostModel.measure(lambda n: runner._dummy_run(n, force_attention=True), sizes, repeats=2,
-                                 lr=self.spec.controller.cost_lr)
+        def forward(n: int) -> None:
+            runner._dummy_run(n, force_attention=True)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)  # time the forward, not its launch
+
+        return CostModel.measure(forward, sizes, repeats=2, lr=self.spec.controller.cost_lr)
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None, **_: Any) -> list[list[int]]:

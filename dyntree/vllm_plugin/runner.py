@@ -8,9 +8,9 @@ linear KV slots. Each step the hooks build one explicit
 * ``_prepare_inputs`` (after vLLM's own): the proposer opens the step
   (:meth:`~dyntree.vllm_plugin.proposer.DynTreeProposer.begin_step`); tree rows get RoPE positions
   ``prefix + depth`` (slots stay linear); the tree attention builders
-  (:class:`~dyntree.vllm_plugin.attention.TreeCPUAttentionMetadataBuilder`) are given the
-  :class:`~dyntree.vllm_plugin.step.TreeStep` to plan into the step's attention metadata, which reaches every layer through
-  vLLM's forward context;
+  (:class:`~dyntree.vllm_plugin.step.TreeAttentionBuilder`: the CPU one, or the Triton one on CUDA) are
+  given the :class:`~dyntree.vllm_plugin.step.TreeStep` to plan into the step's attention metadata,
+  which reaches every layer through vLLM's forward context;
 * ``_sample``: the speculator verifies the trees (greedy or lossless sampling) on the unmodified
   logits; every decoding request it drafted for carries one (root-only when it drafted nothing,
   which verifies as plain decoding), so a step of decoding rows is verified whole and its time and
@@ -18,8 +18,9 @@ linear KV slots. Each step the hooks build one explicit
   sampler serves the rest (prefill chunks, requests that do not speculate) and is skipped when
   nothing is left. The accepted path plus bonus replaces the request's row of
   ``sampled_token_ids`` (``-1`` padded, so the scheduler rolls back exactly the rejected slots),
-  and the accepted nodes' KV moves to positions ``prefix .. prefix + len - 1`` (compaction; a
-  depth-first tree whose accepted path is its first-child chain moves nothing);
+  and the accepted nodes' KV moves to positions ``prefix .. prefix + len - 1`` (compaction, by
+  each builder over its own cache layout; a depth-first tree whose accepted path is its
+  first-child chain moves nothing);
 * ``propose_draft_token_ids`` (before vLLM's own): drafters that read hidden states get the
   committed tokens' states, then vLLM calls the proposer, which reads the batch from the record.
 
@@ -35,12 +36,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dyntree.common.config import SamplingParams
-from dyntree.common.speculator import AcceptResult
-from dyntree.vllm_plugin.kv_layout import KVLayout
-from dyntree.vllm_plugin.step import StepRecord, TreeStep, ablations, plan_trees
+from dyntree.vllm_plugin.step import StepRecord, TreeAttentionBuilder, TreeStep, ablations, plan_trees
 
 if TYPE_CHECKING:
-    from dyntree.vllm_plugin.attention import TreeCPUAttentionMetadataBuilder
     from dyntree.vllm_plugin.proposer import DynTreeProposer
 
 __all__ = ["install"]
@@ -54,11 +52,9 @@ def _proposer(runner: Any) -> "DynTreeProposer | None":
     return drafter if isinstance(drafter, DynTreeProposer) and drafter.speculator is not None else None
 
 
-def _tree_builders(runner: Any) -> "list[TreeCPUAttentionMetadataBuilder]":
-    from dyntree.vllm_plugin.attention import TreeCPUAttentionMetadataBuilder
-
+def _tree_builders(runner: Any) -> list[TreeAttentionBuilder]:
     builders = [group.get_metadata_builder() for groups in runner.attn_groups for group in groups]
-    return [b for b in builders if isinstance(b, TreeCPUAttentionMetadataBuilder)]
+    return [b for b in builders if isinstance(b, TreeAttentionBuilder)]
 
 
 def _prepare_inputs(orig: Any) -> Any:
@@ -106,6 +102,8 @@ def _sample(orig: Any) -> Any:
         proposer = _proposer(self)
         step = proposer.step if proposer is not None else None
         tree = step.tree if step is not None else None
+        if step is not None and logits is not None and logits.is_cuda:
+            torch.cuda.synchronize(logits.device)  # the forward's time, not its launch's
         tree_ms = tree.attention_ms if tree is not None else 0.0
         whole = tree is not None and len(tree.rows) == len(step.req_ids)  # every row verified as a tree
         forward_ms = (time.perf_counter() - step.started) * 1e3 - tree_ms if step is not None else 0.0
@@ -134,38 +132,28 @@ def _sample(orig: Any) -> Any:
             sampled[i].fill_(-1)
             sampled[i, : len(res.tokens[b])] = torch.tensor(res.tokens[b], dtype=sampled.dtype)
         if "compaction" not in ablations():
-            _compact(self, tree, res)
+            _compact(self, tree)
         return out
 
     return wrapper
 
 
-def _compact(runner: Any, step: TreeStep, res: AcceptResult) -> None:
-    """Move each request's accepted nodes to the positions right after its prefix, every layer
-    (indices computed once per cache layout, then one gather and one scatter per layer)."""
-    block_tables = runner.input_batch.block_table[0].block_table.cpu
-    moves = [(i, step.prefix[b], torch.tensor(res.accepted(b))) for b, i in enumerate(step.rows)]
-    moves = [(i, base, nodes) for i, base, nodes in moves if not torch.equal(nodes, torch.arange(len(nodes)))]
+def _compact(runner: Any, step: TreeStep) -> None:
+    """Move each request's accepted nodes to the positions right after its prefix, in every layer
+    (each tree attention builder over its own cache layout)."""
+    moves = step.moves()
     if not moves:
         return
-    plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for layer in runner.compilation_config.static_forward_context.values():
-        isa = getattr(layer, "isa", None)
+    caches = {}
+    for name, layer in runner.compilation_config.static_forward_context.items():
         kv = getattr(layer, "kv_cache", None)
         if isinstance(kv, (list, tuple)):
             kv = kv[0] if kv else None
-        if isa is None or not isinstance(kv, torch.Tensor) or kv.numel() == 0:
-            continue
-        layout = KVLayout.of(kv, isa)
-        if id(layout) not in plans:
-            src, dst = [], []
-            for i, base, nodes in moves:
-                src.extend(layout.index(block_tables[i], base + nodes))
-                dst.extend(layout.index(block_tables[i], base + torch.arange(len(nodes))))
-            plans[id(layout)] = (torch.cat(src).reshape(-1), torch.cat(dst).reshape(-1))
-        src_index, dst_index = plans[id(layout)]
-        flat = kv.view(-1)
-        flat[dst_index] = flat[src_index]  # every source is read before any write
+        if isinstance(kv, torch.Tensor) and kv.numel():
+            caches[name] = kv
+    block_table = runner.input_batch.block_table[0]
+    for builder in _tree_builders(runner):
+        builder.compact(caches, block_table, moves)
 
 
 def _propose_draft_token_ids(orig: Any) -> Any:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable
+from typing import TYPE_CHECKING, Any, Hashable, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from dyntree.common.tree import DraftBatch, DraftTree
 if TYPE_CHECKING:
     from dyntree.vllm_plugin.attention import TreeAttentionPlan
 
-__all__ = ["TreeStep", "StepRecord", "ablations", "plan_trees"]
+__all__ = ["TreeStep", "StepRecord", "Move", "TreeAttentionBuilder", "ablations", "plan_trees"]
 
 
 def ablations() -> frozenset[str]:
@@ -44,12 +44,54 @@ class TreeStep:
     prefix: list[int]  # committed tokens before each root (its KV is cached)
     masks: list[torch.Tensor]  # [T, T] bool: the nodes each node may attend to within its tree
     accept: AcceptResult | None = None
-    attention: "list[TreeAttentionPlan]" = field(default_factory=list)  # what the builders planned from it
+    attention: "list[TreeAttentionPlan]" = field(default_factory=list)  # what the CPU builders planned from it
 
     @property
     def attention_ms(self) -> float:
-        """Time the layers spent on tree rows beside vLLM's kernel this step."""
+        """Time the layers spent on tree rows beside vLLM's kernel this step (CPU; on a GPU it is
+        part of the forward's time)."""
         return sum(p.spent_ms for p in self.attention)
+
+    @property
+    def branching(self) -> list[int]:
+        """The trees (indices into ``batch``) whose rows need tree attention: every tree that is not a
+        chain (a chain's nodes see exactly what causal attention shows them, so vLLM's kernel serves it)."""
+        return [b for b, m in enumerate(self.masks) if not bool(torch.equal(m, torch.tril(torch.ones_like(m))))]
+
+    def moves(self) -> "list[Move]":
+        """After :attr:`accept`: the requests whose accepted nodes are not already in place (KV compaction)."""
+        assert self.accept is not None
+        moves = [Move(i, self.prefix[b], torch.tensor(self.accept.accepted(b))) for b, i in enumerate(self.rows)]
+        return [m for m in moves if not torch.equal(m.nodes, torch.arange(len(m.nodes)))]
+
+
+@dataclass(frozen=True)
+class Move:
+    """One request's KV compaction: its accepted ``nodes`` (tree indices, root first) move to
+    positions ``prefix .. prefix + len(nodes) - 1`` of batch row ``row``'s blocks."""
+
+    row: int
+    prefix: int
+    nodes: torch.Tensor
+
+
+@runtime_checkable
+class TreeAttentionBuilder(Protocol):
+    """What the runner hooks ask of a tree attention metadata builder (one per KV-cache group; CPU:
+    :class:`~dyntree.vllm_plugin.attention.TreeCPUAttentionMetadataBuilder`, CUDA:
+    :class:`~dyntree.vllm_plugin.triton_attention.TreeTritonAttentionMetadataBuilder`)."""
+
+    layers: dict[str, int]  # its layers' names
+
+    def plan_trees(self, step: TreeStep | None) -> None:
+        """The trees of the step whose metadata the builder's ``build`` builds next."""
+
+    def release(self, request_id: str) -> None:
+        """The request ended or is recomputed from the start."""
+
+    def compact(self, kv_caches: Mapping[str, torch.Tensor], block_table: Any, moves: "list[Move]") -> None:
+        """Apply ``moves`` to every one of its layers' caches (``kv_caches`` by layer name;
+        ``block_table``: vLLM's block table of the group, host and device rows)."""
 
 
 @dataclass

@@ -92,6 +92,11 @@ def test_triton_matches_reference_both_layouts(sizes, block_size: int, heads_dim
     k_buf, v_buf = case.k_buffer.clone(), case.v_buffer.clone()
     dispatch.kv_compact_sglang(k_buf, v_buf, case.req_to_token, case.req_pool_indices, prefix, index, lens, backend="triton")
     assert torch.equal(k_buf.view_as(want[0]), want[0]) and torch.equal(v_buf.view_as(want[1]), want[1])
+    # vLLM's Triton-backend layout of the same cache: [blocks, Hkv, block, 2D], stored NHD (K and V
+    # interleaved per head within a slot), must give the same result too.
+    nhd = torch.cat([case.kv_cache[0], case.kv_cache[1]], dim=-1).permute(0, 2, 1, 3)
+    dispatch.kv_compact_vllm(nhd, case.block_table, prefix, index, lens, backend="triton")
+    assert torch.equal(nhd[..., :d].transpose(1, 2), want[0]) and torch.equal(nhd[..., d:].transpose(1, 2), want[1])
 
 
 def test_compact_errors_name_fields() -> None:
