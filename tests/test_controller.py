@@ -351,6 +351,30 @@ def test_plans_the_drafter_cannot_fill_are_priced_down() -> None:
     assert e_half == pytest.approx([e / 2 for e in e_full])
 
 
+def test_a_drafter_that_knows_it_has_nothing_is_planned_only_where_it_has() -> None:
+    # The same sparse drafter (a draft every 5th step), but it says beforehand which steps it can
+    # draft (n-gram: does the suffix match?). Planned only then, it delivers every planned tree,
+    # and those steps speculate; the steps it cannot draft plan nothing and move no estimate.
+    cost = CostModel({1: 10.0, 2: 10.0, 4: 14.0, 64: 14.0}, lr=0.0)
+    ctrl = SpeculationController(cost, ControllerOptions(alpha_prior=0.5), padded=True)
+    speculated = 0
+    for step in range(200):
+        can = step % 5 == 0
+        plans = ctrl.plan([0, 1], available=[can, can])
+        assert can or all(p.mode == "none" for p in plans)
+        for rid, plan in zip((0, 1), plans):
+            if plan.max_nodes:
+                speculated += 1
+                ctrl.observe(rid, DraftTree.chain(0, list(range(1, plan.max_nodes + 1))), [0, 1] if step % 2 == 0 else [0])
+            else:
+                ctrl.observe(rid, DraftTree.root_only(0), [0])
+    assert ctrl.delivery(0) == pytest.approx(1.0)
+    assert speculated >= 2 * 30  # nearly every step it could draft (the sparse drafter above never pays)
+    alpha = ctrl.alpha(0)
+    ctrl.plan([0], available=[False])
+    assert ctrl.alpha(0) == alpha  # no drift toward the prior on a step with nothing to draft
+
+
 def test_expected_tables_are_shared_at_a_grain_of_one_hundredth() -> None:
     # A batch's requests whose alphas differ by less than the grain share one table and its hull,
     # and a delivery scales the full-delivery table without changing its best depths.

@@ -39,6 +39,13 @@ def test_chain_when_history_repeats_and_root_only_without_match() -> None:
     assert NgramDrafter().propose([_req([1, 2, 3])])[0].size == 1
 
 
+def test_can_draft_says_whether_the_suffix_matches() -> None:
+    d = NgramDrafter()
+    reqs = [_req([5, 6, 7, 8, 5, 6], rid="a"), _req([1, 2, 3], rid="b"), _req([4, 4], rid="c"), _req([9], rid="d")]
+    assert d.can_draft(reqs) == [True, False, True, False]
+    assert [t.size > 1 for t in d.propose(reqs)] == [True, False, True, False]  # as the drafts turn out
+
+
 def test_incremental_index_matches_a_fresh_one() -> None:
     d = NgramDrafter()
     seq = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5]

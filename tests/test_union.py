@@ -11,7 +11,7 @@ import torch
 from dyntree.common.config import SpecConfig
 from dyntree.common.drafter import Candidates, DraftRequest, Drafter
 from dyntree.common.drafters import check_drafter_spec, make_drafter
-from dyntree.common.drafters.ngram import NgramDrafter
+from dyntree.common.drafters.ngram import NgramDrafter, NgramOptions
 from dyntree.common.drafters.union import UnionDrafter, merge_candidates
 from dyntree.common.speculator import SpecRequest, Speculator
 from test_speculator import V, decode, plain
@@ -93,6 +93,15 @@ def test_union_decodes_exactly_and_forwards_every_call() -> None:
     sp.release("a")
     kinds = {k for k, _ in shallow.calls}
     assert {"hidden", "observe", "release"} <= kinds
+
+
+def test_union_can_draft_when_any_part_can_and_cannot_tell_when_a_part_cannot() -> None:
+    reqs = [DraftRequest("a", [5, 6, 7, 5, 6], 4, 4), DraftRequest("b", [1, 2, 3], 4, 4)]
+    both = UnionDrafter([NgramDrafter(NgramOptions(min_n=2)), NgramDrafter()])
+    assert both.can_draft(reqs) == [True, False]
+    assert UnionDrafter([NgramDrafter(NgramOptions(min_n=3)), NgramDrafter()]).can_draft(reqs) == [True, False]
+    assert UnionDrafter([NgramDrafter(NgramOptions(min_n=3)), NgramDrafter(NgramOptions(min_n=3))]).can_draft(reqs) == [False, False]
+    assert UnionDrafter([ShallowDrafter(), NgramDrafter()]).can_draft(reqs) is None
 
 
 def test_union_specs_are_checked_without_a_model() -> None:

@@ -8,7 +8,9 @@
   profile*: the hits observed at that level over those the requests' own alpha predicted, so
   Hydra's weaker later heads make its trees shallower) and ``beta_j = 1 - (1 - alpha_j)^(1 + g (w - 1))``,
   ``E(n, d) = beta_1 + beta_1 beta_2 + ... + beta_1 ... beta_d``, times the request's *delivery* (the EMA fraction
-  of planned nodes the drafter actually drafted: n-gram lookup often finds nothing); the best
+  of planned nodes the drafter actually drafted: n-gram lookup often finds nothing; a drafter
+  that can tell beforehand, ``Drafter.can_draft``, is planned only for the requests it can draft
+  for, at its delivery among those steps); the best
   depth is chosen per ``n``; a verify is priced as wide as planned only with the chance that
   some planned tree arrives, else as plain decoding. ``g`` is fitted online from how often later
   siblings catch the token a first child missed. A request that keeps being accepted gets deep,
@@ -250,15 +252,19 @@ class SpeculationController:
         return best, depth
 
     # -- planning -------------------------------------------------------------------------------
-    def plan(self, request_ids: Sequence[Hashable], kv: int | None = None) -> list[Plan]:
+    def plan(self, request_ids: Sequence[Hashable], kv: int | None = None,
+             available: Sequence[bool] | None = None) -> list[Plan]:
         """One plan per live request for the next verify step; ``kv``: the cached tokens each
         query row of the verify attends to (one rectangular cache: the longest request's), priced by
-        the cost model's attention term."""
+        the cost model's attention term; ``available``: which requests the drafter can draft for
+        this step, when it knows beforehand (``Drafter.can_draft``): the others are planned no
+        draft, the rest at their delivery ratio among the steps it could draft."""
         o = self.options
         b = len(request_ids)
         if b == 0:
             return []
-        keys = [(self.alpha(r), self.delivery(r)) for r in request_ids]
+        can = list(available) if available is not None else [True] * b
+        keys = [(self.alpha(r), self.delivery(r) if ok else 0.0) for r, ok in zip(request_ids, can)]
         cache = {key: self._table(*key) for key in set(keys)}
         tables = [cache[k][0] for k in keys]
         # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
@@ -304,7 +310,9 @@ class SpeculationController:
         plans = []
         for r, (rid, n) in enumerate(zip(request_ids, alloc)):
             self._planned[rid] = n
-            if n == 0:
+            if n == 0 and not can[r]:
+                plans.append(Plan("none", 0, 0))  # nothing to draft: no choice, no evidence
+            elif n == 0:
                 # idle: no evidence, so drift back toward the better of the population's
                 # acceptance and the prior (and toward full delivery) until a short probe pays
                 # again (one unlucky step must not end a good drafter's speculation for the rest

@@ -305,6 +305,13 @@ class Drafter:
         """
         raise NotImplementedError(f"drafter {self.name!r} has no expand (its trees come from propose)")
 
+    def can_draft(self, requests: Sequence[DraftRequest]) -> list[bool] | None:
+        """Whether this step's draft of each request would hold any node, known before planning
+        for a drafter that finds out cheaply (n-gram: does the suffix match anywhere?); the
+        controller then plans only for those that would, instead of pricing every plan with the
+        drafter's average delivery. ``None``: unknown until drafted (the default)."""
+        return None
+
     def attach(self, backend: SelfDraftBackend) -> None:
         """Take the engine's self-draft forward (drafters with ``needs_self_draft``)."""
         raise TypeError(f"drafter {self.name!r} drafts without the engine's forward")

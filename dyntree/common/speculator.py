@@ -226,7 +226,10 @@ class Speculator:
         kv_lens = [len(r.token_ids) - 1 for r in requests]
         # the cached tokens a verify row attends to: a rectangular cache's longest prefix, else the mean
         self._kv = max(kv_lens) if self._rectangular_kv else round(sum(kv_lens) / len(kv_lens))
-        plans = self.controller.plan(ids, self._kv) if self.controller is not None else None
+        plans = None
+        if self.controller is not None:
+            available = self.drafter.can_draft([self._draft_request(r, None) for r in requests])
+            plans = self.controller.plan(ids, self._kv, available)
         drafts = [self._draft_request(r, plans[i] if plans else None) for i, r in enumerate(requests)]
         built_trees: dict[int, DraftTree] = {}
         # one builder run per tree mode and draft shaping (greedy, or temperature / top-k / top-p)

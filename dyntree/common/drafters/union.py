@@ -77,6 +77,13 @@ class UnionDrafter(Drafter):
                entropy: bool = True) -> Candidates:
         return merge_candidates([p.expand(requests, frontiers, partials, k, shaping, entropy) for p in self.parts], k)
 
+    def can_draft(self, requests: Sequence[DraftRequest]) -> list[bool] | None:
+        """Any part would draft (unknown if a part cannot tell)."""
+        answers = [p.can_draft(requests) for p in self.parts]
+        if any(a is None for a in answers):
+            return None
+        return [any(col) for col in zip(*answers)]  # type: ignore[arg-type]
+
     def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         for p in self.parts:
             if p.needs_hidden:
