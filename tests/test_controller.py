@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 import dyntree.common.cost_model as cost_module
 from dyntree.common.controller import Plan, SpeculationController
 from dyntree.common.cost_model import CostModel, DraftCost
-from dyntree.common.options import ControllerOptions
+from dyntree.common.options import Budget, ControllerOptions
 from dyntree.common.tree import DraftTree
+
+BUDGET = Budget(32, 8)  # the largest tree a request may draft (an engine hands SpecConfig's over)
 
 
 def _feed(ctrl: SpeculationController, rid: int, accept_all: bool, steps: int = 60) -> None:
@@ -105,7 +107,7 @@ def test_cost_model_learns_each_batch_size_apart() -> None:
 def test_compute_bound_forward_means_plain_decoding() -> None:
     # Cost proportional to tokens: each draft token costs as much as a whole decode step, and
     # is accepted with probability < 1, so speculation can never pay, even at batch 1.
-    ctrl = SpeculationController(CostModel({1: 5.0, 4096: 5.0 * 4096}))
+    ctrl = SpeculationController(CostModel({1: 5.0, 4096: 5.0 * 4096}), BUDGET)
     _feed(ctrl, 0, accept_all=True)
     for batch in (1, 4, 64):
         plans = ctrl.plan(list(range(batch)))
@@ -169,9 +171,10 @@ def test_batch_attention_makes_wide_verifies_dear() -> None:
     # verify then looks nearly free, and that drafter speculates.
     knots = {1: 55.0, 8: 100.0, 16: 102.0, 24: 123.0, 32: 133.0, 64: 240.0}
     batch = list(range(12))
-    opts = ControllerOptions(alpha_prior=0.2, max_nodes=4, max_depth=4)
-    with_rows = SpeculationController(CostModel(knots, attn_ms=0.0011, kv_ref=256, row_ms=0.004), opts, padded=True)
-    without = SpeculationController(CostModel(knots, attn_ms=0.0011, kv_ref=256), opts, padded=True)
+    opts = ControllerOptions(alpha_prior=0.2)
+    with_rows = SpeculationController(CostModel(knots, attn_ms=0.0011, kv_ref=256, row_ms=0.004), Budget(4, 4), opts,
+                                      padded=True)
+    without = SpeculationController(CostModel(knots, attn_ms=0.0011, kv_ref=256), Budget(4, 4), opts, padded=True)
     measured_plain = with_rows.cost(12, 800, 12)
     for _ in range(40):
         without.observe_step(12, measured_plain, 800, 12)
@@ -185,7 +188,7 @@ def test_long_prefixes_make_padded_speculation_dear() -> None:
     # A verify of a few tokens is nearly free at the measured prefix, so 8 requests whose drafts
     # are accepted 60% of the time speculate; against 4000 cached tokens each query token's
     # attention costs 7.5 ms, and a padded batch of 8 x (1 + n) tokens no longer pays.
-    ctrl = SpeculationController(CostModel({1: 10.0, 8: 10.5, 64: 12.0, 512: 40.0}, attn_ms=0.002, kv_ref=256),
+    ctrl = SpeculationController(CostModel({1: 10.0, 8: 10.5, 64: 12.0, 512: 40.0}, attn_ms=0.002, kv_ref=256), BUDGET,
                                  ControllerOptions(alpha_prior=0.6), padded=True)
     assert any(p.max_nodes > 0 for p in ctrl.plan(list(range(8)), kv=256))
     assert all(p == Plan("none", 0, 0) for p in ctrl.plan(list(range(8)), kv=4000))
@@ -194,7 +197,7 @@ def test_long_prefixes_make_padded_speculation_dear() -> None:
 def test_measured_drafting_overhead_turns_speculation_off() -> None:
     # Free verification and perfect acceptance: speculation pays until the drafter is measured
     # to cost more per step than the tokens it saves; then every request decodes plainly.
-    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), ControllerOptions(max_nodes=16, max_depth=8))
+    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), Budget(16, 8))
     _feed(ctrl, 0, accept_all=True)
     first = ctrl.plan([0])[0]
     assert first.max_nodes > 0
@@ -210,7 +213,7 @@ def test_padded_batches_are_priced_by_their_widest_tree() -> None:
     # accepts everything, the others nothing. Varlen verification (8 + n tokens) lets the good
     # request speculate; a padded batch would pay 8 x (1 + n) tokens for it, so nobody does.
     cost = {1: 10.0, 8: 10.5, 16: 20.0, 64: 80.0, 512: 640.0}
-    varlen, padded = SpeculationController(CostModel(cost)), SpeculationController(CostModel(cost), padded=True)
+    varlen, padded = SpeculationController(CostModel(cost), BUDGET), SpeculationController(CostModel(cost), BUDGET, padded=True)
     for ctrl in (varlen, padded):
         _feed(ctrl, 0, accept_all=True)
         for rid in range(1, 8):
@@ -221,8 +224,7 @@ def test_padded_batches_are_priced_by_their_widest_tree() -> None:
 
 
 def test_free_verification_and_high_acceptance_grow_the_tree() -> None:
-    opts = ControllerOptions(max_nodes=32, max_depth=8)
-    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), opts)
+    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), Budget(32, 8))
     before = ctrl.plan([0])[0]
     _feed(ctrl, 0, accept_all=True)
     after = ctrl.plan([0])[0]
@@ -233,7 +235,7 @@ def test_free_verification_and_high_acceptance_grow_the_tree() -> None:
 
 
 def test_failing_request_stops_speculating_then_retries() -> None:
-    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}))
+    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET)
     _feed(ctrl, 7, accept_all=False)
     _feed(ctrl, 8, accept_all=True)
     plans = ctrl.plan([7, 8])
@@ -248,7 +250,7 @@ def test_failing_request_stops_speculating_then_retries() -> None:
 
 def test_larger_batches_shrink_to_chains_then_plain() -> None:
     # Memory-bound up to 128 query tokens, then compute-bound.
-    ctrl = SpeculationController(CostModel({1: 10.0, 128: 11.0, 2048: 176.0}))
+    ctrl = SpeculationController(CostModel({1: 10.0, 128: 11.0, 2048: 176.0}), BUDGET)
     sizes = {}
     for batch in (1, 16, 64, 200):
         plans = ctrl.plan(list(range(batch)))
@@ -263,7 +265,7 @@ def test_larger_batches_shrink_to_chains_then_plain() -> None:
 
 
 def test_budget_goes_to_the_requests_that_accept() -> None:
-    ctrl = SpeculationController(CostModel({1: 10.0, 24: 10.2, 64: 30.0}))
+    ctrl = SpeculationController(CostModel({1: 10.0, 24: 10.2, 64: 30.0}), BUDGET)
     _feed(ctrl, 1, accept_all=True)
     ctrl.observe(2, DraftTree.chain(0, [1, 2]), [0, 1])  # middling: one of two accepted
     plans = ctrl.plan([1, 2, 3])
@@ -271,13 +273,13 @@ def test_budget_goes_to_the_requests_that_accept() -> None:
 
 
 def test_chains_only_when_trees_are_disallowed() -> None:
-    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), ControllerOptions(allow_trees=False))
+    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET, ControllerOptions(allow_trees=False))
     plans = ctrl.plan(list(range(4)))
     assert all(p.mode == "chain" and p.max_nodes == p.max_depth for p in plans)
 
 
 def test_sibling_gain_is_learned_from_trees() -> None:
-    ctrl = SpeculationController(CostModel({1: 10.0}))
+    ctrl = SpeculationController(CostModel({1: 10.0}), BUDGET)
     tree = DraftTree(torch.tensor([0, 1, 2, 3]), torch.tensor([-1, 0, 0, 0]), torch.ones(4))
     g0 = ctrl.sibling_gain
     for _ in range(40):
@@ -295,7 +297,7 @@ def test_sibling_gain_is_learned_from_trees() -> None:
     accept=st.lists(st.booleans(), min_size=1, max_size=6),
 )
 def test_never_predicted_slower_than_plain(knee: int, base: float, slope: float, batch: int, accept: list[bool]) -> None:
-    ctrl = SpeculationController(CostModel({1: base, knee + 1: base * 1.05, knee + 1025: base * 1.05 + slope * 1024}))
+    ctrl = SpeculationController(CostModel({1: base, knee + 1: base * 1.05, knee + 1025: base * 1.05 + slope * 1024}), BUDGET)
     for rid, ok in enumerate(accept):
         _feed(ctrl, rid, ok, steps=5)
     ids = list(range(batch))
@@ -313,13 +315,13 @@ def test_new_requests_start_from_the_population_acceptance() -> None:
     # request does not speculate; once requests have been accepting, a new one starts from their
     # acceptance and speculates from its first step (and after failing ones, it starts low)
     opts = ControllerOptions(draft_ms_per_depth=8.0)
-    good = SpeculationController(CostModel({1: 10.0, 256: 10.5}), opts)
+    good = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET, opts)
     assert good.plan([0])[0].mode == "none"
     for rid in range(1, 4):
         _feed(good, rid, accept_all=True)
     assert good.population_alpha > 0.9 and good.alpha(99) > 0.9
     assert good.plan([99])[0].mode != "none"
-    bad = SpeculationController(CostModel({1: 10.0, 256: 10.5}))
+    bad = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET)
     for rid in range(1, 4):
         _feed(bad, rid, accept_all=False)
     assert bad.alpha(99) < 0.1
@@ -333,7 +335,7 @@ def test_plans_the_drafter_cannot_fill_are_priced_down() -> None:
     cost = CostModel({1: 10.0, 2: 10.0, 4: 14.0, 64: 14.0}, lr=0.0)
 
     def run(deliver_every: int) -> SpeculationController:
-        ctrl = SpeculationController(cost, ControllerOptions(alpha_prior=0.5), padded=True)
+        ctrl = SpeculationController(cost, BUDGET, ControllerOptions(alpha_prior=0.5), padded=True)
         for step in range(200):
             for rid, plan in zip((0, 1), ctrl.plan([0, 1])):
                 if plan.max_nodes and step % deliver_every == 0:
@@ -356,7 +358,7 @@ def test_a_drafter_that_knows_it_has_nothing_is_planned_only_where_it_has() -> N
     # draft (n-gram: does the suffix match?). Planned only then, it delivers every planned tree,
     # and those steps speculate; the steps it cannot draft plan nothing and move no estimate.
     cost = CostModel({1: 10.0, 2: 10.0, 4: 14.0, 64: 14.0}, lr=0.0)
-    ctrl = SpeculationController(cost, ControllerOptions(alpha_prior=0.5), padded=True)
+    ctrl = SpeculationController(cost, BUDGET, ControllerOptions(alpha_prior=0.5), padded=True)
     speculated = 0
     for step in range(200):
         can = step % 5 == 0
@@ -378,7 +380,7 @@ def test_a_drafter_that_knows_it_has_nothing_is_planned_only_where_it_has() -> N
 def test_expected_tables_are_shared_at_a_grain_of_one_hundredth() -> None:
     # A batch's requests whose alphas differ by less than the grain share one table and its hull,
     # and a delivery scales the full-delivery table without changing its best depths.
-    ctrl = SpeculationController(CostModel({1: 10.0, 8: 10.4, 64: 13.0}), ControllerOptions(max_nodes=16))
+    ctrl = SpeculationController(CostModel({1: 10.0, 8: 10.4, 64: 13.0}), Budget(16, 8))
     e, depth = ctrl.expected_table(0.5)
     assert ctrl.expected_table(0.5032) == (e, depth)
     assert ctrl.expected_table(0.51)[0] != e
@@ -399,11 +401,10 @@ def test_depth_profile_makes_trees_shallower_when_later_levels_are_weaker() -> N
     # that is accepted 80% of the time at every level.
     gen = torch.Generator().manual_seed(0)
     tree = DraftTree.chain(0, [1, 2, 3, 4])
-    opts = ControllerOptions(max_nodes=8, max_depth=4)
     cost = {1: 10.0, 8: 10.4, 64: 13.0}
 
     def run(later: float) -> SpeculationController:
-        ctrl = SpeculationController(CostModel(cost), opts)
+        ctrl = SpeculationController(CostModel(cost), Budget(8, 4))
         for _ in range(400):
             path = [0]
             while len(path) < 5 and float(torch.rand(1, generator=gen)) < (0.8 if len(path) == 1 else later):
@@ -444,10 +445,10 @@ def test_plain_steps_faster_than_predicted_raise_the_bar() -> None:
     # a while decodes plainly; while it does, plain steps show they run faster than predicted,
     # and speculation does not resume when its estimate recovers (it would without the check).
     cost = CostModel({1: 10.0, 2: 11.5, 64: 11.5}, lr=0.0)
-    opts = ControllerOptions(max_nodes=1, max_depth=1, alpha_prior=0.9, outcome_bound=2.0)
+    opts = ControllerOptions(alpha_prior=0.9, outcome_bound=2.0)
 
     def run(o: ControllerOptions) -> list[bool]:
-        ctrl = SpeculationController(cost, o)
+        ctrl = SpeculationController(cost, Budget(1, 1), o)
         for _ in range(120):  # drafts missed: the request's alpha drops and it decodes plainly
             plan = ctrl.plan([0])[0]
             if plan.max_nodes:
@@ -463,13 +464,13 @@ def test_plain_steps_faster_than_predicted_raise_the_bar() -> None:
     assert not any(run(opts))
     assert any(run(opts.model_copy(update={"outcome_ema": 0.0})))
     # both checks at their bounds together still let a plan predicted to pay 1.25 x min_gain through
-    both = SpeculationController(CostModel({1: 10.0, 2: 13.5, 64: 13.5}, lr=0.0),
+    both = SpeculationController(CostModel({1: 10.0, 2: 13.5, 64: 13.5}, lr=0.0), Budget(1, 1),
                                  opts.model_copy(update={"outcome_bound": 1.25}))
     both._outcome[1], both._plain_outcome[1] = (1.0, 2.0), (2.0, 1.0)
     assert both.outcome_factor() == 0.8 and both.plain_factor() == 1.25
     assert both.plan([0])[0].max_nodes  # predicted 1.41x; the two bounds multiplied would veto it
     # plain steps slower than predicted leave the bar where the cost model puts it
-    slow = SpeculationController(CostModel({1: 10.0, 2: 40.0, 64: 40.0}, lr=0.0), opts)
+    slow = SpeculationController(CostModel({1: 10.0, 2: 40.0, 64: 40.0}, lr=0.0), Budget(1, 1), opts)
     assert not any(_outcome_run(slow, 50, spec_ms=40.0, plain_ms=30.0))
     assert slow.plain_factor() == 1.0
 
@@ -479,8 +480,8 @@ def test_outcome_check_is_not_biased_by_noisy_steps() -> None:
     of them each: the factor stays near 1 (a ratio of EMAs; an EMA of per-step ratios capped at 1
     averaged 0.89 here, taxing speculation that delivers)."""
     rng = random.Random(0)
-    ctrl = SpeculationController(CostModel({1: 10.0, 2: 10.0, 64: 10.0}, lr=0.0),
-                                 ControllerOptions(max_nodes=4, max_depth=4, alpha_prior=0.9))
+    ctrl = SpeculationController(CostModel({1: 10.0, 2: 10.0, 64: 10.0}, lr=0.0), Budget(4, 4),
+                                 ControllerOptions(alpha_prior=0.9))
     factors = []
     for _ in range(2000):
         plans = ctrl.plan([0])
@@ -497,11 +498,11 @@ def test_outcome_check_vetoes_marginal_speculation_that_does_not_deliver() -> No
     # never saw), so it loses; the acceptance estimate keeps asking for it, and only the
     # measured outcome can stop it.
     cost = CostModel({1: 10.0, 2: 16.0, 64: 16.0}, lr=0.0)
-    opts = ControllerOptions(max_nodes=1, max_depth=1, alpha_prior=0.9)
-    honest = SpeculationController(cost, opts)
+    opts = ControllerOptions(alpha_prior=0.9)
+    honest = SpeculationController(cost, Budget(1, 1), opts)
     assert all(_outcome_run(honest, 100, spec_ms=16.0, plain_ms=10.0, first_ms=5000.0))  # as predicted
     assert honest.outcome_factor() == pytest.approx(1.0, abs=0.05)  # one 5 s first step did not count
-    slow = SpeculationController(cost, opts)
+    slow = SpeculationController(cost, Budget(1, 1), opts)
     spec = _outcome_run(slow, 100, spec_ms=24.0, plain_ms=10.0)
     assert spec[0] and not any(spec[-40:])  # speculated at first, then backed off
     assert slow.outcome_factor() < 0.9
@@ -511,20 +512,20 @@ def test_outcome_check_vetoes_marginal_speculation_that_does_not_deliver() -> No
     # ... at this batch size only: a batch of two has its own outcome, not seen yet
     assert slow.outcome_factor(2) == 1.0 and slow.outcome_factor(3) == 1.0
     # without the check the plan trusts the models: it never backs off
-    blind = SpeculationController(cost, opts.model_copy(update={"outcome_ema": 0.0}))
+    blind = SpeculationController(cost, Budget(1, 1), opts.model_copy(update={"outcome_ema": 0.0}))
     assert all(_outcome_run(blind, 100, spec_ms=24.0, plain_ms=10.0))
     assert blind.outcome_factor() == 1.0
     # the check is bounded: speculation predicted to pay well beyond the bound is not overruled
     cheap = CostModel({1: 10.0, 2: 10.0, 64: 10.0}, lr=0.0)  # predicted 2x
-    assert all(_outcome_run(SpeculationController(cheap, opts), 100, spec_ms=15.0, plain_ms=10.0))
+    assert all(_outcome_run(SpeculationController(cheap, Budget(1, 1), opts), 100, spec_ms=15.0, plain_ms=10.0))
     # ... and it only vetoes: speculative steps faster than predicted, or plain steps slower than
     # predicted (a cost model still learning a new batch shape), never make speculation look better
-    fast = SpeculationController(cost, opts)
+    fast = SpeculationController(cost, Budget(1, 1), opts)
     _outcome_run(fast, 50, spec_ms=8.0, plain_ms=10.0)
     assert fast.outcome_factor() == 1.0
     _outcome_run(fast, 20, spec_ms=24.0, plain_ms=10.0)  # ... nor bank credit against a later veto
     assert fast.outcome_factor() < 0.9
     dear = CostModel({1: 10.0, 2: 40.0, 64: 40.0}, lr=0.0)  # predicted not to pay
-    mispriced = SpeculationController(dear, opts)
+    mispriced = SpeculationController(dear, Budget(1, 1), opts)
     assert not any(_outcome_run(mispriced, 50, spec_ms=40.0, plain_ms=30.0))
     assert mispriced.outcome_factor() == 1.0

@@ -94,5 +94,5 @@ def test_spec_config_errors_name_the_field(tok) -> None:
         SpecConfig(tree_options={"threshold": 2.0})
     with pytest.raises(ValueError, match="tree='static'.*expand"):
         SpecEngine(tiny_llama(0), tok, NoDrafter(), SpecConfig(tree="static"))
-    opts = SpecConfig(tree="chain", max_nodes=4, max_depth=8, adaptive=True).controller_options()
-    assert opts.max_depth == 4 and not opts.allow_trees
+    spec = SpecConfig(tree="chain", max_nodes=4, max_depth=8, adaptive=True)
+    assert spec.budget.max_depth == 4 and not spec.controller_options().allow_trees

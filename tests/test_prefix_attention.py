@@ -337,7 +337,7 @@ class _Alternating:
     def __init__(self) -> None:
         self.n = 0
 
-    def plan(self, ids: Sequence[Hashable], kv: int | None = None) -> list[Plan]:
+    def plan(self, ids: Sequence[Hashable], kv: int | None = None, available: Sequence[bool] | None = None) -> list[Plan]:
         self.n += 1
         return [Plan("none", 0, 0) if self.n % 2 == 0 else Plan("tree", 10, 5) for _ in ids]
 

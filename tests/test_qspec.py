@@ -225,8 +225,9 @@ def _built_trees(tiny, drafter_spec, mode, sampling, max_nodes=10, max_depth=4):
         assert cands.ids.shape == (sum(calls[-1]), k)  # flat over the batch, top-k
         return cands.split([len(f) for f in frontiers])
 
-    options = TreeOptions(mode=mode, max_nodes=max_nodes, max_depth=max_depth, entropy_low=0.0, entropy_high=1.0)
-    trees = TreeBuilder(options).build_batch([r.root for r in reqs], expand, sampling=sampling, vocab_size=96,
+    options = TreeOptions(entropy_low=0.0, entropy_high=1.0)
+    trees = TreeBuilder(options).build_batch([r.root for r in reqs], expand, budgets=[(max_nodes, max_depth)] * len(reqs),
+                                             mode=mode, sampling=sampling, vocab_size=96,
                                              generator=torch.Generator().manual_seed(3))
     return trees, (engine.cache, before), calls, options
 

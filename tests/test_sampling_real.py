@@ -81,7 +81,7 @@ def test_engine_first_token_matches_plain_sampling(smol, setup) -> None:
 def test_many_tree_steps_from_one_prefix(setup) -> None:
     prompt, p = setup
     drafter = make_drafter("ngram")
-    builder = TreeBuilder(SPEC.builder_options())
+    builder = TreeBuilder(SPEC.tree_options)
     gen = torch.Generator().manual_seed(1234)
     n_draws, chunk = 3000, 150
     req = [DraftRequest(r, prompt, max_nodes=SPEC.max_nodes, max_depth=1) for r in range(chunk)]

@@ -268,7 +268,7 @@ def test_the_controller_prices_attention_at_the_prefix_each_engine_reads(rectang
     sp.prepare()
     seen: list[int | None] = []
     plan = sp.controller.plan
-    sp.controller.plan = lambda ids, kv=None: seen.append(kv) or plan(ids, kv)
+    sp.controller.plan = lambda ids, kv=None, available=None: seen.append(kv) or plan(ids, kv, available)
     sp.propose([SpecRequest("a", list(range(11))), SpecRequest("b", list(range(101)))])
     assert seen == [100 if rectangular else 55]
 

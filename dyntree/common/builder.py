@@ -248,20 +248,19 @@ class TreeBuilder:
         root: int,
         expand: ExpandFn,
         *,
-        max_nodes: int | None = None,
-        max_depth: int | None = None,
-        mode: TreeMode | None = None,
+        max_nodes: int,
+        max_depth: int,
+        mode: TreeMode = "dyntree",
         sampling: bool = False,
         generator: torch.Generator | None = None,
         vocab_size: int | None = None,
     ) -> BuiltTree:
-        """One tree rooted at ``root`` (see :meth:`build_batch`)."""
+        """One tree rooted at ``root`` within ``max_nodes`` / ``max_depth`` (see :meth:`build_batch`)."""
 
         def batch_expand(frontiers: list[list[int]], partials: list[PartialTree], k: int) -> list[Candidates]:
             return [expand(frontiers[0], partials[0], k)]
 
-        budget = None if max_nodes is None and max_depth is None else [(max_nodes, max_depth)]
-        return self.build_batch([root], batch_expand, budgets=budget, mode=mode, sampling=sampling,
+        return self.build_batch([root], batch_expand, budgets=[(max_nodes, max_depth)], mode=mode, sampling=sampling,
                                 generator=generator, vocab_size=vocab_size)[0]  # fmt: skip
 
     def build_batch(
@@ -269,8 +268,8 @@ class TreeBuilder:
         roots: Sequence[int],
         expand: BatchExpandFn,
         *,
-        budgets: Sequence[tuple[int | None, int | None]] | None = None,
-        mode: TreeMode | None = None,
+        budgets: Sequence[tuple[int, int]],
+        mode: TreeMode,
         sampling: bool = False,
         generator: torch.Generator | None = None,
         vocab_size: int | None = None,
@@ -282,8 +281,8 @@ class TreeBuilder:
             roots: each tree's root token (the request's last committed token).
             expand: ``expand(frontiers, partials, k) -> [Candidates]``: per tree, the top-``k``
                 candidates after each of its frontier nodes (an empty frontier's entry is ignored).
-            budgets: per tree ``(max_nodes, max_depth)``; ``None`` entries use the options.
-            mode: ``chain`` / ``static`` / ``dyntree`` / ``beam`` (default: ``options.mode``).
+            budgets: per tree ``(max_nodes, max_depth)``.
+            mode: ``chain`` / ``static`` / ``dyntree`` / ``beam``.
             sampling: draw children by ``options.sampling_scheme`` and attach ``draft_dists``
                 (``vocab_size`` columns; required then).
             generator: random source for sampling (CPU).
@@ -292,17 +291,14 @@ class TreeBuilder:
                 ``topk`` = width).
         """
         o = self.options
-        mode = mode or o.mode
-        if budgets is not None and len(budgets) != len(roots):
+        if len(budgets) != len(roots):
             raise ValueError(f"budgets has {len(budgets)} entries for {len(roots)} roots")
         if sampling and vocab_size is None and mode != "beam":
             raise ValueError("build_batch(sampling=True) needs vocab_size for the trees' draft_dists")
         sampling = sampling and mode != "beam"
         growths = []
         for r, root in enumerate(roots):
-            n_max, d_max = budgets[r] if budgets is not None else (None, None)
-            n_max = o.max_nodes if n_max is None else n_max
-            d_max = o.max_depth if d_max is None else d_max
+            n_max, d_max = budgets[r]
             if n_max < 0 or d_max < 0:
                 raise ValueError(f"budgets[{r}] = {(n_max, d_max)}: max_nodes and max_depth must be >= 0")
             g = _Growth(n_max, d_max, [int(root)])

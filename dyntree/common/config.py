@@ -6,9 +6,11 @@ fails with an error that names it. The engine adapters parse ``speculative_confi
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dyntree.common.options import ControllerOptions, TreeMode, TreeOptions
+from dyntree.common.options import Budget, ControllerOptions, TreeMode, TreeOptions
 
 __all__ = ["SpecConfig", "SamplingParams"]
 
@@ -25,8 +27,7 @@ class SpecConfig(BaseModel):
     (``tree_options`` tunes it). ``adaptive`` turns on the speculation
     controller, which sets each request's node and depth budget per step (at most ``max_nodes`` /
     ``max_depth``) and may fall back to plain decoding; ``controller`` tunes it. The budget and
-    mode live here only: setting ``mode``/``max_nodes``/``max_depth`` inside ``tree_options`` or
-    ``controller`` is an error.
+    mode live here only (:meth:`budget`; the builder and the controller are handed them).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -39,26 +40,29 @@ class SpecConfig(BaseModel):
     tree_options: TreeOptions = TreeOptions()
     controller: ControllerOptions = ControllerOptions()
 
-    @model_validator(mode="after")
-    def _budget_in_one_place(self) -> "SpecConfig":
-        owned = {"tree_options": ("mode", "max_nodes", "max_depth"), "controller": ("max_nodes", "max_depth")}
-        for name, fields in owned.items():
-            clash = sorted(getattr(self, name).model_fields_set & set(fields))
-            if clash:
-                use = "tree" if clash[0] == "mode" else clash[0]
-                raise ValueError(f"{name}.{clash[0]} must not be set: use SpecConfig.{use}")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _budget_in_one_place(cls, data: Any) -> Any:
+        """``tree_options.mode`` / ``.max_nodes`` / ``.max_depth`` and ``controller.max_nodes`` /
+        ``.max_depth`` are not options: say where they belong."""
+        if isinstance(data, dict):
+            for name in ("tree_options", "controller"):
+                given = data.get(name)
+                fields = set(given) if isinstance(given, dict) else set()
+                for field in sorted(fields & {"mode", "max_nodes", "max_depth"}):
+                    use = "tree" if field == "mode" else field
+                    raise ValueError(f"{name}.{field} is not an option of {name}: use SpecConfig.{use}")
+        return data
 
-    def builder_options(self) -> TreeOptions:
-        """The builder's options with this config's mode and budget."""
-        return self.tree_options.model_copy(
-            update={"mode": self.tree or "dyntree", "max_nodes": self.max_nodes, "max_depth": self.max_depth}
-        )
+    @property
+    def budget(self) -> Budget:
+        """The largest tree per request (a tree is never deeper than its node count)."""
+        return Budget(self.max_nodes, min(self.max_depth, self.max_nodes))
 
     def controller_options(self, acceptance_prior: float | None = None) -> ControllerOptions:
-        """The controller's options with this config's budget (chains only in ``chain`` mode) and
-        the drafter's ``acceptance_prior`` unless ``alpha_prior`` was set explicitly."""
-        update: dict[str, object] = {"max_nodes": self.max_nodes, "max_depth": min(self.max_depth, self.max_nodes)}
+        """The controller's options: chains only in ``chain`` mode, and the drafter's
+        ``acceptance_prior`` unless ``alpha_prior`` was set explicitly."""
+        update: dict[str, object] = {}
         if acceptance_prior is not None and "alpha_prior" not in self.controller.model_fields_set:
             update["alpha_prior"] = acceptance_prior
         if self.tree == "chain":

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from typing import Hashable, Literal, Sequence
 
 from dyntree.common.cost_model import CostModel, DraftCost, batch_bucket
-from dyntree.common.options import ControllerOptions
+from dyntree.common.options import Budget, ControllerOptions
 from dyntree.common.tree import DraftTree
 
 __all__ = ["Plan", "SpeculationController"]
@@ -82,10 +82,13 @@ class _RequestState:
 
 
 class SpeculationController:
-    """Decides per step and per request: no speculation, a chain, or a tree with ``(N, D)``."""
+    """Decides per step and per request: no speculation, a chain, or a tree with ``(N, D)`` within
+    ``budget``."""
 
-    def __init__(self, cost: CostModel, options: ControllerOptions | None = None, padded: bool = False) -> None:
+    def __init__(self, cost: CostModel, budget: Budget, options: ControllerOptions | None = None,
+                 padded: bool = False) -> None:
         self.cost = cost
+        self.budget = budget
         self.padded = padded
         self.options = options or ControllerOptions()
         o = self.options
@@ -113,9 +116,9 @@ class SpeculationController:
         # levels do not make deep levels look good. Each level's prior (``prior_weight`` predicted
         # hits, decaying as the level is observed) is the level above's ratio, so a level that is
         # rarely reached is not taken for as good as the root.
-        self._lvl_hits = [0.0] * o.max_depth
-        self._lvl_expected = [0.0] * o.max_depth
-        self._lvl_prior = [o.prior_weight] * o.max_depth
+        self._lvl_hits = [0.0] * budget.max_depth
+        self._lvl_expected = [0.0] * budget.max_depth
+        self._lvl_prior = [o.prior_weight] * budget.max_depth
         # expected_table and its hull steps, by rounded inputs
         self._tables: dict[tuple, tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]] = {}
         # The outcome check, per batch size (rounded down to a power of two): EMAs of the tokens
@@ -206,9 +209,9 @@ class SpeculationController:
 
     def _table(self, alpha: float, delivery: float) -> tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]:
         """:meth:`expected_table` and the steps of its upper concave hull (:meth:`_hull`), cached."""
-        o = self.options
-        if o.max_depth == 0:
-            return ([0.0] * (o.max_nodes + 1), [0] * (o.max_nodes + 1)), []
+        n_max = self.budget.max_nodes
+        if self.budget.max_depth == 0:
+            return ([0.0] * (n_max + 1), [0] * (n_max + 1)), []
         gain, profile = round(self.sibling_gain, 2), tuple(round(r, 2) for r in self.depth_profile)
         base_key = (round(alpha, 2), 1.0, gain, profile)
         key = (base_key[0], round(delivery, 2), gain, profile)
@@ -235,9 +238,9 @@ class SpeculationController:
         o = self.options
         miss = [1 - min(max(alpha * r, 0.0), 1 - 1e-9) for r in profile]
         best, depth = [0.0], [0]
-        for n in range(1, o.max_nodes + 1):
+        for n in range(1, self.budget.max_nodes + 1):
             e_best, d_best = -1.0, 0  # -1: no such tree
-            for d in range(1, min(n, o.max_depth) + 1):
+            for d in range(1, min(n, self.budget.max_depth) + 1):
                 if not o.allow_trees and d != n:
                     continue
                 expo = 1 + gain * (max(n / d, 1.0) - 1)
@@ -335,8 +338,9 @@ class SpeculationController:
         """Upper-concave-hull steps ``(gain per node, n_from, n_to)`` of ``E[n]`` worth taking."""
         o = self.options
         steps, n = [], 0
-        while n < o.max_nodes:
-            gains = [(e[m] - e[n]) / (m - n) if e[m] >= 0 else -1.0 for m in range(n + 1, o.max_nodes + 1)]
+        n_max = self.budget.max_nodes
+        while n < n_max:
+            gains = [(e[m] - e[n]) / (m - n) if e[m] >= 0 else -1.0 for m in range(n + 1, n_max + 1)]
             j = max(range(len(gains)), key=gains.__getitem__)  # first of the largest
             if gains[j] < o.min_node_value:
                 break
@@ -374,7 +378,7 @@ class SpeculationController:
             hit = kids[0] in on_path
             if level == 0:  # alpha: the root's first child
                 trials, hits = 1, int(hit)
-            elif level < o.max_depth:  # deeper levels: the depth profile, against that alpha
+            elif level < self.budget.max_depth:  # deeper levels: the depth profile, against that alpha
                 self._lvl_hits[level] = keep * self._lvl_hits[level] + (1 - keep) * hit
                 self._lvl_expected[level] = keep * self._lvl_expected[level] + (1 - keep) * predicted
                 self._lvl_prior[level] *= keep

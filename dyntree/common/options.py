@@ -1,21 +1,37 @@
-"""Options for the dynamic tree builder and the adaptive speculation controller.
+"""Options for the dynamic tree builder and the adaptive speculation controller, and the tree
+budget both are given.
 
-Both are pydantic v2 models with ``extra="forbid"``: an unknown or invalid field raises a
+The options are pydantic v2 models with ``extra="forbid"``: an unknown or invalid field raises a
 ``pydantic.ValidationError`` whose message names the field. The defaults work out of the box for
 a small draft source (n-gram, draft heads, self-draft) against a target whose verify forward of a
-few dozen tokens costs about one decode step.
+few dozen tokens costs about one decode step. The tree budget (:class:`Budget`) and shape are not
+options of either: :class:`~dyntree.common.config.SpecConfig` owns them and hands them over.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["TreeOptions", "CalibrationOptions", "ControllerOptions", "TreeMode", "SamplingScheme"]
+__all__ = ["Budget", "TreeOptions", "CalibrationOptions", "ControllerOptions", "TreeMode", "SamplingScheme"]
 
 TreeMode = Literal["chain", "static", "dyntree", "beam"]
 SamplingScheme = Literal["without_replacement", "iid"]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The largest tree one request may draft: ``max_nodes`` draft nodes (the root not counted)
+    and depth ``max_depth`` (``SpecConfig.budget``; the controller plans within it)."""
+
+    max_nodes: int
+    max_depth: int
+
+    def __post_init__(self) -> None:
+        if self.max_nodes < 0 or self.max_depth < 0:
+            raise ValueError(f"{self}: max_nodes and max_depth must be >= 0")
 
 
 class CalibrationOptions(BaseModel):
@@ -59,14 +75,11 @@ class TreeOptions(BaseModel):
     ``H`` may get up to ``k(H)`` children, ``k = 1`` for ``H <= entropy_low``, ``max_children`` for
     ``H >= entropy_high``, linear in between; a child is kept only if its path value (the product
     of calibrated acceptance probabilities along its path) is at least ``threshold``; the tree is
-    bounded by ``max_nodes`` draft nodes and ``max_depth``.
+    bounded by each tree's budget (the builder is given it, and the shape, per call).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: TreeMode = "dyntree"
-    max_nodes: int = Field(32, ge=0, le=1024, description="draft nodes per tree (root not counted)")
-    max_depth: int = Field(8, ge=0, le=128, description="deepest draft node (root depth 0)")
     threshold: float = Field(0.02, ge=0, le=1, description="stop a branch whose path value is below this")
     max_children: int = Field(
         4, ge=1, le=64,
@@ -112,12 +125,11 @@ class TreeOptions(BaseModel):
 
 
 class ControllerOptions(BaseModel):
-    """How the adaptive controller sizes speculation per request and per batch."""
+    """How the adaptive controller sizes speculation per request and per batch (within the
+    :class:`Budget` it is given)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_nodes: int = Field(32, ge=0, le=1024, description="largest tree per request (draft nodes)")
-    max_depth: int = Field(8, ge=0, le=128, description="deepest tree per request")
     max_batch_tokens: int = Field(
         4096, ge=1, description="most query tokens (roots + drafts) in one verify forward"
     )
@@ -184,12 +196,3 @@ class ControllerOptions(BaseModel):
         "rate up, by at most this factor (each alone and both together), never the other way (they veto "
         "marginal speculation; a plan predicted to pay 1.25 x min_gain is not overruled)",
     )
-
-    @model_validator(mode="after")
-    def _check(self) -> "ControllerOptions":
-        if self.max_depth > self.max_nodes:
-            raise ValueError(
-                f"max_depth ({self.max_depth}) must be <= max_nodes ({self.max_nodes}): "
-                "a deeper tree needs more nodes"
-            )
-        return self

@@ -175,7 +175,7 @@ class Speculator:
                              "SelfDraftBackend before building the speculator")
         self.own_mode: TreeMode | None = None if drafter.has_own_trees else "beam"
         uses_builder = spec.tree is not None or self.own_mode is not None
-        options = spec.builder_options()
+        options = spec.tree_options
         self.builder = TreeBuilder(options, Calibrator(options.calibration, drafter.acceptance_table),
                                    drafter.candidates_per_node) if uses_builder else None
         # only dyntree trees are priced by the calibration: it learns from verified trees (and the
@@ -207,7 +207,8 @@ class Speculator:
         if not isinstance(self._cost, CostModel):
             assert self._cost is not None
             self._cost = self._cost()
-        self.controller = SpeculationController(self._cost, self.spec.controller_options(self.drafter.acceptance_prior),
+        self.controller = SpeculationController(self._cost, self.spec.budget,
+                                                self.spec.controller_options(self.drafter.acceptance_prior),
                                                 padded=self._padded)
         return time.perf_counter() - t
 
