@@ -142,9 +142,15 @@ def phase(model: str, configs: dict[str, dict[str, Any] | None], sets: dict[str,
     """Every config, ``rounds`` times, in order; a failing config is recorded and skipped after."""
     results: list[dict[str, dict[str, Any]]] = []
     errors: dict[str, str] = {}
+    order = list(configs)
+    if os.environ.get("DYNTREE_GPU_CHECK_ON_CPU") and "vllm_ngram" in order:
+        # vLLM's CPU platform cannot start another engine in a process that loaded numba (its
+        # n-gram proposer's): its kernel rebinding trips over llvmlite's module objects
+        order.append(order.pop(order.index("vllm_ngram")))
     for r in range(rounds):
         results.append({})
-        for name, spec in configs.items():
+        for name in order:
+            spec = configs[name]
             if name in errors:
                 continue
             log(f"round {r + 1}/{rounds} {name}: {spec}")
@@ -200,11 +206,16 @@ def smollm2_dir(args: argparse.Namespace) -> str | None:
 
 
 def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
-    import triton
     import vllm
 
-    return {"vllm": vllm.__version__, "torch": torch.__version__, "triton": triton.__version__,
+    try:  # not imported: vLLM's CPU platform rebinds kernels by scanning every loaded module
+        triton = version("triton")
+    except PackageNotFoundError:
+        triton = "none"
+    return {"vllm": vllm.__version__, "torch": torch.__version__, "triton": triton,
             "cuda": str(torch.version.cuda), "python": platform.python_version(), "dyntree": _dyntree_version()}
 
 
@@ -247,7 +258,8 @@ def main() -> int:
     capability = list(torch.cuda.get_device_capability(0)) if not args.cpu_dry_run else None
     doc: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device,
                            "capability": capability, "versions": versions(),
-                           "dtype": short, "enforce_eager": True, "attention_backend": "TRITON_ATTN",
+                           "dtype": short, "enforce_eager": True,
+                           "attention_backend": "CPU_ATTN" if args.cpu_dry_run else "TRITON_ATTN",
                            "max_tokens": args.max_tokens, "rounds": args.rounds, "phases": {}}
     log("device", device, doc["versions"])
     skip = set(filter(None, args.skip.split(",")))
