@@ -70,23 +70,20 @@ def test_dispatch_picks_the_fastest_at_the_nearest_grid_point() -> None:
         AttentionDispatch({})
 
 
-def test_attend_follows_the_active_dispatch_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_attend_follows_the_dispatch_it_is_given_only(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v, mask = _case(1, 3, 20)
     calls: list[str] = []
     for name, fn in list(IMPLS.items()):
         monkeypatch.setitem(IMPLS, name, lambda *a, _n=name, _f=fn: calls.append(_n) or _f(*a))
     attend(q, k, v, mask, 0.25)
     d = AttentionDispatch({(1, q, 64): {"gqa": 9.0, "rows": 9.0, "matmul": 1.0} for q in (1, 4)})
-    with d.active():
-        attend(q, k, v, mask, 0.25)
+    attend(q, k, v, mask, 0.25, d)
     attend(q, k, v, mask, 0.25)
     assert calls == ["gqa", "matmul", "gqa"]
-    with d.active():
-        attend(q[:, :, :1], k, v, None, 0.25)  # one query row without a mask: the calibrated pick ...
-        attend(q, k, v, None, 0.25)  # several rows without a mask: the calibrated pick
+    attend(q[:, :, :1], k, v, None, 0.25, d)  # one query row without a mask: the calibrated pick ...
+    attend(q, k, v, None, 0.25, d)  # several rows without a mask: the calibrated pick
     slow_matmul = AttentionDispatch({(1, q, 64): {"gqa": 1.0, "rows": 9.0, "matmul": 20.0} for q in (1, 4)})
-    with slow_matmul.active():  # ... except gqa: one unmasked row takes the stacked-rows form instead
-        attend(q[:, :, :1], k, v, None, 0.25)
+    attend(q[:, :, :1], k, v, None, 0.25, slow_matmul)  # ... except gqa: one unmasked row takes the stacked-rows form
     assert calls[3:] == ["matmul", "matmul", "rows"]
 
 
@@ -128,7 +125,7 @@ def test_engine_with_each_attention_equals_transformers_generate(smol, smol_prom
     unmasked: list[int] = []  # query rows of the calls without a mask
     real = engine_attention.attend
     monkeypatch.setattr(engine_attention, "attend",
-                        lambda q, k, v, m, s: (m is None and unmasked.append(q.shape[2])) or real(q, k, v, m, s))
+                        lambda q, k, v, m, s, d=None: (m is None and unmasked.append(q.shape[2])) or real(q, k, v, m, s, d))
     for drafter, spec, batch in (("none", SpecConfig(drafter="none"), 1), ("ngram", SpecConfig(max_nodes=8), 2)):
         engine = SpecEngine(model, tok, make_drafter(drafter), spec)
         engine.attention = forced
@@ -149,16 +146,12 @@ def test_ragged_attention_equals_padded_attention_per_row(sizes: list[int], spli
     # scatters their KV to each row's slots [S, S + T) and the engine's attention attends every
     # query over its own row: equal, on the valid tokens, to the padded [B, T] batch, whether it
     # attends padded or split (roots batched, each wide row alone; timings that make it pay).
-    from contextlib import nullcontext
-
     from dyntree.standalone import kv
 
     grid = {(b, q, n): {"gqa": 1.0 if b == 1 or q == 1 else 1e6} for b in (1, 4) for q in (1, 4) for n in (16, 64)}
-    dispatch = AttentionDispatch(grid)
-    scope = lambda: dispatch.active() if split else nullcontext()  # noqa: E731
-    assert engine_attention._split_pays(kv.RaggedLayout.from_indptr(torch.tensor([0, 1, 5, 6, 7])), 16) is False
-    with scope():
-        assert engine_attention._split_pays(kv.RaggedLayout.from_indptr(torch.tensor([0, 1, 5, 6, 7])), 16) is split
+    dispatch = AttentionDispatch(grid) if split else None
+    assert engine_attention._split_pays(kv.RaggedLayout.from_indptr(torch.tensor([0, 1, 5, 6, 7])), 16, None) is False
+    assert engine_attention._split_pays(kv.RaggedLayout.from_indptr(torch.tensor([0, 1, 5, 6, 7])), 16, dispatch) is split
 
     b, t, cached = len(sizes), max(sizes), 12
     q, k, v, mask = _case(b, t, cached, seed=len(sizes))
@@ -168,23 +161,24 @@ def test_ragged_attention_equals_padded_attention_per_row(sizes: list[int], spli
     flat = lambda x: x.transpose(1, 2)[valid].transpose(0, 1)[None]  # noqa: E731  [B, H, T, D] -> [1, H, N, D]
     cache = kv.GrowingCache()
     cache.update(k[:, :, :cached], v[:, :, :cached], 0)
-    with kv.ragged(layout):
+    with kv.ragged(cache, layout):
         keys, values = cache.update(flat(k[:, :, cached:]), flat(v[:, :, cached:]), 0)
     torch.testing.assert_close(keys.transpose(1, 2)[:, cached:][valid], k.transpose(1, 2)[:, cached:][valid])
     assert keys.shape == k.shape
     want = _reference(q, k, v, mask, 0.25).transpose(1, 2)[valid]  # [N, H, D]
     module = torch.nn.Module()
     module.num_key_value_groups, module.layer_idx, module.is_causal = 3, 0, False
-    with kv.ragged(layout), scope():
-        got, _ = engine_attention._engine_attention(module, flat(q), keys, values, mask, scaling=0.25)
-        # the same through transformers' sdpa, where the engine's attention does not apply (no scaling
-        # given: sdpa's default 1 / sqrt(16))
-        fallback, _ = engine_attention._engine_attention(module, flat(q), keys, values, mask)
+    passed = {engine_attention.LAYOUT: layout, engine_attention.DISPATCH: dispatch}
+    got, _ = engine_attention._engine_attention(module, flat(q), keys, values, mask, scaling=0.25, **passed)
+    # the same through transformers' sdpa, where the engine's attention does not apply (no scaling
+    # given: sdpa's default 1 / sqrt(16))
+    fallback, _ = engine_attention._engine_attention(module, flat(q), keys, values, mask, **passed)
     torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fallback[0], want, rtol=1e-5, atol=1e-5)
     if layout.uniform:
         return
     swapped = torch.tensor([0, *torch.tensor(sizes[::-1]).cumsum(0).tolist()])
-    with kv.ragged(kv.RaggedLayout.from_indptr(swapped)), scope():  # control: the rows' tokens assigned the other way round
-        wrong, _ = engine_attention._engine_attention(module, flat(q), keys, values, mask, scaling=0.25)
+    wrong, _ = engine_attention._engine_attention(  # control: the rows' tokens assigned the other way round
+        module, flat(q), keys, values, mask, scaling=0.25,
+        **{**passed, engine_attention.LAYOUT: kv.RaggedLayout.from_indptr(swapped)})
     assert not torch.allclose(wrong, got, atol=1e-3)

@@ -70,8 +70,6 @@ def test_ragged_verify_of_a_few_trees_equals_plain(tok, monkeypatch, drafting: l
     # Only some requests draft: the verify forward runs the trees back to back ([1, roots + nodes]
     # tokens, not 5 x the widest; the attention pads or splits by the calibrated timings);
     # outputs equal plain decoding, and losing the mask still breaks them.
-    from dyntree.standalone import kv
-
     model = tiny_llama(3)
     with torch.no_grad():  # an LM head of its own: tied random embeddings repeat the last token forever
         model.lm_head.weight = torch.nn.Parameter(torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
@@ -81,12 +79,11 @@ def test_ragged_verify_of_a_few_trees_equals_plain(tok, monkeypatch, drafting: l
     shapes: list[tuple[int, int]] = []
     forward = SpecEngine._forward
 
-    def spy(self, tokens, *args):
-        if kv.active_layout() is not None:
-            layout = kv.active_layout()
-            assert tokens.shape == (1, sum(layout.sizes))
+    def spy(self, tokens, positions, mask, cache, layout=None):
+        if layout is not None:
+            assert tokens.shape == (1, sum(layout.sizes)) and cache.layout is layout
             shapes.append((layout.batch, sum(size > 1 for size in layout.sizes)))
-        return forward(self, tokens, *args)
+        return forward(self, tokens, positions, mask, cache, layout)
 
     monkeypatch.setattr(SpecEngine, "_forward", spy)
     outs = _oracle_run(model, tok, prompts, refs)

@@ -4,7 +4,6 @@ only inside an active dispatch, calibration cached on disk."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dyntree.kernels import cpu_linear as linear
-from dyntree.kernels.cpu_linear import LINEAR, PACKED, TRANSPOSED, LinearDispatch, PackedWeight
+from dyntree.kernels.cpu_linear import LINEAR, PACKED, TRANSPOSED, LinearDispatch, LinearRouter, PackedWeight
 
 
 def _timings(fast_rows: dict[int, float]) -> dict[int, tuple[float, float]]:
@@ -48,18 +47,29 @@ def test_packed_route_runs_at_the_row_count_and_only_for_packed_weights() -> Non
         LinearDispatch({1: (1.0, 1.0), linear.PACK_ROWS + 1: (1.0, 1.0)})
 
 
-def test_rows_scope_leaves_f_linear_rows_unrouted_and_never_routes() -> None:
-    """A forward whose row count takes ``F.linear`` runs without the dispatch (no per-call routing);
-    other row counts keep it; outside an active dispatch the scope turns nothing on."""
+def test_router_routes_only_while_its_owner_sets_a_dispatch() -> None:
+    """Installed linears follow their router: stock ``F.linear`` with no dispatch set, the
+    dispatch within :meth:`LinearRouter.using`, the outer one again after a nested block (the
+    engine turns routing off for forwards whose row count takes ``F.linear`` anyway)."""
     t = {1: (10.0, 15.0, 11.0), 2: (10.0, 15.0, 11.0), 4: (20.0, 15.0, 11.0), 8: (30.0, 16.0, 12.0)}
     d = LinearDispatch(t)
-    with d.active():
-        for rows, want in ((1, None), (2, None), (4, d), (8, d)):
-            with d.rows_scope(rows):
-                assert getattr(linear._ACTIVE, "dispatch", None) is want, rows
-        assert linear._ACTIVE.dispatch is d  # restored after each scope
-    with d.rows_scope(4):
-        assert getattr(linear._ACTIVE, "dispatch", None) is None
+    router = LinearRouter()
+    model = linear.install(nn.Sequential(nn.Linear(16, 24)), router)
+    assert model[0]._dyntree_router is router and router.dispatch is None
+    with router.using(d):
+        assert router.dispatch is d
+        with router.using(None):
+            assert router.dispatch is None
+        assert router.dispatch is d  # restored after each block
+    assert router.dispatch is None
+    calls = []
+    d.linear = lambda *a: calls.append(a) or F.linear(*a[:3])  # type: ignore[method-assign]
+    x = torch.randn(4, 16)
+    model(x)
+    assert not calls  # no dispatch set: F.linear itself
+    with router.using(d):
+        model(x)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 13, 16, 40])
@@ -70,15 +80,14 @@ def test_routed_products_equal_f_linear(rows: int, bias: bool) -> None:
     b = torch.randn(48, generator=g) if bias else None
     x = torch.randn(1, rows, 32, generator=g)
     want = F.linear(x, w, b)
-    assert torch.equal(linear.linear(x, w, b), want)  # no dispatch active: F.linear itself
+    assert torch.equal(LinearRouter().linear(x, w, b), want)  # no dispatch set: F.linear itself
     timings = [{r: (10.0, 1.0) for r in (1, 2, 4, 8, 16)}]  # transposed everywhere it can
     if linear.mkl_packed_available():
         timings.append({r: (10.0, 5.0, 1.0) for r in (1, 2, 4, 8, 16)})  # packed everywhere it can
     for t in timings:
         d = LinearDispatch(t)
         packed = PackedWeight(w) if d.packs else None
-        with d.active():
-            got = linear.linear(x, w, b, packed)
+        got = LinearRouter(d).linear(x, w, b, packed)
         assert got.shape == want.shape and got.is_contiguous()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -93,10 +102,11 @@ def test_one_packed_copy_serves_every_row_count(shape: tuple[int, int]) -> None:
     x = torch.randn(linear.PACK_ROWS, shape[1], generator=g)
     packed = PackedWeight(w)
     d = LinearDispatch({r: (10.0, 20.0, 1.0) for r in (1, 2, 4, 8, 16, 64)})
-    with torch.inference_mode(), d.active():
+    router = LinearRouter(d)
+    with torch.inference_mode():
         for m in range(1, linear.PACK_ROWS + 1):
             assert d.route(m) == (PACKED, m)
-            torch.testing.assert_close(linear.linear(x[:m], w, b, packed), F.linear(x[:m], w, b), rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(router.linear(x[:m], w, b, packed), F.linear(x[:m], w, b), rtol=1e-5, atol=1e-4)
 
 
 def test_calibration_never_routes_to_a_packed_copy_that_disagrees(monkeypatch, tmp_path) -> None:
@@ -113,12 +123,13 @@ def test_calibration_never_routes_to_a_packed_copy_that_disagrees(monkeypatch, t
 
 @pytest.mark.skipif(not linear.mkl_packed_available(), reason="needs torch with MKL")
 def test_packed_copy_follows_in_place_changes() -> None:
-    model = linear.install(nn.Sequential(nn.Linear(16, 24)), packed=True)
+    router = LinearRouter()
+    model = linear.install(nn.Sequential(nn.Linear(16, 24)), router, packed=True)
     lin = model[0]
     x = torch.randn(5, 16)
     d = LinearDispatch({1: (10.0, 20.0, 20.0), 8: (10.0, 20.0, 1.0)})
     assert d.route(5) == (PACKED, 5)
-    with torch.no_grad(), d.active():
+    with torch.no_grad(), router.using(d):
         torch.testing.assert_close(model(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
         lin.weight.mul_(2.0)  # in place: repacked
         torch.testing.assert_close(model(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
@@ -130,10 +141,11 @@ def test_packed_copy_follows_in_place_changes() -> None:
 def test_a_model_with_packed_copies_deep_copies() -> None:
     import copy
 
-    model = linear.install(nn.Sequential(nn.Linear(16, 24)), packed=True)
+    router = LinearRouter()
+    model = linear.install(nn.Sequential(nn.Linear(16, 24)), router, packed=True)
     x = torch.randn(5, 16)
     d = LinearDispatch({1: (10.0, 20.0, 20.0), 8: (10.0, 20.0, 1.0)})
-    with torch.no_grad(), d.active():
+    with torch.no_grad(), router.using(d):
         model(x)  # the packed copy exists now (an MKL tensor, which deepcopy cannot copy)
         twin = copy.deepcopy(model)
         assert twin[0]._dyntree_packed.weight is twin[0].weight

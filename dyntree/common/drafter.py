@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from dyntree.common.builder import PartialTree
     from dyntree.common.config import SamplingParams
     from dyntree.common.quant import WeightKernel
+    from dyntree.kernels.cpu_linear import LinearDispatch
 
 __all__ = ["DraftRequest", "Candidates", "top_candidates", "topk_rows", "Drafter", "NoDrafter", "TargetInfo",
            "SelfDraftBackend"]
@@ -311,6 +312,10 @@ class Drafter:
         controller then plans only for those that would, instead of pricing every plan with the
         drafter's average delivery. ``None``: unknown until drafted (the default)."""
         return None
+
+    def route_linears(self, dispatch: "LinearDispatch | None") -> None:
+        """Route the drafter's own few-row linears by the engine's CPU dispatch
+        (:mod:`dyntree.kernels.cpu_linear`; ``None``: stock ``F.linear``). Default: it has none."""
 
     def attach(self, backend: SelfDraftBackend) -> None:
         """Take the engine's self-draft forward (drafters with ``needs_self_draft``)."""

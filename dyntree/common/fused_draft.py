@@ -11,7 +11,7 @@ module computes the same layer:
 
 with the target's projections stacked and quantized as one weight each (the same codes and scales
 as quantizing them one by one: every output row has its own), :func:`rms_norm` as three ops and
-:func:`~dyntree.kernels.cpu_attention.attend` (grouped-query attention, routed like the engine's). It
+:func:`~dyntree.kernels.cpu_attention.attend` (grouped-query attention, by the routing the caller passes). It
 reads the target's norms and rotary, so it is the draft the HF path runs, up to float rounding
 and the norms' epsilon, without the HF path's per-projection copies; :func:`fuse_layers` returns
 ``None`` (and the caller keeps the HF path) for any layer that is not exactly that shape, or
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dyntree.kernels.cpu_attention import attend
+from dyntree.kernels.cpu_attention import AttentionDispatch, attend
 from dyntree.common.kv_store import KVStore, append_kv
 from dyntree.common.quant import QSpec, QuantLinear, WeightKernel
 
@@ -172,7 +172,7 @@ def hf_rope(cos: torch.Tensor, sin: torch.Tensor) -> Rope:
 
 
 def run_layers(layers: Sequence[FusedLayer], hidden: torch.Tensor, rope: Rope, mask: torch.Tensor | None,
-               kv: Any) -> torch.Tensor:
+               kv: Any, attention: AttentionDispatch | None = None) -> torch.Tensor:
     """``hidden [b, w, d]`` through ``layers``; ``rope`` rotates queries and keys (``[b, heads, w,
     head_dim]``, rotated together) at this forward's positions, ``mask [b, 1, w, keys]`` is
     additive, ``kv.update(k, v, layer_idx)`` appends this call's keys/values and returns every
@@ -182,7 +182,8 @@ def run_layers(layers: Sequence[FusedLayer], hidden: torch.Tensor, rope: Rope, m
     is cast once to the kernel's compute dtype and its output is used in that dtype (added to the
     residual or split), which gives the numbers of casting in and out of every call with fewer
     casts (on a CPU: bf16 for torch's int8/int4 ops). ``mask=None`` (every query sees every key)
-    lets attention take its unmasked kernels."""
+    lets attention take its unmasked kernels; ``attention``: the engine's CPU attention routing
+    (:func:`~dyntree.kernels.cpu_attention.attend`; ``None``: ``gqa``)."""
     if not layers:
         return hidden
     b, w, d = hidden.shape
@@ -195,7 +196,7 @@ def run_layers(layers: Sequence[FusedLayer], hidden: torch.Tensor, rope: Rope, m
         qkv = f.qkv.kernel_forward(x).to(dtype).view(b, w, f.heads + 2 * f.kv_heads, f.head_dim).transpose(1, 2)
         q, k = rope(qkv[:, : f.heads + f.kv_heads]).split([f.heads, f.kv_heads], dim=1)
         keys, values = kv.update(k, qkv[:, f.heads + f.kv_heads :], i)
-        att = attend(q, keys, values, mask, f.scaling).transpose(1, 2).reshape(b * w, f.heads * f.head_dim)
+        att = attend(q, keys, values, mask, f.scaling, attention).transpose(1, 2).reshape(b * w, f.heads * f.head_dim)
         hidden = hidden + f.o.kernel_forward(att.to(act)).view(b, w, d)
         x = rms_norm(hidden, f.mlp_norm).reshape(b * w, d).to(act)
         gate, up = f.gate_up.kernel_forward(x).chunk(2, dim=-1)

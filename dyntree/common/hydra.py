@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dyntree.common.kv_store import KVStore, append_kv
-from dyntree.kernels.cpu_linear import Int8Weight, install, int8_available, linear
+from dyntree.kernels.cpu_linear import Int8Weight, LinearRouter, install, int8_available
 
 if TYPE_CHECKING:
     from dyntree.common.drafter import TargetInfo
@@ -450,7 +450,10 @@ class HydraHeads(nn.Module):
             token_map if token_map is not None else torch.empty(0, dtype=torch.int64),
             persistent=True,
         )
-        install(self)  # the heads' linears follow the engine's CPU routing (dyntree.kernels.cpu_linear)
+        #: the heads' linears' CPU routing (:mod:`dyntree.kernels.cpu_linear`): the engine's dispatch
+        #: when it offers one (``TargetInfo.linear_dispatch``), else stock ``F.linear``
+        self.router = LinearRouter()
+        install(self, self.router)
         self._out_int8: Int8Weight | _Int8Rows | None = None
 
     @property
@@ -477,7 +480,8 @@ class HydraHeads(nn.Module):
             raise ValueError(f"int8 output rows of {str(self.out_weight.dtype).removeprefix('torch.')} heads need a "
                              "weight-only kernel")
         elif self.out_weight.device.type == "cpu" and int8_available():
-            self._out_int8 = _Int8Rows(functools.partial(linear, weight=self.out_weight), Int8Weight(self.out_weight))
+            self._out_int8 = _Int8Rows(functools.partial(self.router.linear, weight=self.out_weight),
+                                       Int8Weight(self.out_weight))
         else:
             from dyntree.common.quant import QSpec, QuantLinear
 
@@ -485,7 +489,7 @@ class HydraHeads(nn.Module):
             if rows.kernel is None:
                 raise ValueError("the weight-only kernel does not serve the heads' output rows")
             rows.release_codes()
-            self._out_int8 = _Int8Rows(functools.partial(linear, weight=self.out_weight), rows)
+            self._out_int8 = _Int8Rows(functools.partial(self.router.linear, weight=self.out_weight), rows)
         if kernel is not None:
             _int8_linears(self, kernel)
         return self
@@ -556,7 +560,7 @@ class HydraHeads(nn.Module):
         dtype = self.out_weight.dtype
         x = torch.cat([_cast(hidden, dtype), _cast(self.embed[tokens].flatten(1), dtype)], dim=1)
         z = self.heads[k - 1](x)
-        return self._out_int8(z) if self._out_int8 is not None else linear(z, self.out_weight)
+        return self._out_int8(z) if self._out_int8 is not None else self.router.linear(z, self.out_weight)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """All heads, teacher-forced: ``tokens[:, j]`` is ``x_{t+1+j}`` (root first), ``[N, K]``.

@@ -15,8 +15,7 @@ none copying K/V per group:
 that are views of bigger buffers as the engines' are, for a head shape
 and dtype (once, kept on disk per CPU, torch version, threads, dtype and shape), and
 :class:`AttentionDispatch` picks, per call, the fastest at the nearest grid point (log scale).
-:func:`attend` follows the dispatch active in this thread (:meth:`AttentionDispatch.active`) and is
-``gqa`` anywhere else. The three compute the same attention with a different summation order, like
+:func:`attend` follows the dispatch it is given, and is ``gqa`` without one. The three compute the same attention with a different summation order, like
 any two kernels; fp32 results agree to rounding.
 """
 
@@ -26,7 +25,6 @@ import contextlib
 import hashlib
 import json
 import math
-import threading
 import time
 from pathlib import Path
 from typing import Callable, ContextManager, Mapping
@@ -34,9 +32,9 @@ from typing import Callable, ContextManager, Mapping
 import torch
 import torch.nn.functional as F
 
-from dyntree.kernels.cpu_linear import cpu_name, thread_scope
+from dyntree.kernels.cpu_linear import cpu_name
 
-__all__ = ["AttentionDispatch", "IMPLS", "active_dispatch", "attend", "calibrate", "grouped_matmul"]
+__all__ = ["AttentionDispatch", "IMPLS", "attend", "calibrate", "grouped_matmul"]
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
 
@@ -89,9 +87,6 @@ def _nearest(grid: tuple[int, ...], x: int) -> int:
     return min(grid, key=lambda g: abs(math.log(g) - math.log(max(x, 1))))
 
 
-_ACTIVE = threading.local()
-
-
 class AttentionDispatch:
     """Picks the fastest implementation for a call's (batch, query rows, cached tokens) from
     calibrated timings at the nearest grid point (log distance per axis)."""
@@ -125,28 +120,18 @@ class AttentionDispatch:
         return self.timings_us[(_nearest(self.batch, batch), _nearest(self.query, query), _nearest(self.kv, kv))][
             self.pick(batch, query, kv)] if query <= 2 * self.query[-1] else math.inf
 
-    def active(self) -> ContextManager[None]:
-        """Within this block (this thread), :func:`attend` uses this routing."""
-        return thread_scope(_ACTIVE, self)
-
     def summary(self) -> str:
         names = list(self._best.values())
         return ", ".join(f"{n} at {names.count(n)} of {len(names)} grid points" for n in sorted(set(names)))
 
 
-def active_dispatch() -> AttentionDispatch | None:
-    """The dispatch active in this thread, if any."""
-    return getattr(_ACTIVE, "dispatch", None)
-
-
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-           scaling: float) -> torch.Tensor:
-    """``[b, h, q, d]`` attention (additive ``mask`` or none) by the dispatch active in this
-    thread, ``gqa`` without one. Under a dispatch, one query row without a mask (a plain decoding
+           scaling: float, dispatch: AttentionDispatch | None = None) -> torch.Tensor:
+    """``[b, h, q, d]`` attention (additive ``mask`` or none) by ``dispatch``, ``gqa`` without
+    one. Under a dispatch, one query row without a mask (a plain decoding
     step, a draft chain's forward) never takes ``gqa``: unmasked, ``rows`` beat it at every
     calibration shape with one query row where it was measured (``docs/measurements.md``), while
     the calibration times masked calls."""
-    dispatch: AttentionDispatch | None = getattr(_ACTIVE, "dispatch", None)
     if dispatch is None:
         name = "gqa"
     else:

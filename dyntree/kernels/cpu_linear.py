@@ -13,11 +13,12 @@ count, so :func:`calibrate` times all three on the model's own linears at every 
 it also checks that the packed copy reproduces ``F.linear`` at every row count, and never routes
 there where it does not), and :class:`LinearDispatch` then routes each call by its row count. The
 packed copy costs one more copy of the weights; it follows in-place changes of its weight (it is
-repacked when the weight's version or storage changes). Routing is per thread and only inside
-:meth:`LinearDispatch.active`: :func:`linear` (what core code such as the Hydra heads' LM-head
-product calls) and the ``nn.Linear`` modules that :func:`install` reroutes through it run stock
-``F.linear`` anywhere else (``model.generate`` in benchmarks, another engine). A weight without a
-packed copy (the Hydra heads') takes the best of the other two forms. Measurements behind these
+repacked when the weight's version or storage changes). The ``nn.Linear`` modules :func:`install`
+reroutes follow the :class:`LinearRouter` they were installed with, an object their owner holds
+and sets (the standalone engine: its target's router, on during its own forwards; the Hydra heads:
+theirs, set from the engine's dispatch when they are built); with no dispatch set they run stock
+``F.linear`` (``model.generate`` in benchmarks, another engine). A weight without a packed copy
+(the Hydra heads') takes the best of the other two forms. Measurements behind these
 choices: ``docs/measurements.md`` (CPU linears).
 
 The forms compute the same products with a different summation order, like any two GEMM
@@ -49,8 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 
 
-__all__ = ["Int8Weight", "LinearDispatch", "PackedWeight", "calibrate", "cpu_name", "install", "int8_available",
-           "linear", "mkl_packed_available", "thread_scope", "CALIBRATION_ROWS", "PACK_ROWS"]
+__all__ = ["Int8Weight", "LinearDispatch", "LinearRouter", "PackedWeight", "calibrate", "cpu_name", "install",
+           "int8_available", "mkl_packed_available", "CALIBRATION_ROWS", "PACK_ROWS"]
 
 #: Row counts timed by :func:`calibrate`; a call with more rows than the last uses ``F.linear``.
 CALIBRATION_ROWS = (*range(1, 18), 24, 32, 48, 64)
@@ -62,7 +63,7 @@ _CACHE_VERSION = 5
 LINEAR, TRANSPOSED, PACKED = "linear", "transposed", "packed"
 
 
-_PAD = threading.local()
+_PAD = threading.local()  # scratch: each thread's padding buffers (a buffer is written, then read)
 
 
 def _padded(x: torch.Tensor, pad_to: int) -> tuple[torch.Tensor, int]:
@@ -140,28 +141,6 @@ class PackedWeight:
         return self._packed
 
 
-_ACTIVE = threading.local()
-
-
-@contextmanager
-def thread_scope(store: threading.local, dispatch: object) -> Iterator[None]:
-    """Within this block (this thread), ``store.dispatch`` is ``dispatch``; the outer one after."""
-    outer = getattr(store, "dispatch", None)
-    store.dispatch = dispatch
-    try:
-        yield
-    finally:
-        store.dispatch = outer
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: PackedWeight | None = None) -> torch.Tensor:
-    """``F.linear``, routed by the dispatch active in this thread (if any); ``packed``: the
-    weight's packed copy, where :func:`install` made one."""
-    dispatch = getattr(_ACTIVE, "dispatch", None)
-    return dispatch.linear(x, weight, bias, packed) if dispatch is not None else F.linear(x, weight, bias)
-
-
 Route = tuple[str, int]  # (form, rows the product runs at: the transposed form pads)
 
 
@@ -201,16 +180,6 @@ class LinearDispatch:
             others.append((self.timings_ms[above[0]][2], (PACKED, m)))
         ms, route = min(others, key=lambda o: o[0])
         return (ms, route) if ms < 0.95 * plain else (plain, (LINEAR, m))
-
-    def active(self) -> ContextManager[None]:
-        """Within this block (this thread), :func:`linear` uses this routing."""
-        return thread_scope(_ACTIVE, self)
-
-    def rows_scope(self, m: int) -> ContextManager[None]:
-        """A block whose products all have ``m`` rows: where ``m`` rows take ``F.linear`` anyway,
-        no routing inside it (each routed call's Python costs a few us, and a plain decoding step
-        makes ~210 of them); else nothing changes (it never turns routing on)."""
-        return thread_scope(_ACTIVE, None) if self.route(m)[0] == LINEAR else nullcontext()
 
     def route(self, m: int, packed: bool = True) -> Route:
         """``(form, rows it runs at)`` for ``m`` input rows, for a weight with (``packed``) or
@@ -360,20 +329,44 @@ def calibrate(model: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats:
     return LinearDispatch(timings)
 
 
+class LinearRouter:
+    """The routing the ``nn.Linear`` modules :func:`install` rerouted follow: ``dispatch``, or
+    stock ``F.linear`` while it is ``None``. One per model, held and set by its owner."""
+
+    def __init__(self, dispatch: LinearDispatch | None = None) -> None:
+        self.dispatch = dispatch
+
+    @contextmanager
+    def using(self, dispatch: LinearDispatch | None) -> Iterator[None]:
+        """Within this block the router's linears take ``dispatch``; the outer one after."""
+        outer, self.dispatch = self.dispatch, dispatch
+        try:
+            yield
+        finally:
+            self.dispatch = outer
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               packed: PackedWeight | None = None) -> torch.Tensor:
+        """``F.linear`` routed by the current dispatch (a product no module holds: the heads' LM head)."""
+        d = self.dispatch
+        return d.linear(x, weight, bias, packed) if d is not None else F.linear(x, weight, bias)
+
+
 def _routed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    dispatch = getattr(_ACTIVE, "dispatch", None)  # :func:`linear` inlined: one frame less per call
+    dispatch = self._dyntree_router.dispatch  # :meth:`LinearRouter.linear` inlined: one frame less per call
     if dispatch is None:
         return F.linear(x, self.weight, self.bias)
     return dispatch.linear(x, self.weight, self.bias, self._dyntree_packed)
 
 
-def install(module: nn.Module, packed: bool = False) -> nn.Module:
-    """Route ``module``'s ``nn.Linear`` calls through :func:`linear` (idempotent; without an
-    active dispatch they compute exactly what ``F.linear`` does); with ``packed`` (a dispatch's
-    :attr:`LinearDispatch.packs`), each also gets a packed copy of its weight (one more copy of
-    the weights in memory, made at the first call that needs it). Returns ``module``."""
+def install(module: nn.Module, router: LinearRouter, packed: bool = False) -> nn.Module:
+    """Route ``module``'s ``nn.Linear`` calls through ``router`` (a module installed before takes
+    the new router); with ``packed`` (a dispatch's :attr:`LinearDispatch.packs`), each also gets a
+    packed copy of its weight (one more copy of the weights in memory, made at the first call that
+    needs it). Returns ``module``."""
     for lin in _linears(module):
         lin.forward = types.MethodType(_routed_forward, lin)
+        lin._dyntree_router = router  # a plain attribute: in the module's __dict__, found without __getattr__
         if packed:
             lin._dyntree_packed = PackedWeight(lin.weight)
         else:  # set, not looked up with a default: a missing module attribute raises inside

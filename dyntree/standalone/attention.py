@@ -5,8 +5,10 @@ model to it.
 K/V-copy-free implementations; see that module) on the additive 4-D masks the engine passes, and
 unmasked on one-token forwards the engine passes no mask for (its mask function then builds none:
 every row sees its whole cache); anything it does not handle (soft-capping, sliding windows,
-attention sinks, dropout, no mask for several tokens) goes to transformers' own ``sdpa``. In a
-ragged verify forward (:func:`dyntree.standalone.kv.ragged`) the queries arrive flat, ``[1, H,
+attention sinks, dropout, no mask for several tokens) goes to transformers' own ``sdpa``. The
+engine hands its routing and the forward's layout to the model call as keyword arguments, which
+transformers passes on to every attention call (:data:`DISPATCH`, :data:`LAYOUT`). In a ragged
+verify forward (a :class:`~dyntree.standalone.kv.RaggedLayout`) the queries arrive flat, ``[1, H,
 N, D]``, against the batch's ``[B, KV, L, D]`` cache and a ``[B, 1, T, L]`` mask: rows of one
 width attend as one batch, and so, padded to the widest, do rows of several widths, unless the
 calibrated timings predict that splitting pays: every row's root in one batched call and each
@@ -18,7 +20,7 @@ its batched greedy decoding.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
@@ -26,13 +28,16 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask
 
-from dyntree.kernels.cpu_attention import AttentionDispatch, active_dispatch, attend, grouped_matmul
-from dyntree.standalone.kv import RaggedLayout, active_layout
+from dyntree.kernels.cpu_attention import AttentionDispatch, attend, grouped_matmul
+from dyntree.standalone.kv import RaggedLayout
 
-__all__ = ["ENGINE", "GROUPED", "attention_scope", "grouped_attention"]
+__all__ = ["DISPATCH", "ENGINE", "GROUPED", "LAYOUT", "attention_scope", "grouped_attention"]
 
 #: The registered names: the engine's calibrated routing, and always the two-matmul form.
 ENGINE, GROUPED = "dyntree", "dyntree_grouped"
+#: The model-call keyword arguments the engine's attention reads: its
+#: :class:`~dyntree.kernels.cpu_attention.AttentionDispatch` and the forward's ragged layout.
+DISPATCH, LAYOUT = "dyntree_attention", "dyntree_layout"
 
 _UNHANDLED = ("softcap", "sliding_window", "s_aux")
 
@@ -40,7 +45,8 @@ _UNHANDLED = ("softcap", "sliding_window", "s_aux")
 def _engine_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
-    layout = active_layout()
+    layout: RaggedLayout | None = kwargs.pop(LAYOUT, None)
+    dispatch: AttentionDispatch | None = kwargs.pop(DISPATCH, None)
     rows = query.shape[2] if layout is None else layout.width
     masked = attention_mask is not None and attention_mask.dtype != torch.bool
     plain = ((masked or (attention_mask is None and rows == 1)) and dropout == 0.0
@@ -51,16 +57,15 @@ def _engine_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                                         **kwargs)
         return (out if layout is None else out[layout.rows.to(out.device), layout.cols.to(out.device)][None]), None
     if layout is None:
-        return attend(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
-    return _ragged(layout, query, key, value, attention_mask, scaling), None
+        return attend(query, key, value, attention_mask, scaling, dispatch).transpose(1, 2).contiguous(), None
+    return _ragged(layout, query, key, value, attention_mask, scaling, dispatch), None
 
 
-def _split_pays(layout: RaggedLayout, keys: int) -> bool:
+def _split_pays(layout: RaggedLayout, keys: int, dispatch: AttentionDispatch | None) -> bool:
     """Whether attending the roots in one call and each longer row's other tokens in a call of
-    its own is predicted (by the active dispatch's calibrated timings) to beat one call over the
-    padded ``[B, T]`` batch. Reading the cache dominates a few query rows, so padding is nearly
-    free for small trees and the split pays only for a few wide ones; without a dispatch, pad."""
-    dispatch = active_dispatch()
+    its own is predicted (by ``dispatch``'s calibrated timings) to beat one call over the padded
+    ``[B, T]`` batch. Reading the cache dominates a few query rows, so padding is nearly free for
+    small trees and the split pays only for a few wide ones; without a dispatch, pad."""
     if dispatch is None:
         return False
     split = dispatch.cost_us(layout.batch, 1, keys) + sum(
@@ -69,25 +74,25 @@ def _split_pays(layout: RaggedLayout, keys: int) -> bool:
 
 
 def _ragged(layout: RaggedLayout, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+            mask: torch.Tensor | None, scaling: float, dispatch: AttentionDispatch | None) -> torch.Tensor:
     """``[1, N, H, D]`` attention of flat ``[1, H, N, D]`` queries, each over its own row of the
     ``[B, KV, L, D]`` cache, by the ``[B, 1, T, L]`` additive mask (``None``: one token per row,
     seeing its whole row)."""
     n, h, d = query.shape[2], query.shape[1], query.shape[3]
     if layout.uniform:
-        return attend(layout.pad(query), key, value, mask, scaling).transpose(1, 2).reshape(1, n, h, d)
-    if not _split_pays(layout, key.shape[2]):
-        out = attend(layout.pad(query), key, value, mask, scaling)  # [B, H, T, D]
+        return attend(layout.pad(query), key, value, mask, scaling, dispatch).transpose(1, 2).reshape(1, n, h, d)
+    if not _split_pays(layout, key.shape[2], dispatch):
+        out = attend(layout.pad(query), key, value, mask, scaling, dispatch)  # [B, H, T, D]
         return out[layout.rows.to(query.device), :, layout.cols.to(query.device)][None]
     out = query.new_empty(n, h, d)
     roots = torch.tensor(layout.starts, device=query.device)
     first = attend(query[0, :, roots].transpose(0, 1)[:, :, None], key, value,
-                   None if mask is None else mask[:, :, :1], scaling)  # [B, H, 1, D]
+                   None if mask is None else mask[:, :, :1], scaling, dispatch)  # [B, H, 1, D]
     out[roots] = first[:, :, 0]
     for b, (start, size) in enumerate(zip(layout.starts, layout.sizes)):
         if size > 1:
             rest = attend(query[:, :, start + 1 : start + size], key[b : b + 1], value[b : b + 1],
-                          None if mask is None else mask[b : b + 1, :, 1:size], scaling)  # [1, H, size - 1, D]
+                          None if mask is None else mask[b : b + 1, :, 1:size], scaling, dispatch)  # [1, H, size - 1, D]
             out[start + 1 : start + size] = rest[0].transpose(0, 1)
     return out[None]
 
@@ -104,9 +109,8 @@ def _engine_mask(*args: Any, q_length: int, attention_mask: torch.Tensor | None 
                  **kwargs: Any) -> torch.Tensor | None:
     """transformers' eager 4-D mask, except none for one query token per row without a padding
     mask (the engine passes ``attention_mask=None`` only for tokens that see their whole cache
-    row; in a ragged forward, one per row)."""
-    layout = active_layout()
-    if attention_mask is None and (layout.width if layout is not None else q_length) == 1:
+    row, and runs a forward of one token per row as a ``[B, 1]`` batch, not a ragged one)."""
+    if attention_mask is None and q_length == 1:
         return None
     return eager_mask(*args, q_length=q_length, attention_mask=attention_mask, **kwargs)
 
@@ -118,15 +122,15 @@ AttentionMaskInterface.register(GROUPED, eager_mask)
 
 
 @contextmanager
-def attention_scope(model: Any, dispatch: AttentionDispatch | None) -> Iterator[None]:
-    """Within this block (this thread), ``model`` attends through the engine's attention, routed by
-    ``dispatch`` (``None``: ``gqa`` everywhere); its own attention implementation is restored after."""
+def attention_scope(model: Any) -> Iterator[None]:
+    """Within this block, ``model`` attends through the engine's attention (routed by the
+    :data:`DISPATCH` its calls pass; without one, ``gqa`` everywhere); its own attention
+    implementation is restored after."""
     outer = model.config._attn_implementation
     if outer != ENGINE:  # switching walks the model: an inner scope (a step) keeps the outer's
         model.set_attn_implementation(ENGINE)
     try:
-        with dispatch.active() if dispatch is not None else nullcontext():
-            yield
+        yield
     finally:
         if outer != ENGINE:
             model.set_attn_implementation(outer)

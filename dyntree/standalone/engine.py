@@ -45,7 +45,7 @@ from dyntree.common.speculator import AcceptResult, SpecRequest, Speculator
 from dyntree.common.tree import DraftBatch, TreeBatch
 from dyntree.models import cache_root
 from dyntree.standalone import kv
-from dyntree.standalone.attention import attention_scope
+from dyntree.standalone.attention import DISPATCH, LAYOUT, attention_scope
 from dyntree.standalone.selfdraft import HFSelfDraft
 
 __all__ = ["RequestOutput", "SpecEngine", "prefill_groups", "ABLATIONS", "COST_SIZES", "COST_KV_LEN", "COST_KV_LONG"]
@@ -78,15 +78,18 @@ def prefill_groups(lengths: Sequence[int], slack: float = PREFILL_SLACK) -> list
     return groups
 
 
-def _cpu_linears(model: torch.nn.Module) -> linear.LinearDispatch | None:
-    """The model's linear routing, calibrated once per model object (timings cached on disk);
-    ``None`` where ``F.linear`` is the fastest at every row count (the linears stay untouched)."""
-    if not hasattr(model, "_dyntree_linear_dispatch"):
+def _cpu_linears(model: torch.nn.Module) -> tuple[linear.LinearDispatch, linear.LinearRouter] | None:
+    """The model's linear routing and the router its linears were installed with, calibrated and
+    installed once per model object (timings cached on disk); ``None`` where ``F.linear`` is the
+    fastest at every row count (the linears stay untouched)."""
+    if not hasattr(model, "_dyntree_linears"):
         dispatch = linear.calibrate(model, cache_dir=cache_root() / "linear", announce=progress.step)
+        routing = None
         if dispatch.routes:
-            linear.install(model, dispatch.packs)
-        model._dyntree_linear_dispatch = dispatch if dispatch.routes else None
-    return model._dyntree_linear_dispatch
+            routing = dispatch, linear.LinearRouter()
+            linear.install(model, routing[1], dispatch.packs)
+        model._dyntree_linears = routing
+    return model._dyntree_linears
 
 
 def _cpu_attention(model: torch.nn.Module) -> AttentionDispatch:
@@ -172,8 +175,10 @@ class SpecEngine:
         self._live: list[_Live] = []
         self.prefill_s = 0.0  # seconds the last ``generate`` spent in prefills
         cpu = self.device.type == "cpu"
-        self.linear = _cpu_linears(model) if fast_linear and cpu else None
+        routing = _cpu_linears(model) if fast_linear and cpu else None
+        self.linear, self._router = routing if routing is not None else (None, None)
         self.attention = _cpu_attention(model) if fast_attention and cpu else None
+        drafter.route_linears(self.linear)
         if drafter.needs_self_draft:
             spec_q = getattr(drafter, "spec")
             drafter.attach(HFSelfDraft(self, spec_q, materialize=materialize_draft))
@@ -297,9 +302,14 @@ class SpecEngine:
     @contextmanager
     def kernel_scope(self) -> Iterator[None]:
         """The block in which the model's linears and attention take the calibrated CPU routing."""
-        with self.linear.active() if self.linear is not None else nullcontext():
-            with attention_scope(self.model, self.attention):
+        with self._router.using(self.linear) if self._router is not None else nullcontext():
+            with attention_scope(self.model):
                 yield
+
+    def attention_kwargs(self, layout: kv.RaggedLayout | None = None) -> dict[str, object]:
+        """What a forward of the model passes on to the engine's attention: its routing, and a
+        ragged forward's layout."""
+        return {DISPATCH: self.attention, LAYOUT: layout}
 
     # -- what the self-draft backend reads -----------------------------------------------------
     def cache_rows(self, request_ids: Sequence[Hashable]) -> list[int]:
@@ -321,9 +331,12 @@ class SpecEngine:
         kv_lens = torch.tensor([r.kv_len for r in live])
         layout = kv.RaggedLayout.from_indptr(batch.qo_indptr)
         positions = batch.positions(kv_lens) if "positions" not in self.ablate else kv_lens[layout.rows] + layout.cols
-        with kv.ragged(layout):
-            hidden = self._forward(batch.tokens[None], positions[None], self._tree_mask(batch.padded(), kv_lens, prefix),
-                                   self.cache)[0]
+        mask = self._tree_mask(batch.padded(), kv_lens, prefix)
+        if layout.width == 1:  # one token per row (no request drafted): a [B, 1] batch, not a ragged one
+            hidden = self._forward(batch.tokens[:, None], positions[:, None], mask, self.cache)[:, 0]
+        else:
+            with kv.ragged(self.cache, layout):
+                hidden = self._forward(batch.tokens[None], positions[None], mask, self.cache, layout)[0]
         logits = self.lm_head(hidden)  # model dtype: argmax is exact, sampling casts
         self._sync()
         result = self.speculator.accept(batch, logits, gen, forward_ms=(time.perf_counter() - t1) * 1e3)
@@ -463,16 +476,20 @@ class SpecEngine:
 
     # -- helpers -------------------------------------------------------------------------------
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                 cache: DynamicCache) -> torch.Tensor:
+                 cache: DynamicCache, layout: kv.RaggedLayout | None = None) -> torch.Tensor:
         """The decoder over ``tokens``; ``mask`` ``None`` only for one token per row that sees its
-        whole row of the cache (the engine's attention scope then skips the mask)."""
-        with self.linear.rows_scope(tokens.numel()) if self.linear is not None else nullcontext():
+        whole row of the cache (the engine's attention scope then skips the mask); ``layout``: a
+        ragged forward's (inside :func:`~dyntree.standalone.kv.ragged` on ``cache``). Where this
+        many rows take ``F.linear`` anyway, the linears skip their routing."""
+        plain_rows = self.linear is not None and self.linear.route(tokens.numel())[0] == linear.LINEAR
+        with self._router.using(None) if plain_rows and self._router is not None else nullcontext():
             out = self.decoder(
                 input_ids=tokens.to(self.device),
                 position_ids=positions.to(self.device),
                 attention_mask=None if mask is None else mask.to(self.device),
                 past_key_values=cache,
                 use_cache=True,
+                **self.attention_kwargs(layout),
             )
         return out.last_hidden_state
 

@@ -5,9 +5,10 @@ Layout: row ``b`` of every layer's ``[B, H, S, D]`` key/value tensors holds that
 committed KV in slots ``[0, kv_len[b])``; slots beyond are garbage that the attention mask
 hides. A verify forward runs the batch's trees back to back as one ``[1, N]`` sequence (each
 request pays the linears for its own nodes only, not for the widest tree); within
-:func:`ragged` the cache scatters the flat KV to slots ``[S, S + T)`` of each node's row (``T``:
-the widest tree) and the engine's attention (:mod:`dyntree.standalone.attention`) attends each
-row's queries over its own cache row. Compaction then copies each row's accepted nodes to
+:func:`ragged` (the forward's :class:`RaggedLayout` on its cache) the cache scatters the flat KV
+to slots ``[S, S + T)`` of each node's row (``T``: the widest tree) and the engine's attention
+(:mod:`dyntree.standalone.attention`, given the same layout) attends each row's queries over its
+own cache row. Compaction then copies each row's accepted nodes to
 ``[kv_len[b], kv_len[b] + a_b)`` and the cache is cropped to the longest row.
 
 Transformers' ``DynamicLayer`` appends by concatenation, which copies a layer's whole cache on
@@ -19,19 +20,17 @@ tensors (rows leaving or joining the batch).
 
 from __future__ import annotations
 
-import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any, Iterator
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from dyntree.common.kv_store import KVStore, append_kv
-from dyntree.kernels.cpu_linear import thread_scope
-
-__all__ = ["GrowingCache", "GrowingLayer", "RaggedLayout", "active_layout", "ragged", "seq_len", "append_rows",
-           "compact", "crop", "select_rows"]
+__all__ = ["GrowingCache", "GrowingLayer", "RaggedLayout", "ragged", "seq_len", "append_rows", "compact", "crop",
+           "select_rows"]
 
 #: Slots a buffer keeps free beyond what it holds when it is (re)allocated, at least.
 HEADROOM = 128
@@ -79,34 +78,26 @@ class RaggedLayout:
         return out
 
 
-_RAGGED = threading.local()
-
-
-def ragged(layout: RaggedLayout) -> ContextManager[None]:
-    """Within this block (this thread), forwards are ragged: :class:`GrowingLayer` scatters the
-    flat ``[1, H, N, D]`` KV it is given to its rows by ``layout``, and the engine's attention
-    attends each row's queries over its own cache row."""
-    return thread_scope(_RAGGED, layout)
-
-
-def active_layout() -> RaggedLayout | None:
-    """The ragged layout of the forward running in this thread, if any."""
-    return getattr(_RAGGED, "dispatch", None)
+@contextmanager
+def ragged(cache: "GrowingCache", layout: RaggedLayout) -> Iterator[None]:
+    """Within this block ``cache``'s forwards are ragged: it scatters the flat ``[1, H, N, D]`` KV
+    it is given to its rows by ``layout`` (pass the same layout to the engine's attention)."""
+    outer, cache.layout = cache.layout, layout
+    try:
+        yield
+    finally:
+        cache.layout = outer
 
 
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose ``keys`` / ``values`` are views of the first slots of a
     :class:`~dyntree.common.kv_store.KVStore`; :meth:`update` writes the new tokens into its free
-    slots (the store grows by a quarter when they run out), scattered to their rows in a
-    :func:`ragged` forward."""
+    slots (the store grows by a quarter when they run out)."""
 
     store: KVStore | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        layout = active_layout()
-        if layout is not None:
-            key_states, value_states = layout.pad(key_states), layout.pad(value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = self.keys.shape[2] if self.keys.dim() == 4 else 0
@@ -118,10 +109,18 @@ class GrowingLayer(DynamicLayer):
 
 
 class GrowingCache(DynamicCache):
-    """A ``DynamicCache`` of :class:`GrowingLayer` (one per decoder layer, created on first use)."""
+    """A ``DynamicCache`` of :class:`GrowingLayer` (one per decoder layer, created on first use);
+    in a :func:`ragged` forward it scatters the flat new KV to its rows by :attr:`layout`."""
 
     def __init__(self) -> None:
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+        self.layout: RaggedLayout | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.layout is not None:
+            key_states, value_states = self.layout.pad(key_states), self.layout.pad(value_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 def seq_len(cache: DynamicCache) -> int:

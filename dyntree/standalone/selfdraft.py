@@ -123,14 +123,16 @@ class HFSelfDraft:
                 if self.fused is not None:
                     hidden = self.decoder.embed_tokens(tokens)
                     cos, sin = self.decoder.rotary_emb(hidden, positions)
-                    hidden = rms_norm(run_layers(self.fused, hidden, hf_rope(cos, sin), mask, self._kv), self._norm)
+                    hidden = rms_norm(run_layers(self.fused, hidden, hf_rope(cos, sin), mask, self._kv,
+                                                 self.engine.attention), self._norm)
                 else:
                     if mask is None:  # the decoder's own default would be causal
                         keys = self._kv.get_seq_length() + tokens.shape[1]
                         mask = torch.zeros(tokens.shape[0], 1, tokens.shape[1], keys, dtype=self.dtype,
                                            device=self.device)
                     hidden = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                                          past_key_values=self._kv, use_cache=True).last_hidden_state
+                                          past_key_values=self._kv, use_cache=True,
+                                          **self.engine.attention_kwargs()).last_hidden_state
                 logits = self.lm_head(hidden)
         finally:
             self._kv.prefix = [None] * len(self._kv.prefix)

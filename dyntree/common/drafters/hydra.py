@@ -38,7 +38,7 @@ from dyntree.common.drafter import Candidates, DraftRequest, Drafter, TargetInfo
 from dyntree.common.calibration import AcceptanceTable
 from dyntree.common.hydra import HydraHeads, PrefixKV, TargetIdentity
 from dyntree.common.hydra_checkpoint import load_acceptance, load_heads
-from dyntree.kernels.cpu_linear import int8_available
+from dyntree.kernels.cpu_linear import LinearDispatch, int8_available
 
 if TYPE_CHECKING:
     from dyntree.common.builder import PartialTree
@@ -151,6 +151,9 @@ class HydraDrafter(Drafter):
 
     def release(self, request_id: Hashable) -> None:
         self._state.pop(request_id, None)
+
+    def route_linears(self, dispatch: "LinearDispatch | None") -> None:
+        self.heads.router.dispatch = dispatch
 
     def _inputs(self, requests: Sequence[DraftRequest]) -> list[torch.Tensor | None]:
         """The heads' input ``[d]`` per request (``None``: no state yet, nothing to draft from)."""

@@ -23,6 +23,7 @@ from dyntree.common.drafter import Candidates, DraftRequest, Drafter
 if TYPE_CHECKING:
     from dyntree.common.builder import PartialTree
     from dyntree.common.config import SamplingParams
+    from dyntree.kernels.cpu_linear import LinearDispatch
 
 __all__ = ["UnionDrafter", "merge_candidates"]
 
@@ -96,3 +97,7 @@ class UnionDrafter(Drafter):
     def release(self, request_id: Hashable) -> None:
         for p in self.parts:
             p.release(request_id)
+
+    def route_linears(self, dispatch: "LinearDispatch | None") -> None:
+        for p in self.parts:
+            p.route_linears(dispatch)
