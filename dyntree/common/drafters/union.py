@@ -79,7 +79,9 @@ class UnionDrafter(Drafter):
         return merge_candidates([p.expand(requests, frontiers, partials, k, shaping, entropy) for p in self.parts], k)
 
     def can_draft(self, requests: Sequence[DraftRequest]) -> list[bool] | None:
-        """Any part would draft (unknown if a part cannot tell)."""
+        """Any part would draft (unknown if a part cannot tell: the others are not asked)."""
+        if any(type(p).can_draft is Drafter.can_draft for p in self.parts):
+            return None
         answers = [p.can_draft(requests) for p in self.parts]
         if any(a is None for a in answers):
             return None
