@@ -1,9 +1,10 @@
-"""Where a batch-1 decoding step's time goes inside vLLM, with and without dyntree.
+"""Where a decoding step's time goes inside vLLM, with and without dyntree.
 
-    python benchmarks/vllm_step_profile.py [--configs none,dyntree,dyntree_ngram] [--out ...]
+    python benchmarks/vllm_step_profile.py [--configs none,dyntree,dyntree_ngram] [--batch 1] [--out ...]
 
 Each config runs in its own process with vLLM's engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-on the ``chat`` prompts of :mod:`vllm_bench` (batch 1, 64 tokens, after an untimed warm-up), with
+on the ``chat`` prompts of :mod:`vllm_bench` (``--batch`` prompts at a time, 64 tokens, after an
+untimed warm-up), with
 timers around the V1 runner's phases: the model forward (``_model_forward``; dyntree's tree
 attention inside it is timed apart), the rest of ``execute_model``, ``sample_tokens`` (logits,
 sampling or tree verification, KV compaction) and the proposer's drafting inside it; what remains
@@ -42,7 +43,7 @@ def _timed(owner: Any, name: str, key: str, totals: dict[str, float], calls: dic
     setattr(owner, name, wrapper)
 
 
-def worker(config: str, dtype: str, max_tokens: int) -> dict[str, Any]:
+def worker(config: str, dtype: str, max_tokens: int, batch: int) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from transformers import AutoTokenizer
@@ -60,6 +61,7 @@ def worker(config: str, dtype: str, max_tokens: int) -> dict[str, Any]:
     _timed(GPUModelRunner, "sample_tokens", "sample_tokens", totals, calls)
     _timed(attention, "tree_rows_attention", "tree_attention", totals, calls)
     _timed(proposer.DynTreeProposer, "propose", "propose", totals, calls)
+    _timed(GPUModelRunner, "_prepare_inputs", "prepare_inputs", totals, calls)
     path = str(model_path("smollm2"))
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
@@ -70,9 +72,9 @@ def worker(config: str, dtype: str, max_tokens: int) -> dict[str, Any]:
     totals.clear()
     calls.clear()
     tokens, started = 0, time.perf_counter()
-    for p in prompts:
-        out = llm.generate([p], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-        tokens += len(out[0].outputs[0].token_ids)
+    for i in range(0, len(prompts), batch):
+        out = llm.generate(prompts[i : i + batch], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+        tokens += sum(len(o.outputs[0].token_ids) for o in out)
     wall = time.perf_counter() - started
     n = calls["execute_model"]
     ms = {k: 1e3 * v / n for k, v in totals.items()}
@@ -81,7 +83,8 @@ def worker(config: str, dtype: str, max_tokens: int) -> dict[str, Any]:
     phases = {
         "vllm_forward": ms["forward"] - tree,
         "tree_attention": tree,
-        "execute_model_rest": ms["execute_model"] - ms["forward"],
+        "prepare_inputs": ms["prepare_inputs"],  # vLLM's own and (dyntree) the step record and tree plan
+        "execute_model_rest": ms["execute_model"] - ms["forward"] - ms["prepare_inputs"],
         "drafting": ms.get("propose", 0.0),
         "sampling_and_verify": ms["sample_tokens"] - ms.get("propose", 0.0),
         "engine_loop": step_ms - ms["execute_model"] - ms["sample_tokens"],
@@ -96,6 +99,7 @@ def main() -> int:
     ap.add_argument("--configs", default="none,dyntree,dyntree_ngram")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1, help="prompts decoded together")
     ap.add_argument("--out")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -106,14 +110,16 @@ def main() -> int:
     if args.dtype == "auto":
         args.dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[pick_dtype("auto", torch.device("cpu"))[0]]
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.dtype, args.max_tokens)), flush=True)
+        print("RESULT " + json.dumps(worker(args.worker, args.dtype, args.max_tokens, args.batch)), flush=True)
         return 0
     short = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
-    out = Path(args.out or ROOT / "benchmarks" / "results" / "vllm_step_profile" / f"{machine_kind()}_{short}.json")
+    tag = "" if args.batch == 1 else f"_b{args.batch}"
+    out = Path(args.out or ROOT / "benchmarks" / "results" / "vllm_step_profile" / f"{machine_kind()}_{short}{tag}.json")
     results = {}
     for c in args.configs.split(","):
         proc = subprocess.run([sys.executable, __file__, "--worker", c, "--dtype", args.dtype,
-                               "--max-tokens", str(args.max_tokens)], capture_output=True, text=True)
+                               "--max-tokens", str(args.max_tokens), "--batch", str(args.batch)],
+                              capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
             print(proc.stderr[-4000:], file=sys.stderr)
@@ -127,7 +133,8 @@ def main() -> int:
 
     doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_kind(), "cpu": cpu,
            "dtype": short, "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-           "setting": f"batch 1, {len(prompt_rows()['chat'])} chat prompts x {args.max_tokens} tokens, in-process engine",
+           "setting": f"batch {args.batch}, {len(prompt_rows()['chat'])} chat prompts x {args.max_tokens} tokens, "
+                      "in-process engine",
            "configs": results,
            "summary": {c: f"{r['share_outside_vllm_forward']:.0%} of a step outside vLLM's forward "
                           f"({r['step_ms']:.1f} ms/step)" for c, r in results.items()}}
