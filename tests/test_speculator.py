@@ -136,6 +136,22 @@ def test_root_only_batch_accepts_the_argmax_like_a_tree() -> None:
     assert mixed.tokens[0] == res.tokens[0] and mixed.accept_index[:, :1].tolist() == res.accept_index.tolist()
 
 
+def test_a_root_only_batch_takes_the_engines_own_sampled_tokens() -> None:
+    """A step in which nobody drafted is plain decoding: an engine that sampled the next tokens
+    itself (vLLM's sampler) hands them over as ``[N]``, sampled requests included; a tree that
+    drafted still needs the logits for a sampled request."""
+    sp = Speculator(NoDrafter(), SpecConfig(drafter="none", adaptive=False), vocab_size=V)
+    tokens = {rid: list(p) for rid, p in PROMPTS.items()}
+    hot = SamplingParams(temperature=0.9)
+    batch = sp.propose([SpecRequest(rid, t, hot) for rid, t in tokens.items()])
+    drawn = torch.arange(batch.batch_size) + 3
+    res = sp.accept(batch, drawn)
+    assert res.tokens == [[int(t)] for t in drawn] and res.accept_len.tolist() == [1] * batch.batch_size
+    chain = DraftBatch.from_trees(["a"], [DraftTree.chain(tokens["a"][-1], [4, 5])])
+    with pytest.raises(ValueError, match="pass logits, not argmax"):
+        sp._verify(chain, torch.tensor([1, 2, 3]), [hot], None)
+
+
 class Recorder(Drafter):
     """Root-only trees; records the hidden states pushed to it and its budgets."""
 

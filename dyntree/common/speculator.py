@@ -282,7 +282,9 @@ class Speculator:
         Args:
             batch: this step's :meth:`propose` result.
             target: ``[N, V]`` target logits, one row per flat node (the distribution of the token
-                after it), or ``[N]`` target argmax (greedy requests only).
+                after it), or ``[N]`` target argmax (greedy requests only); for a batch of
+                root-only trees (nobody drafted: a step of plain decoding), ``[N]`` may also be
+                the tokens the engine's own sampler drew from the target's distribution.
             generator: random source of sampled requests (CPU).
             forward_ms: the engine's measured verify forward (refines the controller's cost model).
             overhead_ms: time the trees cost the engine outside the target's own forward (e.g. a
@@ -311,7 +313,8 @@ class Speculator:
         if target.shape[0] != n or target.dim() not in (1, 2):
             raise ValueError(f"accept: target must be [{n}, V] logits or [{n}] argmax, got {tuple(target.shape)}")
         argmax = target if target.dim() == 1 else argmax_rows(target)
-        if n == batch.batch_size and all(p.greedy for p in params):  # root-only trees: plain greedy decoding
+        if n == batch.batch_size and (target.dim() == 1 or all(p.greedy for p in params)):
+            # root-only trees: plain decoding (greedy, or the engine sampled each next token itself)
             return AcceptResult(list(batch.request_ids), torch.zeros(n, 1, dtype=torch.int64),
                                 torch.ones(n, dtype=torch.int64), [[t] for t in argmax.tolist()])
         padded = batch.padded()

@@ -12,11 +12,12 @@ linear KV slots. Each step the hooks build one explicit
   given the :class:`~dyntree.vllm_plugin.step.TreeStep` to plan into the step's attention metadata,
   which reaches every layer through vLLM's forward context;
 * ``_sample``: the speculator verifies the trees (greedy or lossless sampling) on the unmodified
-  logits; every decoding request it drafted for carries one (root-only when it drafted nothing,
-  which verifies as plain decoding), so a step of decoding rows is verified whole and its time and
-  tokens reach the adaptive controller's outcome check, as in the standalone engine; vLLM's own
-  sampler serves the rest (prefill chunks, requests that do not speculate) and is skipped when
-  nothing is left. The accepted path plus bonus replaces the request's row of
+  logits; every decoding request it drafted for carries one (root-only when it drafted nothing),
+  so a step of decoding rows is verified whole and its time and tokens reach the adaptive
+  controller's outcome check, as in the standalone engine; vLLM's own sampler serves the rest
+  (prefill chunks, requests that do not speculate) and is skipped when nothing is left. A step in
+  which nobody drafted is plain decoding: vLLM's sampler draws it, and its tokens are reported to
+  the speculator as the root-only trees' outcome. The accepted path plus bonus replaces the request's row of
   ``sampled_token_ids`` (``-1`` padded, so the scheduler rolls back exactly the rejected slots),
   and the accepted nodes' KV moves to positions ``prefix .. prefix + len - 1`` (compaction, by
   each builder over its own cache layout; a depth-first tree whose accepted path is its
@@ -112,12 +113,15 @@ def _sample(orig: Any) -> Any:
             proposer.speculator.observe_forward(step.decode_tokens, forward_ms)
         if tree is None or logits is None or proposer is None or (spec_decode_metadata is None and not whole):
             return orig(self, logits, spec_decode_metadata)
-        if spec_decode_metadata is None:  # nothing was drafted: one logits row per request
-            flat, width = torch.tensor(tree.rows), 1
-        else:
-            ends = spec_decode_metadata.cu_num_sampled_tokens.tolist()
-            flat = torch.cat([torch.arange(ends[i] - t.size, ends[i]) for i, t in zip(tree.rows, tree.batch.trees)])
-            width = spec_decode_metadata.max_spec_len + 1
+        if spec_decode_metadata is None:  # nobody drafted: a step of plain decoding, by vLLM's own sampler
+            out = orig(self, logits, spec_decode_metadata)
+            sampled = out.sampled_token_ids[torch.tensor(tree.rows, device=out.sampled_token_ids.device), 0]
+            tree.accept = proposer.speculator.accept(tree.batch, sampled.cpu().to(torch.int64), proposer.generator,
+                                                     forward_ms=forward_ms if step.decode_tokens else None)
+            return out
+        ends = spec_decode_metadata.cu_num_sampled_tokens.tolist()
+        flat = torch.cat([torch.arange(ends[i] - t.size, ends[i]) for i, t in zip(tree.rows, tree.batch.trees)])
+        width = spec_decode_metadata.max_spec_len + 1
         # verified first: vLLM's sampler may scale the logits in place. A whole step of decoding
         # rows is reported as such: the controller checks its outcome, as the standalone engine's
         tree.accept = res = proposer.speculator.accept(
