@@ -55,7 +55,6 @@ def check_version(version: str, platform: str = "cpu") -> None:
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point (see the module docstring)."""
-    import vllm
     from vllm.engine.arg_utils import EngineArgs
 
     from dyntree.vllm_plugin.options import ENV

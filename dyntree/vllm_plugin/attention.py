@@ -39,7 +39,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from dyntree.vllm_plugin.kv_layout import KVLayout
 from dyntree.vllm_plugin.mirror import PrefixMirror
-from dyntree.vllm_plugin.step import Move, TreeStep
+from dyntree.vllm_plugin.step import Move, TreeStep, refuse_attention_features
 
 __all__ = ["TreeRows", "TreeAttentionPlan", "plan_tree_rows", "tree_rows_attention", "TreeCPUAttentionMetadata",
            "TreeCPUAttentionMetadataBuilder", "TreeCPUAttentionImpl", "TreeCPUAttentionBackend"]
@@ -192,9 +192,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.logits_soft_cap or self.sinks is not None or self.alibi_slopes is not None or self.sliding_window != -1:
-            raise RuntimeError("dyntree tree attention does not support logit soft-capping, attention sinks, ALiBi "
-                               "or sliding windows (this model uses one); drop method 'dyntree'")
+        refuse_attention_features(self.logits_soft_cap, self.sinks, self.alibi_slopes, self.sliding_window != -1)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

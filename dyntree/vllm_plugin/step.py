@@ -27,7 +27,15 @@ from dyntree.common.tree import DraftBatch, DraftTree
 if TYPE_CHECKING:
     from dyntree.vllm_plugin.attention import TreeAttentionPlan
 
-__all__ = ["TreeStep", "StepRecord", "Move", "TreeAttentionBuilder", "ablations", "plan_trees"]
+__all__ = ["TreeStep", "StepRecord", "Move", "TreeAttentionBuilder", "ablations", "plan_trees", "refuse_attention_features"]
+
+
+def refuse_attention_features(soft_cap: float | None, sinks: object, alibi: object, sliding: bool) -> None:
+    """A tree attention backend's start-up fence: the attention features its tree rows do not
+    reproduce, refused by name when the model's layers use one."""
+    if soft_cap or sinks is not None or alibi is not None or sliding:
+        raise RuntimeError("dyntree tree attention does not support logit soft-capping, attention sinks, ALiBi "
+                           "or sliding windows (this model uses one); drop method 'dyntree'")
 
 
 def ablations() -> frozenset[str]:

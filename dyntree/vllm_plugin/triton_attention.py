@@ -38,7 +38,7 @@ from vllm.v1.attention.backends.triton_attn import (
 from dyntree.kernels._triton import Backend
 from dyntree.kernels.ancestor_bits import pack_ancestor_bits
 from dyntree.kernels.dispatch import kv_compact_vllm, tree_attention_vllm
-from dyntree.vllm_plugin.step import Move, TreeStep
+from dyntree.vllm_plugin.step import Move, TreeStep, refuse_attention_features
 
 __all__ = ["TreeTritonPlan", "plan_tree_batch", "without_tree_prefix", "tree_rows_triton", "compact_triton", "TreeTritonAttentionMetadata",
            "TreeTritonAttentionMetadataBuilder", "TreeTritonAttentionImpl", "TreeTritonAttentionBackend"]
@@ -175,10 +175,8 @@ class TreeTritonAttentionImpl(TritonAttentionImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if (self.logits_soft_cap or self.sinks is not None or self.alibi_slopes is not None
-                or tuple(self.sliding_window) != (-1, -1)):
-            raise RuntimeError("dyntree tree attention does not support logit soft-capping, attention sinks, ALiBi "
-                               "or sliding windows (this model uses one); drop method 'dyntree'")
+        refuse_attention_features(self.logits_soft_cap, self.sinks, self.alibi_slopes,
+                                  tuple(self.sliding_window) != (-1, -1))
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
