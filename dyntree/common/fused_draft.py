@@ -11,8 +11,8 @@ module computes the same layer:
 
 with the target's projections stacked and quantized as one weight each (the same codes and scales
 as quantizing them one by one: every output row has its own), :func:`rms_norm` as three ops and
-:func:`~dyntree.kernels.cpu_attention.attend` (grouped-query attention, by the routing the caller passes). It
-reads the target's norms and rotary, so it is the draft the HF path runs, up to float rounding
+:func:`~dyntree.kernels.cpu_attention.attend` (grouped-query attention, by the routing the caller
+passes). It reads the target's norms and rotary, so it is the draft the HF path runs, up to float rounding
 and the norms' epsilon, without the HF path's per-projection copies; :func:`fuse_layers` returns
 ``None`` (and the caller keeps the HF path) for any layer that is not exactly that shape, or
 whose stacked projections no kernel serves. An engine whose layers already hold stacked weights

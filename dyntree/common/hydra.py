@@ -451,7 +451,7 @@ class HydraHeads(nn.Module):
             persistent=True,
         )
         #: the heads' linears' CPU routing (:mod:`dyntree.kernels.cpu_linear`): the engine's dispatch
-        #: when it offers one (``TargetInfo.linear_dispatch``), else stock ``F.linear``
+        #: when it hands one over (``Drafter.route_linears``), else stock ``F.linear``
         self.router = LinearRouter()
         install(self, self.router)
         self._out_int8: Int8Weight | _Int8Rows | None = None

@@ -15,8 +15,9 @@ none copying K/V per group:
 that are views of bigger buffers as the engines' are, for a head shape
 and dtype (once, kept on disk per CPU, torch version, threads, dtype and shape), and
 :class:`AttentionDispatch` picks, per call, the fastest at the nearest grid point (log scale).
-:func:`attend` follows the dispatch it is given, and is ``gqa`` without one. The three compute the same attention with a different summation order, like
-any two kernels; fp32 results agree to rounding.
+:func:`attend` follows the dispatch it is given, and is ``gqa`` without one. The three compute
+the same attention with a different summation order, like any two kernels; fp32 results agree to
+rounding.
 """
 
 from __future__ import annotations

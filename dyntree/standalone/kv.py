@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from dyntree.common.kv_store import KVStore, append_kv
+
 __all__ = ["GrowingCache", "GrowingLayer", "RaggedLayout", "ragged", "seq_len", "append_rows", "compact", "crop",
            "select_rows"]
 

@@ -90,13 +90,13 @@ def plan_tree_batch(step: TreeStep, branching: list[int], device: torch.device, 
                           backend)
 
 
-def without_tree_prefix(seq_lens: torch.Tensor, step: TreeStep, branching: list[int]) -> torch.Tensor:
-    """A copy of vLLM's per-request ``seq_lens`` (device) in which each branching tree's request is
-    only its tree: vLLM's kernel then reads no prefix for rows whose output the tree kernel replaces."""
-    rows = torch.tensor([step.rows[b] for b in branching]).to(seq_lens.device, non_blocking=True)
-    sizes = torch.tensor([step.masks[b].shape[0] for b in branching], dtype=seq_lens.dtype)
+def without_tree_prefix(seq_lens: torch.Tensor, plan: TreeTritonPlan) -> torch.Tensor:
+    """A copy of vLLM's per-request ``seq_lens`` (device) in which each of ``plan``'s tree requests
+    is only its tree: vLLM's kernel then reads no prefix for rows whose output the tree kernel
+    replaces (device ops on the plan's tensors: no host work, no copy)."""
+    qsl = plan.query_start_loc
     out = seq_lens.clone()
-    out[rows] = sizes.to(seq_lens.device, non_blocking=True)
+    out[plan.block_table_rows.long()] = (qsl[1:] - qsl[:-1]).to(out.dtype)
     return out
 
 
@@ -164,7 +164,7 @@ class TreeTritonAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
         plan = None
         if step is not None and branching:
             plan = plan_tree_batch(step, branching, self.device)
-            seq_lens = without_tree_prefix(common_attn_metadata.seq_lens, step, branching)
+            seq_lens = without_tree_prefix(common_attn_metadata.seq_lens, plan)
             common_attn_metadata = replace(common_attn_metadata, seq_lens=seq_lens)
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
         return TreeTritonAttentionMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, tree=plan)

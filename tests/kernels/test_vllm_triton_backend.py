@@ -141,13 +141,13 @@ def test_controls_change_the_rows(control: str) -> None:
 def test_vllms_kernel_reads_no_prefix_for_branching_trees() -> None:
     from dyntree.common.tree import DraftBatch, DraftTree
     from dyntree.vllm_plugin.step import TreeStep
-    from dyntree.vllm_plugin.triton_attention import without_tree_prefix
+    from dyntree.vllm_plugin.triton_attention import plan_tree_batch, without_tree_prefix
 
     trees = [DraftTree.chain(5, [6]), _branching_tree(), _small_tree()]
     step = TreeStep(DraftBatch.from_trees(["a", "b", "c"], trees), [2, 0, 3], [9, 0, 11], [40, 30, 20],
                     [t.ancestor_mask() for t in trees])
     seq_lens = torch.tensor([37, 9, 42, 24, 5], dtype=torch.int32)
-    out = without_tree_prefix(seq_lens, step, step.branching)
+    out = without_tree_prefix(seq_lens, plan_tree_batch(step, step.branching, DEVICE))
     assert out.tolist() == [7, 9, 42, 4, 5] and seq_lens.tolist() == [37, 9, 42, 24, 5]  # a copy
 
 

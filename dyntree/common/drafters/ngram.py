@@ -145,15 +145,10 @@ class NgramDrafter(Drafter):
         return dict(zip(toks, p.tolist()))
 
     def can_draft(self, requests: Sequence[DraftRequest]) -> list[bool]:
-        """Whether each request's committed suffix occurs earlier with a token after it (a few
-        dict lookups; the index is brought up to date as :meth:`propose` would)."""
-        out = []
-        for req in requests:
-            index = self._indexed(req)
-            toks, opt = index.tokens, self.options
-            out.append(any(c < len(toks) for n in range(min(opt.max_n, len(toks)), opt.min_n - 1, -1)
-                           for c in index.follow.get(tuple(toks[len(toks) - n :]), ())))
-        return out
+        """Whether each request's committed suffix occurs earlier with a token after it: the
+        lookup :meth:`propose` starts from (the index brought up to date as it would be)."""
+        context = max(MAX_MATCH, self.options.max_n)
+        return [bool(self._matches(index, index.tokens[-context:])) for index in map(self._indexed, requests)]
 
     def release(self, request_id: Hashable) -> None:
         self._index.pop(request_id, None)
