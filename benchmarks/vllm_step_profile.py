@@ -3,7 +3,7 @@
     python benchmarks/vllm_step_profile.py [--configs none,dyntree,dyntree_ngram] [--batch 1] [--out ...]
 
 Each config runs in its own process with vLLM's engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-on the ``chat`` prompts of :mod:`vllm_bench` (``--batch`` prompts at a time, 64 tokens, after an
+on the ``chat`` (or ``--set code``) prompts of :mod:`vllm_bench` (``--batch`` prompts at a time, 64 tokens, after an
 untimed warm-up), with
 timers around the V1 runner's phases: the model forward (``_model_forward``; dyntree's tree
 attention inside it is timed apart), the rest of ``execute_model``, ``sample_tokens`` (logits,
@@ -43,7 +43,7 @@ def _timed(owner: Any, name: str, key: str, totals: dict[str, float], calls: dic
     setattr(owner, name, wrapper)
 
 
-def worker(config: str, dtype: str, max_tokens: int, batch: int) -> dict[str, Any]:
+def worker(config: str, dtype: str, max_tokens: int, batch: int, prompt_set: str) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from transformers import AutoTokenizer
@@ -62,10 +62,17 @@ def worker(config: str, dtype: str, max_tokens: int, batch: int) -> dict[str, An
     _timed(attention, "tree_rows_attention", "tree_attention", totals, calls)
     _timed(proposer.DynTreeProposer, "propose", "propose", totals, calls)
     _timed(GPUModelRunner, "_prepare_inputs", "prepare_inputs", totals, calls)
+    execute = GPUModelRunner.execute_model
+
+    def counting(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        totals["query_rows"] += scheduler_output.total_num_scheduled_tokens
+        return execute(self, scheduler_output, *args, **kwargs)
+
+    GPUModelRunner.execute_model = counting
     path = str(model_path("smollm2"))
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
-                                       add_generation_prompt=True) for r in prompt_rows()["chat"]]
+                                       add_generation_prompt=True) for r in prompt_rows()[prompt_set]]
     llm = LLM(model=path, dtype=dtype, max_model_len=2048, seed=0, enforce_eager=True, disable_log_stats=False,
               speculative_config=CONFIGS[config])
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
@@ -90,6 +97,7 @@ def worker(config: str, dtype: str, max_tokens: int, batch: int) -> dict[str, An
         "engine_loop": step_ms - ms["execute_model"] - ms["sample_tokens"],
     }
     return {"steps": n, "tokens": tokens, "tokens_per_s": tokens / wall, "step_ms": step_ms,
+            "query_rows_per_step": round(totals["query_rows"] / n, 2),
             "phases_ms": {k: round(v, 3) for k, v in phases.items()},
             "share_outside_vllm_forward": round(1 - phases["vllm_forward"] / step_ms, 4)}
 
@@ -100,6 +108,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1, help="prompts decoded together")
+    ap.add_argument("--set", default="chat", choices=("chat", "code"), help="prompt set (vllm_bench's)")
     ap.add_argument("--out")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -110,15 +119,15 @@ def main() -> int:
     if args.dtype == "auto":
         args.dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[pick_dtype("auto", torch.device("cpu"))[0]]
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.dtype, args.max_tokens, args.batch)), flush=True)
+        print("RESULT " + json.dumps(worker(args.worker, args.dtype, args.max_tokens, args.batch, args.set)), flush=True)
         return 0
     short = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
-    tag = "" if args.batch == 1 else f"_b{args.batch}"
+    tag = ("" if args.batch == 1 else f"_b{args.batch}") + ("" if args.set == "chat" else f"_{args.set}")
     out = Path(args.out or ROOT / "benchmarks" / "results" / "vllm_step_profile" / f"{machine_kind()}_{short}{tag}.json")
     results = {}
     for c in args.configs.split(","):
         proc = subprocess.run([sys.executable, __file__, "--worker", c, "--dtype", args.dtype,
-                               "--max-tokens", str(args.max_tokens), "--batch", str(args.batch)],
+                               "--max-tokens", str(args.max_tokens), "--batch", str(args.batch), "--set", args.set],
                               capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
@@ -126,14 +135,14 @@ def main() -> int:
             raise SystemExit(f"config {c} failed")
         results[c] = json.loads(line.removeprefix("RESULT "))
         r = results[c]
-        print(f"{c:14s} {r['tokens_per_s']:.1f} tok/s, {r['step_ms']:.1f} ms/step: "
+        print(f"{c:14s} {r['tokens_per_s']:.1f} tok/s, {r['step_ms']:.1f} ms/step, {r['query_rows_per_step']} rows/step: "
               + ", ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items()), flush=True)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
     import vllm
 
     doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_kind(), "cpu": cpu,
            "dtype": short, "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-           "setting": f"batch {args.batch}, {len(prompt_rows()['chat'])} chat prompts x {args.max_tokens} tokens, "
+           "setting": f"batch {args.batch}, {len(prompt_rows()[args.set])} {args.set} prompts x {args.max_tokens} tokens, "
                       "in-process engine",
            "configs": results,
            "summary": {c: f"{r['share_outside_vllm_forward']:.0%} of a step outside vLLM's forward "

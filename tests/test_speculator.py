@@ -243,7 +243,8 @@ def test_sampled_requests_verify_losslessly_on_the_first_token() -> None:
 
 def test_engine_timings_reach_the_controller() -> None:
     """An engine that times whole forwards reports them with ``observe_forward``; time its trees
-    add outside the target forward (``accept(overhead_ms=...)``) is priced with the drafting."""
+    add outside the target forward (``accept(overhead_ms=...)``) is priced with the drafting, or
+    per branching tree when the step has some."""
     from dyntree.common.cost_model import CostModel
 
     sp = Speculator(make_drafter("ngram"), SpecConfig(adaptive=True, max_nodes=4, max_depth=4), vocab_size=V,
@@ -252,7 +253,7 @@ def test_engine_timings_reach_the_controller() -> None:
     sp.prepare()
     assert sp.controller is not None
     sp.observe_forward(16, 40.0)
-    assert sp.controller.cost(16) == pytest.approx(40.0)
+    assert sp.controller.cost(16) == pytest.approx(25.0)  # toward 40 ms, by at most 1.25x per forward
     tokens = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
     for _ in range(20):
         batch = sp.propose([SpecRequest("a", tokens)])
@@ -264,6 +265,18 @@ def test_engine_timings_reach_the_controller() -> None:
     assert res.tokens[0]
     assert sp.controller.draft_cost(int(batch.depths.max()), batch.num_drafts) > before + 100
     assert sp.controller.outcome_factor() == 1.0  # no forward timing: no outcome to check
+    # with branching trees in the step, that time is the engine's price of a branching tree
+    branchy = [5, 1, 2, 9, 5, 1, 3, 9, 5, 1]  # "5 1" went on with 2 and with 3: siblings
+    sp = Speculator(make_drafter("ngram"), SpecConfig(adaptive=True, max_nodes=4, max_depth=4), vocab_size=V,
+                    cost_model=CostModel({1: 10.0, 16: 10.5}, lr=1.0))
+    for _ in range(20):
+        batch = sp.propose([SpecRequest("b", branchy)])
+        if batch.trees[0].size - 1 > batch.trees[0].max_depth:
+            break
+    assert batch.trees[0].size - 1 > batch.trees[0].max_depth
+    sp.accept(batch, toy_logits(batch, {"b": branchy}), overhead_ms=60.0)
+    assert sp.controller.branch_ms == pytest.approx(60.0)
+    assert sp.controller.draft_cost(int(batch.depths.max()), batch.num_drafts) < 30.0  # the drafting alone
     # a speculative verify that took 5x what the cost model predicts: the outcome check sees it
     sp = Speculator(make_drafter("ngram"), SpecConfig(adaptive=True, max_nodes=4, max_depth=4), vocab_size=V,
                     cost_model=CostModel({1: 1000.0, 16: 1000.0}, lr=0.0))

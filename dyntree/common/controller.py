@@ -30,7 +30,11 @@
   request's cache is read once, whatever its query tokens). Drafting is priced too: a :class:`DraftCost`
   (ms vs. tree depth and batch draft nodes) starts from the ``draft_ms_*`` options and is fitted
   online to the measured drafting time of each step (tree building included), so a drafter
-  whose overhead eats the gain is turned down. When a forward's cost grows in proportion to its
+  whose overhead eats the gain is turned down. An engine that spends time per branching tree
+  outside the target's forward (vLLM's CPU tree attention beside its own kernel; a chain needs
+  none) reports it (:meth:`SpeculationController.observe_branching`): each branching tree of a
+  plan is then priced with it, and a chains-only plan is weighed against the plan with trees.
+  When a forward's cost grows in proportion to its
   tokens (compute-bound, high batch) no prefix pays and every request decodes plainly.
 * The outcome check: what each speculative step really committed per measured millisecond
   (drafting and verify) over what its plan predicted, as an EMA kept per batch size (a
@@ -133,6 +137,9 @@ class SpeculationController:
         # speculation must clear (plain_factor).
         self._plain_outcome: dict[int, tuple[float, float]] = {}
         self._pending: tuple[float, int, bool] | None = None  # the last plan: (predicted rate, rows, speculative)
+        # ms an engine spends per branching tree outside the target's forward (EMA; 0 until one
+        # is reported): a chain costs none of it, so with it a chains-only plan is priced too
+        self._branch_ms = 0.0
 
     # -- estimates ------------------------------------------------------------------------------
     def _state(self, rid: Hashable) -> _RequestState:
@@ -207,21 +214,23 @@ class SpeculationController:
         delivery only scales a table (the best depth does not change)."""
         return self._table(alpha, delivery)[0]
 
-    def _table(self, alpha: float, delivery: float) -> tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]:
-        """:meth:`expected_table` and the steps of its upper concave hull (:meth:`_hull`), cached."""
+    def _table(self, alpha: float, delivery: float,
+               chains: bool = False) -> tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]:
+        """:meth:`expected_table` (``chains``: of chains only) and the steps of its upper concave
+        hull (:meth:`_hull`), cached."""
         n_max = self.budget.max_nodes
         if self.budget.max_depth == 0:
             return ([0.0] * (n_max + 1), [0] * (n_max + 1)), []
         gain, profile = round(self.sibling_gain, 2), tuple(round(r, 2) for r in self.depth_profile)
-        base_key = (round(alpha, 2), 1.0, gain, profile)
-        key = (base_key[0], round(delivery, 2), gain, profile)
+        base_key = (round(alpha, 2), 1.0, gain, profile, chains)
+        key = (base_key[0], round(delivery, 2), gain, profile, chains)
         entry = self._tables.get(key)
         if entry is None:
             if len(self._tables) >= 4096:
                 self._tables.clear()
             base = self._tables.get(base_key)
             if base is None:
-                e, depth = self._expected(base_key[0], gain, profile)
+                e, depth = self._expected(base_key[0], gain, profile, chains)
                 base = self._tables[base_key] = ((e, depth), self._hull(e))
             if key == base_key:
                 return base
@@ -230,18 +239,19 @@ class SpeculationController:
             entry = self._tables[key] = ((scaled, depth), self._hull(scaled))
         return entry
 
-    def _expected(self, alpha: float, gain: float, profile: Sequence[float]) -> tuple[list[float], list[int]]:
+    def _expected(self, alpha: float, gain: float, profile: Sequence[float],
+                  chains: bool = False) -> tuple[list[float], list[int]]:
         """:meth:`expected_table` computed at full delivery: a tree of ``n`` nodes and depth ``d``
         has ``n / d`` nodes per level; level ``j`` catches the target's token with ``beta_j = 1 -
         (1 - alpha_j)^(1 + g (n / d - 1))``, and ``E = beta_1 + beta_1 beta_2 + ...`` (-1: no such
-        tree)."""
+        tree; ``chains``: only ``d = n``)."""
         o = self.options
         miss = [1 - min(max(alpha * r, 0.0), 1 - 1e-9) for r in profile]
         best, depth = [0.0], [0]
         for n in range(1, self.budget.max_nodes + 1):
             e_best, d_best = -1.0, 0  # -1: no such tree
             for d in range(1, min(n, self.budget.max_depth) + 1):
-                if not o.allow_trees and d != n:
+                if (chains or not o.allow_trees) and d != n:
                     continue
                 expo = 1 + gain * (max(n / d, 1.0) - 1)
                 e, reach = 0.0, 1.0
@@ -268,35 +278,23 @@ class SpeculationController:
             return []
         can = list(available) if available is not None else [True] * b
         keys = [(self.alpha(r), self.delivery(r) if ok else 0.0) for r, ok in zip(request_ids, can)]
-        cache = {key: self._table(*key) for key in set(keys)}
-        tables = [cache[k][0] for k in keys]
-        # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
-        segments = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
-        segments.sort(key=lambda s: (-s[0], s[1], s[2]))
-        cost = self.cost
-        plain_ms = cost(b, kv, b)
+        plain_ms = self.cost(b, kv, b)
         plain = b / plain_ms
         raise_bar = self.plain_factor(b)
         bar = plain * raise_bar  # what plain decoding delivers, as measured
         # the two checks together move a plan by at most outcome_bound, as each does alone
         factor = max(self.outcome_factor(b), raise_bar / o.outcome_bound)
-        best_rate, best_k = bar, 0
-        nodes, widest, expected, max_depth, drafting = 0, 0, float(b), 0, 0
-        no_tree = 1.0  # chance that no planned tree is delivered (the forward is then plain)
-        for k, (_, r, lo, hi) in enumerate(segments, start=1):
-            tokens = self._verify_tokens(b, nodes + hi - lo, max(widest, hi))
-            if tokens > o.max_batch_tokens:
-                break
-            nodes, widest = nodes + hi - lo, max(widest, hi)
-            expected += float(tables[r][0][hi] - tables[r][0][lo])
-            max_depth = max(max_depth, int(tables[r][1][hi]))
-            if lo == 0:  # this request's first segment: its tree arrives with its delivery ratio
-                no_tree *= 1.0 - keys[r][1]
-                drafting += 1
-            forward = (1.0 - no_tree) * cost(tokens, kv, b) + no_tree * plain_ms
-            rate = factor * expected / (forward + self.draft_cost(max_depth, nodes, drafting))
+        best_rate, best_k, tables, segments = bar, 0, [], []
+        # trees, and where branching trees cost the engine extra, chains only as well
+        for chains in (False, True) if self._branch_ms > 0 and o.allow_trees else (False,):
+            cache = {key: self._table(*key, chains) for key in set(keys)}
+            # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
+            segs = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
+            segs.sort(key=lambda s: (-s[0], s[1], s[2]))
+            tabs = [cache[k][0] for k in keys]
+            rate, k = self._scan(segs, tabs, keys, kv, plain_ms, factor)
             if rate > best_rate:
-                best_rate, best_k = rate, k
+                best_rate, best_k, tables, segments = rate, k, tabs, segs
         alloc = [0] * b
         for _, r, lo, hi in segments[:best_k]:
             alloc[r] = hi
@@ -328,6 +326,38 @@ class SpeculationController:
                 d = int(tables[r][1][n])
                 plans.append(Plan("chain" if d == n else "tree", n, d))
         return plans
+
+    def _scan(self, segments: list[tuple[float, int, int, int]], tables: list[tuple[list[float], list[int]]],
+              keys: list[tuple[float, float]], kv: int | None, plain_ms: float, factor: float) -> tuple[float, int]:
+        """The best prefix of ``segments`` (merged hull steps, best gain first): its predicted
+        committed tokens per ms (times ``factor``) and length. A prefix pays its verify forward
+        (plain with the chance that no planned tree arrives), its drafting and, per branching tree
+        in it, the engine's extra time for one (:meth:`observe_branching`)."""
+        o, cost, b = self.options, self.cost, len(keys)
+        best_rate, best_k = 0.0, 0
+        nodes, widest, expected, max_depth, drafting, branching = 0, 0, float(b), 0, 0, 0
+        no_tree = 1.0  # chance that no planned tree is delivered (the forward is then plain)
+        alloc = [0] * b
+        for k, (_, r, lo, hi) in enumerate(segments, start=1):
+            tokens = self._verify_tokens(b, nodes + hi - lo, max(widest, hi))
+            if tokens > o.max_batch_tokens:
+                break
+            nodes, widest = nodes + hi - lo, max(widest, hi)
+            expected += float(tables[r][0][hi] - tables[r][0][lo])
+            depth = int(tables[r][1][hi])
+            max_depth = max(max_depth, depth)
+            if lo == 0:  # this request's first segment: its tree arrives with its delivery ratio
+                no_tree *= 1.0 - keys[r][1]
+                drafting += 1
+            else:
+                branching -= int(tables[r][1][lo]) < lo
+            branching += depth < hi
+            alloc[r] = hi
+            forward = (1.0 - no_tree) * cost(tokens, kv, b) + no_tree * plain_ms
+            rate = factor * expected / (forward + self.draft_cost(max_depth, nodes, drafting) + self._branch_ms * branching)
+            if rate > best_rate:
+                best_rate, best_k = rate, k
+        return best_rate, best_k
 
     def _verify_tokens(self, batch: int, nodes: int, widest: int) -> int:
         """Query tokens of the verify forward: roots plus draft nodes, or, for an engine that
@@ -428,6 +458,20 @@ class SpeculationController:
         if nodes > 0 and depth > 0:
             self.draft_cost.observe(depth, nodes, ms, max(rows, 1))
 
+    def observe_branching(self, trees: int, ms: float) -> None:
+        """One step's ``ms`` spent on its ``trees`` branching trees outside the target's forward
+        (an engine's tree-attention pass beside its own kernel), learned per tree (EMA): plans then
+        price each branching tree above a chain of as many nodes, and weigh chains only against trees."""
+        if trees <= 0 or not ms >= 0:
+            raise ValueError(f"observe_branching({trees}, {ms}): trees > 0 and ms >= 0 needed")
+        per, e = ms / trees, self.options.ema
+        self._branch_ms = per if self._branch_ms == 0 else (1 - e) * self._branch_ms + e * per
+
+    @property
+    def branch_ms(self) -> float:
+        """The learned extra ms per branching tree (0 until an engine reports one)."""
+        return self._branch_ms
+
     def release(self, request_id: Hashable) -> None:
         self._requests.pop(request_id, None)
         self._planned.pop(request_id, None)
@@ -435,6 +479,7 @@ class SpeculationController:
     def predicted_rate(self, request_ids: Sequence[Hashable], plans: Sequence[Plan], kv: int | None = None) -> float:
         """Predicted committed tokens per millisecond of ``plans`` (for logs and tests)."""
         nodes, expected, depth, no_tree, drafting = 0, float(len(plans)), 0, 1.0, 0
+        branching = sum(p.mode == "tree" for p in plans)
         for rid, p in zip(request_ids, plans):
             if p.max_nodes:
                 drafting += 1
@@ -446,4 +491,4 @@ class SpeculationController:
         tokens = self._verify_tokens(len(plans), nodes, max((p.max_nodes for p in plans), default=0))
         b = len(plans)
         forward = (1.0 - no_tree) * self.cost(tokens, kv, b) + no_tree * self.cost(b, kv, b)
-        return expected / (forward + self.draft_cost(depth, nodes, drafting))
+        return expected / (forward + self.draft_cost(depth, nodes, drafting) + self._branch_ms * branching)

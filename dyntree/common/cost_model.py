@@ -161,10 +161,14 @@ class CostModel:
             self._ys = {1: list(self._start)}
             return
         ys = self._ys.setdefault(batch_bucket(rows), list(self._start))
-        ratio = min(max(ms / max(self(n_tokens, kv, rows), 1e-6), 0.5), 2.0)  # one odd step moves it little
+        # one odd step moves it little: a measurement counts as at most 1.25x (at least 0.8x) the
+        # prediction, so a spike of the machine at a size that is rarely timed again (the verify
+        # shape that then looks too dear to plan) is not learned as that size's cost
+        ratio = min(max(ms / max(self(n_tokens, kv, rows), 1e-6), _CLIP_LOW), _CLIP_HIGH)
+        target = ratio * self(n_tokens, kv, rows)
         level = 1 + self.lr / 2 * (ratio - 1)
         ys[:] = [y * level for y in ys]
-        err = ms - self(n_tokens, kv, rows)
+        err = target - self(n_tokens, kv, rows)
         i, w = self._segment(n_tokens)
         if len(self.xs) == 1:
             ys[0] += self.lr * err * self.xs[0] / max(n_tokens, self.xs[0])
@@ -173,6 +177,9 @@ class CostModel:
             ys[i] += self.lr * (1 - w) * err
             ys[i + 1] += self.lr * w * err
         ys[:] = _monotone([max(y, 1e-6) for y in ys])
+
+
+_CLIP_LOW, _CLIP_HIGH = 0.8, 1.25  # CostModel.observe: how far one measurement may pull
 
 
 def batch_bucket(rows: int) -> int:

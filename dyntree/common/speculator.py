@@ -288,8 +288,9 @@ class Speculator:
             generator: random source of sampled requests (CPU).
             forward_ms: the engine's measured verify forward (refines the controller's cost model).
             overhead_ms: time the trees cost the engine outside the target's own forward (e.g. a
-                tree-attention pass beside the engine's kernel); the controller prices it with
-                the drafting time, as a cost of speculating at all.
+                tree-attention pass beside the engine's kernel for branching trees); with branching
+                trees in ``batch`` the controller prices it per branching tree
+                (``observe_branching``), else with the drafting time.
         """
         t0 = time.perf_counter()
         result = self._verify(batch, target, [self._params[rid] for rid in batch.request_ids], generator)
@@ -404,7 +405,12 @@ class Speculator:
         st = self.stats
         if self.controller is not None and self._draft_ms is not None:
             depth, nodes, draft_ms, drafting = self._draft_ms
-            self.controller.observe_draft(depth, nodes, draft_ms + overhead_ms, drafting)
+            branching = sum(t.size - 1 > t.max_depth for t in batch.trees)
+            if overhead_ms > 0 and branching:  # the engine's extra time for branching trees
+                self.controller.observe_branching(branching, overhead_ms)
+                self.controller.observe_draft(depth, nodes, draft_ms, drafting)
+            else:
+                self.controller.observe_draft(depth, nodes, draft_ms + overhead_ms, drafting)
             if forward_ms is not None:
                 self.controller.observe_outcome(sum(len(t) for t in result.tokens), forward_ms + draft_ms + overhead_ms)
         self._draft_ms = None

@@ -77,7 +77,8 @@ class TreeAttentionPlan:
     requests: list[TreeRows]
     layers: dict[str, int]  # layer name -> index in the mirror
     mirror: PrefixMirror
-    spent_ms: float = 0.0  # summed over layers: the controller prices it as a cost of speculating
+    spent_ms: float = 0.0  # summed over layers, mirror fill included
+    fill_ms: float = 0.0  # of which copying committed positions into the mirror
 
 
 @dataclass
@@ -176,8 +177,10 @@ def tree_rows_attention(plan: TreeAttentionPlan, layer_name: str, query: torch.T
     for r in plan.requests:
         buf = plan.mirror.buffer(r.request_id)[index]  # [2, Hkv, capacity, D]
         if r.sync_index.numel():
+            started = time.perf_counter()
             new = flat.index_select(0, r.sync_index).view(2, -1, hkv, d)
             buf[:, :, r.synced : r.prefix].copy_(new.transpose(1, 2))
+            plan.fill_ms += (time.perf_counter() - started) * 1e3
         rows, end = slice(r.start, r.start + r.size), r.prefix + r.size
         buf[0, :, r.prefix : end].copy_(key[rows].transpose(0, 1))
         buf[1, :, r.prefix : end].copy_(value[rows].transpose(0, 1))

@@ -126,7 +126,7 @@ def _sample(orig: Any) -> Any:
         # rows is reported as such: the controller checks its outcome, as the standalone engine's
         tree.accept = res = proposer.speculator.accept(
             tree.batch, logits[flat.to(logits.device)], proposer.generator,
-            forward_ms=forward_ms if whole and step.decode_tokens else None, overhead_ms=tree_ms)
+            forward_ms=forward_ms if whole and step.decode_tokens else None, overhead_ms=tree_ms - tree.fill_ms)
         if whole:  # vLLM's sampler has nothing left to do
             out = SamplerOutput(torch.full((len(tree.rows), width), -1, dtype=torch.int32, device=logits.device), None)
         else:

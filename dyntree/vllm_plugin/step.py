@@ -61,6 +61,13 @@ class TreeStep:
         return sum(p.spent_ms for p in self.attention)
 
     @property
+    def fill_ms(self) -> float:
+        """Of :attr:`attention_ms`, the time spent filling the CPU mirror with committed positions
+        (a request's whole prefix at its first branching tree: paid once per committed token, not
+        per tree)."""
+        return sum(p.fill_ms for p in self.attention)
+
+    @property
     def branching(self) -> list[int]:
         """The trees (indices into ``batch``) whose rows need tree attention: every tree that is not a
         chain (a chain's nodes see exactly what causal attention shows them, so vLLM's kernel serves it)."""
