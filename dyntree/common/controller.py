@@ -285,16 +285,18 @@ class SpeculationController:
         # the two checks together move a plan by at most outcome_bound, as each does alone
         factor = max(self.outcome_factor(b), raise_bar / o.outcome_bound)
         best_rate, best_k, tables, segments = bar, 0, [], []
-        # trees, and where branching trees cost the engine extra, chains only as well
-        for chains in (False, True) if self._branch_ms > 0 and o.allow_trees else (False,):
+        # trees; then, where the best plan holds branching trees that cost the engine extra, chains only
+        for chains in (False, True):
             cache = {key: self._table(*key, chains) for key in set(keys)}
             # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
             segs = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
             segs.sort(key=lambda s: (-s[0], s[1], s[2]))
             tabs = [cache[k][0] for k in keys]
-            rate, k = self._scan(segs, tabs, keys, kv, plain_ms, factor)
+            rate, k, branching = self._scan(segs, tabs, keys, kv, plain_ms, factor)
             if rate > best_rate:
                 best_rate, best_k, tables, segments = rate, k, tabs, segs
+            if not (branching and self._branch_ms > 0 and o.allow_trees):
+                break
         alloc = [0] * b
         for _, r, lo, hi in segments[:best_k]:
             alloc[r] = hi
@@ -328,13 +330,14 @@ class SpeculationController:
         return plans
 
     def _scan(self, segments: list[tuple[float, int, int, int]], tables: list[tuple[list[float], list[int]]],
-              keys: list[tuple[float, float]], kv: int | None, plain_ms: float, factor: float) -> tuple[float, int]:
+              keys: list[tuple[float, float]], kv: int | None, plain_ms: float,
+              factor: float) -> tuple[float, int, int]:
         """The best prefix of ``segments`` (merged hull steps, best gain first): its predicted
-        committed tokens per ms (times ``factor``) and length. A prefix pays its verify forward
+        committed tokens per ms (times ``factor``), length and branching trees. A prefix pays its verify forward
         (plain with the chance that no planned tree arrives), its drafting and, per branching tree
         in it, the engine's extra time for one (:meth:`observe_branching`)."""
         o, cost, b = self.options, self.cost, len(keys)
-        best_rate, best_k = 0.0, 0
+        best_rate, best_k, best_branching = 0.0, 0, 0
         nodes, widest, expected, max_depth, drafting, branching = 0, 0, float(b), 0, 0, 0
         no_tree = 1.0  # chance that no planned tree is delivered (the forward is then plain)
         alloc = [0] * b
@@ -356,8 +359,8 @@ class SpeculationController:
             forward = (1.0 - no_tree) * cost(tokens, kv, b) + no_tree * plain_ms
             rate = factor * expected / (forward + self.draft_cost(max_depth, nodes, drafting) + self._branch_ms * branching)
             if rate > best_rate:
-                best_rate, best_k = rate, k
-        return best_rate, best_k
+                best_rate, best_k, best_branching = rate, k, branching
+        return best_rate, best_k, best_branching
 
     def _verify_tokens(self, batch: int, nodes: int, widest: int) -> int:
         """Query tokens of the verify forward: roots plus draft nodes, or, for an engine that

@@ -172,22 +172,21 @@ def tree_rows_attention(plan: TreeAttentionPlan, layer_name: str, query: torch.T
     index = plan.layers.get(layer_name)
     if index is None:
         raise RuntimeError(f"dyntree: layer {layer_name!r} is not in the tree plan's KV-cache group")
-    flat = kv_cache.view(-1)
     hkv, d = key.shape[1], key.shape[2]
+    gqa = query.shape[1] != hkv
     for r in plan.requests:
         buf = plan.mirror.buffer(r.request_id)[index]  # [2, Hkv, capacity, D]
         if r.sync_index.numel():
             started = time.perf_counter()
-            new = flat.index_select(0, r.sync_index).view(2, -1, hkv, d)
+            new = kv_cache.view(-1).index_select(0, r.sync_index).view(2, -1, hkv, d)
             buf[:, :, r.synced : r.prefix].copy_(new.transpose(1, 2))
             plan.fill_ms += (time.perf_counter() - started) * 1e3
         rows, end = slice(r.start, r.start + r.size), r.prefix + r.size
-        buf[0, :, r.prefix : end].copy_(key[rows].transpose(0, 1))
-        buf[1, :, r.prefix : end].copy_(value[rows].transpose(0, 1))
-        q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
-        res = F.scaled_dot_product_attention(q, buf[0:1, :, :end], buf[1:2, :, :end], attn_mask=r.bias, scale=scale,
-                                             enable_gqa=query.shape[1] != hkv)
-        out[rows] = res[0].transpose(0, 1).reshape(out[rows].shape)
+        buf[:, :, r.prefix : end].copy_(torch.stack((key[rows], value[rows])).transpose(1, 2))  # the step's nodes
+        kv = buf[:, :, :end].unsqueeze(1)  # [2, 1, Hkv, P + T, D]
+        res = F.scaled_dot_product_attention(query[rows].transpose(0, 1).unsqueeze(0), kv[0], kv[1], attn_mask=r.bias,
+                                             scale=scale, enable_gqa=gqa)  # [1, Hq, T, D]
+        out[rows] = res[0].transpose(0, 1).reshape(r.size, -1)
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
