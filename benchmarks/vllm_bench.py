@@ -1,5 +1,7 @@
 """vLLM with and without dyntree, side by side: no speculation, vLLM's own ``ngram``, and
-``{"method": "dyntree"}`` with the default (``auto``) and each drafter, on SmolLM2-135M-Instruct.
+``{"method": "dyntree"}`` with the default (``auto``) and each drafter, on SmolLM2-135M-Instruct;
+``none_sync`` is no speculation without vLLM's async scheduling, which vLLM turns off for ngram
+and dyntree (:data:`ENGINE_ARGS`).
 
     python benchmarks/vllm_bench.py [--rounds 3] [--dtype auto] [--out benchmarks/results/vllm/<machine>_<dtype>.json]
 
@@ -40,6 +42,12 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "dyntree_hydra": {"method": "dyntree", "drafter": "hydra"},
     "dyntree_qspec": {"method": "dyntree", "drafter": "qspec"},
 }
+#: Engine arguments a config sets besides its speculative_config. vLLM turns async scheduling
+#: (overlapping the next step's scheduling with this step's forward) on by default, and off for
+#: speculative methods other than EAGLE-style ones, ngram and dyntree included: ``none_sync``
+#: is plain decoding without it, the baseline those configs run under.
+ENGINE_ARGS: dict[str, dict[str, Any]] = {"none_sync": {"async_scheduling": False}}
+CONFIGS["none_sync"] = None
 SETS = ("chat", "code")
 BATCHES = (1, 8, 16)
 
@@ -71,7 +79,7 @@ def worker(config: str, dtype: str, max_tokens: int, out: Path) -> None:
                                            add_generation_prompt=True) for r in rows]
             for name, rows in prompt_rows().items()}
     llm = LLM(model=path, dtype=dtype, max_model_len=2048, seed=0, enforce_eager=True, disable_log_stats=False,
-              speculative_config=CONFIGS[config])
+              speculative_config=CONFIGS[config], **ENGINE_ARGS.get(config, {}))
     llm.generate(sets["chat"] + sets["code"], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # warm-up
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     runs: dict[str, dict[str, Any]] = {}
@@ -112,7 +120,7 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], configs: list[str]) -> di
                      "spread": [round(min(tps), 3), round(max(tps), 3)],
                      "tau": round(statistics.median(x["tau"] for x in runs), 3),
                      "drafting_steps": int(statistics.median(x["drafting_steps"] for x in runs))}
-            for base in ("none", "vllm_ngram"):
+            for base in ("none", "none_sync", "vllm_ngram"):
                 if base in configs and base != c:
                     entry[f"speedup_vs_{base}"] = round(_median_ratio(tps, [r[base][cell]["tokens_per_s"] for r in rounds]), 4)
             if "none" in configs:
@@ -205,6 +213,8 @@ def main() -> int:
     if "none" in configs and "dyntree" in configs:
         doc["summary"] = {
             f"{cell}: default dyntree": (f"{v['speedup_vs_none']:.2f}x none"
+                                         + (f", {v['speedup_vs_none_sync']:.2f}x none without async scheduling"
+                                            if "speedup_vs_none_sync" in v else "")
                                          + (f", {v['speedup_vs_vllm_ngram']:.2f}x vLLM ngram" if "speedup_vs_vllm_ngram" in v else ""))
             for cell, v in doc["configs"]["dyntree"].items()}
     out.write_text(json.dumps(doc, indent=1) + "\n")
