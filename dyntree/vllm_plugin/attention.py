@@ -186,7 +186,7 @@ def tree_rows_attention(plan: TreeAttentionPlan, layer_name: str, query: torch.T
         kv = buf[:, :, :end].unsqueeze(1)  # [2, 1, Hkv, P + T, D]
         res = F.scaled_dot_product_attention(query[rows].transpose(0, 1).unsqueeze(0), kv[0], kv[1], attn_mask=r.bias,
                                              scale=scale, enable_gqa=gqa)  # [1, Hq, T, D]
-        out[rows] = res[0].transpose(0, 1).reshape(r.size, -1)
+        out[rows] = res[0].transpose(0, 1).reshape((r.size, *out.shape[1:]))
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
