@@ -331,7 +331,8 @@ ENGINE_CONFIGS = {"ngram": "dyntree_ngram", "hydra": "dyntree_hydra", "qspec": "
 def config_rows(doc: dict[str, Any], what: str, to: str) -> list[str]:
     """An engine benchmark with per-config cells (``vllm_bench.py``): a row per prompt set and
     batch; drafter cells are speedups over no speculation (tau), the default config (``auto``) stands
-    in for the drafter it resolves to, and the engine's own n-gram goes in the setting."""
+    in for the drafter it resolves to, and the engine's own n-gram (and ``none_sync``, on a CPU the
+    same engine as ``none``: the A/A control, where the run has it) goes in the setting."""
     configs = doc["configs"]
     auto = doc.get("auto_drafter", "hydra")
     rows = []
@@ -343,8 +344,10 @@ def config_rows(doc: dict[str, Any], what: str, to: str) -> list[str]:
             return "-" if run is None else f"[{_x(run['speedup_vs_none'])} (tau {run['tau']:.2f})]({to})"
 
         own = configs.get("vllm_ngram", {}).get(cell_name)
+        sync = configs.get("none_sync", {}).get(cell_name)
         label = (f"{cell_name.replace('/b', ', batch ')}, {doc.get('rounds', 1)} rounds"
-                 + (f"; vLLM ngram {_x(own['speedup_vs_none'])}" if own else ""))
+                 + (f"; vLLM ngram {_x(own['speedup_vs_none'])}" if own else "")
+                 + (f"; none again (A/A) {_x(sync['speedup_vs_none'])}" if sync else ""))
         rows.append(f"| {what} | {label} | [{plain['median_tokens_per_s']:.1f}]({to}) | "
                     + " | ".join(cell(d) for d, _ in DRAFTERS) + " |")
     return rows
