@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dyntree.common.quant import QuantLinear, dequantize_weight, parse_qspec, quantize_weight
-from dyntree.kernels.cpu_weight_only import CpuWeightOnly, cpu_kernels_available
+from dyntree.kernels.cpu_weight_only import CpuWeightOnly, FbgemmInt8, cpu_kernels_available, int8_available
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="this torch lacks the CPU weight-only ops")
 
@@ -80,3 +80,27 @@ def test_released_codes_leave_only_the_kernel_copy() -> None:
         layer.materialize(torch.float32)
     with pytest.raises(ValueError, match="no kernel"):
         QuantLinear.from_linear(lin, parse_qspec("w8a16,g32"), kernel=CpuWeightOnly()).release_codes()
+
+
+@pytest.mark.skipif(not int8_available(), reason="torch without FBGEMM")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fbgemm_int8_matches_the_reference_and_serves_only_symmetric_per_channel_int8(dtype: torch.dtype) -> None:
+    """FBGEMM's dynamic int8 GEMM as a kernel: within its 7-bit input quantization of the
+    dequantized reference, fp32 compute, the caller's dtype out; grouped, asymmetric and 4-bit
+    weights are refused (the layer then dequantizes)."""
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 128) * 0.05, torch.randn(7, 128).to(dtype)
+    qw = quantize_weight(w, 8, None, True)
+    kernel = FbgemmInt8()
+    prepared = kernel.prepare(qw)
+    assert prepared is not None and prepared.extra_nbytes == 96 * 128 and kernel.compute_dtype(dtype) == torch.float32
+    y = kernel.matmul(x, prepared)
+    assert y is not None and y.dtype == dtype and y.shape == (7, 96)
+    ref = x.float() @ dequantize_weight(qw).t()
+    err = float((y.float() - ref).abs().max())
+    assert 0 < err < 0.03 * float(ref.abs().max())  # the input is quantized: close, not equal
+    assert kernel.matmul(x[None], prepared) is None  # rows only
+    for refused in (quantize_weight(w, 8, 32, True), quantize_weight(w, 8, None, False), quantize_weight(w, 4, 32, True)):
+        assert kernel.prepare(refused) is None
+    layer = QuantLinear(qw, None, kernel=kernel)
+    assert layer.kernel is kernel and torch.equal(layer(x), y)

@@ -17,7 +17,7 @@ from dyntree.common.hydra import HydraConfig, HydraHeads, HydraMismatchError, Ta
 from dyntree.common.hydra_checkpoint import load_acceptance, load_heads, save_heads
 from dyntree.common.speculator import Speculator, SpecRequest
 from dyntree.common.calibration import CONFIDENCE_EDGES
-from dyntree.kernels.cpu_linear import int8_available
+from dyntree.kernels.cpu_weight_only import int8_available
 from dyntree.training.trainer import (
     HeadData,
     TrainConfig,
@@ -593,7 +593,8 @@ def test_weight_only_int8_layers_track_fp32_heads() -> None:
         ref_long = heads.prefix_forward(long_hidden, long_pos)[0]
         linears = sum(isinstance(m, nn.Linear) for m in heads.modules())
         heads.use_int8(CpuWeightOnly())
-        assert sum(isinstance(m, QuantLinear) for m in heads.modules()) == linears
+        # every linear, and the output rows (one int8 route: FBGEMM's kernel behind a QuantLinear)
+        assert sum(isinstance(m, QuantLinear) for m in heads.modules()) == linears + 1
         got_h = heads.prefix_forward(hidden, pos)[0][0]  # 12 rows: the int8 copies
         got = [heads.head_logits(k, got_h, path[:, :k]) for k in (1, 2, 3)]
         assert torch.equal(heads.prefix_forward(long_hidden, long_pos)[0], ref_long)
@@ -608,8 +609,7 @@ def test_weight_only_int8_bf16_heads_track_bf16_heads() -> None:
     has it, else the weight-only kernel): few-row calls stay close to the bf16 logits, a call of
     more rows than the cap takes the bf16 rows exactly; without a kernel they cannot go int8."""
     from dyntree.common.hydra import INT8_MAX_ROWS
-    from dyntree.kernels.cpu_linear import Int8Weight, int8_available
-    from dyntree.kernels.cpu_weight_only import CpuWeightOnly, cpu_kernels_available
+    from dyntree.kernels.cpu_weight_only import CpuWeightOnly, FbgemmInt8, cpu_kernels_available, int8_available
 
     if not cpu_kernels_available():
         pytest.skip("torch without the CPU weight-only ops")
@@ -629,9 +629,10 @@ def test_weight_only_int8_bf16_heads_track_bf16_heads() -> None:
         few, z_few = many[:4], z_ref[:4]
         assert not torch.equal(heads._out_int8(few), z_few)  # the output rows themselves run in int8
         assert (heads._out_int8(few) - z_few).abs().max() < 0.05 * (z_few.max() - z_few.min())
-        assert isinstance(heads._out_int8.small, Int8Weight) == int8_available()
-        if int8_available():  # the rows' product is FBGEMM's, of the bf16 rows
-            assert torch.equal(heads._out_int8(few), Int8Weight(heads.out_weight)(few))
+        # one int8 route: the rows are a QuantLinear whose kernel is FBGEMM where torch has it
+        assert isinstance(heads._out_int8.small.kernel, FbgemmInt8) == int8_available()
+        if int8_available():  # the rows' product is FBGEMM's, of the bf16 rows, in fp32
+            assert heads._out_int8(few).dtype == torch.float32
     assert heads.int8
     for r, g in zip(ref, got):
         assert not torch.equal(g, r)  # the int8 product is in use

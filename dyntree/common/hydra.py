@@ -43,11 +43,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from dyntree.common.kv_store import KVStore, append_kv
-from dyntree.kernels.cpu_linear import Int8Weight, LinearRouter, install, int8_available
+from dyntree.kernels.cpu_linear import LinearRouter, install
+from dyntree.kernels.cpu_weight_only import FbgemmInt8, int8_available
 
 if TYPE_CHECKING:
     from dyntree.common.drafter import TargetInfo
-    from dyntree.common.quant import WeightKernel
+    from dyntree.common.quant import QuantLinear, WeightKernel
 
 __all__ = [
     "DTYPES",
@@ -454,42 +455,38 @@ class HydraHeads(nn.Module):
         #: when it hands one over (``Drafter.route_linears``), else stock ``F.linear``
         self.router = LinearRouter()
         install(self, self.router)
-        self._out_int8: Int8Weight | _Int8Rows | None = None
+        self._out_int8: nn.Module | None = None
 
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
 
     def use_int8(self, kernel: "WeightKernel | None" = None) -> "HydraHeads":
-        """Run the output rows' product, the heads' largest (``vocab' x hidden``), on int8 weights.
-        fp32 heads: an int8 GEMM (:class:`~dyntree.kernels.cpu_linear.Int8Weight`, inputs quantized per
-        call). Half-precision heads need ``kernel`` (a weight-only low-bit matmul: torch's CPU int8
-        op, which computes in bf16); their output rows take FBGEMM's int8 GEMM too where torch has
-        it (faster at the row counts of a step), else the kernel. With ``kernel`` the heads' own
-        linears and the prefix layer's also keep int8 weights (one scale per output row) and take
-        their inputs rounded to the kernel's compute dtype, not quantized (quantized inputs cost
-        tau; weight-only barely moves it). On a CPU the heads' calls are bound by the bytes of
-        weight they read, so halving them pays at the row counts a step uses. Only calls of at
-        most :data:`INT8_MAX_ROWS` rows take the int8 copies (the dense weights stay for larger
+        """Run the output rows' product, the heads' largest (``vocab' x hidden``), on int8 weights:
+        a :class:`~dyntree.common.quant.QuantLinear` (one scale per output row) through a kernel.
+        fp32 heads: FBGEMM's int8 GEMM (:class:`~dyntree.kernels.cpu_weight_only.FbgemmInt8`, inputs
+        quantized per call). Half-precision heads need ``kernel`` (a weight-only low-bit matmul:
+        torch's CPU int8 op, which computes in bf16); their output rows take FBGEMM too where torch
+        has it (faster at the row counts of a step), else the kernel. With ``kernel`` the heads'
+        own linears and the prefix layer's also keep int8 weights and take their inputs rounded to
+        the kernel's compute dtype, not quantized (quantized inputs cost tau; weight-only barely
+        moves it). On a CPU the heads' calls are bound by the bytes of weight they read, so
+        halving them pays at the row counts a step uses. Half-precision heads take the int8 copies
+        only for calls of at most :data:`INT8_MAX_ROWS` rows (the dense weights stay for larger
         ones); linears the kernel does not serve stay as they are. Measurements:
         ``docs/measurements.md`` (Hydra heads).
         Returns ``self``."""
+        fbgemm = FbgemmInt8() if self.out_weight.device.type == "cpu" and int8_available() else None
         if self.out_weight.dtype == torch.float32:
-            self._out_int8 = Int8Weight(self.out_weight)
+            if fbgemm is None:
+                raise RuntimeError("int8 output rows of fp32 heads need torch's FBGEMM engine (an x86 CPU build of torch)")
+            self._out_int8 = _int8_rows(self.out_weight, fbgemm)
         elif kernel is None:
             raise ValueError(f"int8 output rows of {str(self.out_weight.dtype).removeprefix('torch.')} heads need a "
                              "weight-only kernel")
-        elif self.out_weight.device.type == "cpu" and int8_available():
-            self._out_int8 = _Int8Rows(functools.partial(self.router.linear, weight=self.out_weight),
-                                       Int8Weight(self.out_weight))
         else:
-            from dyntree.common.quant import QSpec, QuantLinear
-
-            rows = QuantLinear.from_weight(self.out_weight, None, QSpec(weight_bits=8, group_size=None), kernel=kernel)
-            if rows.kernel is None:
-                raise ValueError("the weight-only kernel does not serve the heads' output rows")
-            rows.release_codes()
-            self._out_int8 = _Int8Rows(functools.partial(self.router.linear, weight=self.out_weight), rows)
+            self._out_int8 = _Int8Rows(functools.partial(self.router.linear, weight=self.out_weight),
+                                       _int8_rows(self.out_weight, fbgemm or kernel), compute=True)
         if kernel is not None:
             _int8_linears(self, kernel)
         return self
@@ -586,15 +583,34 @@ INT8_MAX_ROWS = 16
 
 
 class _Int8Rows(nn.Module):
-    """A linear with a weight-only int8 copy for calls of at most :data:`INT8_MAX_ROWS` rows;
-    ``dense`` (a linear, or the dense product as a function) takes the larger calls."""
+    """A linear with an int8 copy (``small``, a kernel's :class:`~dyntree.common.quant.QuantLinear`)
+    for calls of at most :data:`INT8_MAX_ROWS` rows; ``dense`` (a linear, or the dense product as
+    a function) takes the larger calls. ``compute``: the int8 calls return the kernel's compute
+    dtype (fp32 logits from FBGEMM, not rounded to the heads' dtype and widened again)."""
 
-    def __init__(self, dense: "nn.Module | Callable[[torch.Tensor], torch.Tensor]", small: nn.Module) -> None:
+    def __init__(self, dense: "nn.Module | Callable[[torch.Tensor], torch.Tensor]", small: "QuantLinear",
+                 compute: bool = False) -> None:
         super().__init__()
-        self.dense, self.small = dense, small
+        self.dense, self.small, self.compute = dense, small, compute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.small(x) if x.numel() <= INT8_MAX_ROWS * x.shape[-1] else self.dense(x)
+        if x.numel() > INT8_MAX_ROWS * x.shape[-1]:
+            return self.dense(x)
+        if not self.compute or x.dim() != 2:
+            return self.small(x)
+        assert self.small.kernel is not None
+        return self.small.kernel_forward(_cast(x, self.small.kernel.compute_dtype(x.dtype)))
+
+
+def _int8_rows(weight: torch.Tensor, kernel: "WeightKernel") -> "QuantLinear":
+    """``x @ weight.T`` on int8 codes (one symmetric scale per output row) held by ``kernel`` only."""
+    from dyntree.common.quant import QSpec, QuantLinear
+
+    rows = QuantLinear.from_weight(weight, None, QSpec(weight_bits=8, group_size=None), kernel=kernel)
+    if rows.kernel is None:
+        raise ValueError(f"{type(kernel).__name__} does not serve the heads' output rows")
+    rows.release_codes()
+    return rows
 
 
 def _int8_linears(module: nn.Module, kernel: "WeightKernel") -> None:

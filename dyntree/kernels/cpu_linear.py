@@ -23,12 +23,6 @@ choices: ``docs/measurements.md`` (CPU linears).
 
 The forms compute the same products with a different summation order, like any two GEMM
 kernels: fp32 results agree to rounding, and plain and speculative decoding both go through it.
-
-For draft-side weights (never the target's), :class:`Int8Weight` runs a linear as FBGEMM's
-dynamic int8 GEMM (``torch.ops.quantized.linear_dynamic``): the weight stored
-int8 per output channel, the input quantized per call: a quarter of the bytes of fp32. The logits
-move by ~1-2% of their range, which changes which tokens are drafted now and then, never the
-output (the target verifies every token).
 """
 
 from __future__ import annotations
@@ -40,7 +34,6 @@ import platform
 import threading
 import time
 import types
-import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Mapping, Sequence
@@ -50,8 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 
-__all__ = ["Int8Weight", "LinearDispatch", "LinearRouter", "PackedWeight", "calibrate", "cpu_name", "install",
-           "int8_available", "mkl_packed_available", "CALIBRATION_ROWS", "PACK_ROWS"]
+__all__ = ["LinearDispatch", "LinearRouter", "PackedWeight", "calibrate", "cpu_name", "install",
+           "mkl_packed_available", "CALIBRATION_ROWS", "PACK_ROWS"]
 
 #: Row counts timed by :func:`calibrate`; a call with more rows than the last uses ``F.linear``.
 CALIBRATION_ROWS = (*range(1, 18), 24, 32, 48, 64)
@@ -373,33 +366,3 @@ def install(module: nn.Module, router: LinearRouter, packed: bool = False) -> nn
             lin.__dict__.setdefault("_dyntree_packed", None)  # nn.Module.__getattr__ (slow per call)
     return module
 
-
-def int8_available() -> bool:
-    """Whether this torch has FBGEMM's dynamic int8 linear (x86 CPUs)."""
-    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
-
-
-class Int8Weight:
-    """``x @ W.T`` with ``W`` in int8, one symmetric scale per output row, and ``x``
-    quantized per call (FBGEMM's dynamic int8 GEMM; CPU, fp32 in and out: a half-precision ``x``
-    is widened, and the fp32 product returned as it is, so a softmax after it needs no second
-    conversion of ``[rows, out_features]``). Activations use 7 bits
-    (``reduce_range``): full 8-bit activations saturate AVX2's int8 multiply-add and cost ~10% of
-    the logits' range in error, against ~1-2%."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        if not int8_available():
-            raise RuntimeError("int8 draft linears need torch's FBGEMM engine (an x86 CPU build of torch)")
-        w = weight.detach().float().cpu()
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
-        with warnings.catch_warnings():  # torch 2.13 marks quantized tensors deprecated; this op still takes one
-            warnings.simplefilter("ignore", UserWarning)
-            codes = torch.quantize_per_channel(w, scales, torch.zeros_like(scales, dtype=torch.int64), 0, torch.qint8)
-        self.out_features, self.in_features = w.shape
-        self._packed = torch.ops.quantized.linear_prepack(codes, None)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.dim() == 2  # rows already: no reshape in or out (each is a dispatcher call)
-        rows = (x if flat else x.reshape(-1, self.in_features)).float().contiguous()
-        out = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
-        return out if flat else out.reshape(*x.shape[:-1], self.out_features)

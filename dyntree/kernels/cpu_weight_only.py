@@ -17,17 +17,24 @@ changes the draft's numbers slightly, never the output (the target verifies ever
 Weights the ops cannot take (grouped int8, other group sizes or shapes) get ``None`` from
 :meth:`CpuWeightOnly.prepare` and the layer dequantizes on the fly. The readable reference is
 :func:`~dyntree.kernels.quant_format.dequantize_weight` followed by a matmul.
+
+:class:`FbgemmInt8` is the other CPU int8 kernel: FBGEMM's dynamic int8 GEMM
+(``torch.ops.quantized.linear_dynamic``), for symmetric per-channel int8 weights. It quantizes
+its input per call to 7 bits (``reduce_range``: full 8-bit activations saturate AVX2's int8
+multiply-add and cost ~10% of the logits' range in error, against ~1-2%) and computes in fp32,
+so a draft's fp32 rows (the Hydra heads' output rows) read a quarter of the weight's fp32 bytes.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from dyntree.kernels.quant_format import QuantizedWeight, unpack_int4
 
-__all__ = ["CpuWeightOnly", "cpu_kernels_available", "cpu_weight_kernel"]
+__all__ = ["CpuWeightOnly", "FbgemmInt8", "cpu_kernels_available", "cpu_weight_kernel", "int8_available"]
 
 _INT4_GROUPS = (32, 64, 128, 256)
 
@@ -37,6 +44,11 @@ def cpu_kernels_available() -> bool:
     ops = torch.ops.aten
     return all(hasattr(ops, n) for n in ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu",
                                          "_convert_weight_to_int4pack_for_cpu"))
+
+
+def int8_available() -> bool:
+    """Whether this torch has FBGEMM's dynamic int8 linear (x86 CPUs): :class:`FbgemmInt8`."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
 
 
 def cpu_weight_kernel(device: torch.device) -> "CpuWeightOnly | None":
@@ -98,3 +110,42 @@ class CpuWeightOnly:
             return y
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, prepared.weight, prepared.group_size, prepared.scales)
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class FbgemmPacked:
+    """One weight prepacked for FBGEMM (its own copy of the int8 codes)."""
+
+    packed: torch.ScriptObject
+    out_features: int
+    in_features: int
+
+    @property
+    def extra_nbytes(self) -> int:
+        return self.out_features * self.in_features
+
+
+class FbgemmInt8:
+    """FBGEMM's dynamic int8 GEMM as a ``WeightKernel`` (see the module docstring): symmetric
+    per-channel int8 weights on a CPU; fp32 compute, the result in the caller's dtype."""
+
+    def prepare(self, qw: QuantizedWeight) -> FbgemmPacked | None:
+        if qw.bits != 8 or qw.n_groups != 1 or qw.zeros is not None or qw.qweight.device.type != "cpu" \
+                or not int8_available():
+            return None
+        codes = (qw.qweight.to(torch.int16) - 128).to(torch.int8)
+        scales = qw.scales[:, 0].double()
+        with warnings.catch_warnings():  # torch 2.13 marks quantized tensors deprecated; the op still takes one
+            warnings.simplefilter("ignore", UserWarning)
+            quantized = torch._make_per_channel_quantized_tensor(codes, scales, torch.zeros_like(scales, dtype=torch.int64), 0)
+        return FbgemmPacked(torch.ops.quantized.linear_prepack(quantized, None), qw.out_features, qw.in_features)
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32
+
+    def matmul(self, x: torch.Tensor, prepared: FbgemmPacked) -> torch.Tensor | None:
+        if x.device.type != "cpu" or x.dim() != 2:
+            return None
+        rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        y = torch.ops.quantized.linear_dynamic(rows, prepared.packed, True)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -38,7 +38,8 @@ from dyntree.common.drafter import Candidates, DraftRequest, Drafter, TargetInfo
 from dyntree.common.calibration import AcceptanceTable
 from dyntree.common.hydra import HydraHeads, PrefixKV, TargetIdentity
 from dyntree.common.hydra_checkpoint import load_acceptance, load_heads
-from dyntree.kernels.cpu_linear import LinearDispatch, int8_available
+from dyntree.kernels.cpu_linear import LinearDispatch
+from dyntree.kernels.cpu_weight_only import int8_available
 
 if TYPE_CHECKING:
     from dyntree.common.builder import PartialTree
