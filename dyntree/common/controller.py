@@ -340,7 +340,6 @@ class SpeculationController:
         best_rate, best_k, best_branching = 0.0, 0, 0
         nodes, widest, expected, max_depth, drafting, branching = 0, 0, float(b), 0, 0, 0
         no_tree = 1.0  # chance that no planned tree is delivered (the forward is then plain)
-        alloc = [0] * b
         for k, (_, r, lo, hi) in enumerate(segments, start=1):
             tokens = self._verify_tokens(b, nodes + hi - lo, max(widest, hi))
             if tokens > o.max_batch_tokens:
@@ -355,7 +354,6 @@ class SpeculationController:
             else:
                 branching -= int(tables[r][1][lo]) < lo
             branching += depth < hi
-            alloc[r] = hi
             forward = (1.0 - no_tree) * cost(tokens, kv, b) + no_tree * plain_ms
             rate = factor * expected / (forward + self.draft_cost(max_depth, nodes, drafting) + self._branch_ms * branching)
             if rate > best_rate:

@@ -164,8 +164,9 @@ class CostModel:
         # one odd step moves it little: a measurement counts as at most 1.25x (at least 0.8x) the
         # prediction, so a spike of the machine at a size that is rarely timed again (the verify
         # shape that then looks too dear to plan) is not learned as that size's cost
-        ratio = min(max(ms / max(self(n_tokens, kv, rows), 1e-6), _CLIP_LOW), _CLIP_HIGH)
-        target = ratio * self(n_tokens, kv, rows)
+        predicted = self(n_tokens, kv, rows)
+        ratio = min(max(ms / max(predicted, 1e-6), _CLIP_LOW), _CLIP_HIGH)
+        target = ratio * predicted
         level = 1 + self.lr / 2 * (ratio - 1)
         ys[:] = [y * level for y in ys]
         err = target - self(n_tokens, kv, rows)

@@ -405,8 +405,10 @@ class Speculator:
         st = self.stats
         if self.controller is not None and self._draft_ms is not None:
             depth, nodes, draft_ms, drafting = self._draft_ms
-            branching = sum(t.size - 1 > t.max_depth for t in batch.trees)
-            if overhead_ms > 0 and branching:  # the engine's extra time for branching trees
+            # a tree is branching when it has more draft nodes than levels (max_depth: a tensor op,
+            # so counted only when the engine reports extra time)
+            branching = sum(t.size > 2 and t.size - 1 > t.max_depth for t in batch.trees) if overhead_ms > 0 else 0
+            if branching:  # the engine's extra time for branching trees
                 self.controller.observe_branching(branching, overhead_ms)
                 self.controller.observe_draft(depth, nodes, draft_ms, drafting)
             else:
