@@ -259,6 +259,50 @@ def test_prefix_layer_starts_from_the_last_context_positions() -> None:
         HydraDrafter(heads, context=-1)
 
 
+def test_catching_up_is_timed_apart_and_an_idle_request_starts_over_on_its_context() -> None:
+    """A request whose layer starts, or that did not draft last step (several pushes pending),
+    catches up in a timed batch of its own (``pop_catch_up_ms``), beside the batch of requests
+    that drafted last step (not timed); one that idled past ``context`` positions starts its layer
+    over on the last ``context`` of them, as a new request would."""
+    heads = _prefix_heads(k=2)
+    h = _history(30)
+    drafter = HydraDrafter(heads, width=2, topk=2, context=5)
+    sp = _speculator(drafter)
+    batches: list[int] = []
+    forward = drafter._forward_pending
+    drafter._forward_pending = lambda todo: (todo and batches.append(len(todo))) or forward(todo)  # type: ignore[method-assign]
+    popped: list[float] = []  # what the speculator takes after each propose
+    pop = drafter.pop_catch_up_ms
+    drafter.pop_catch_up_ms = lambda: popped.append(pop()) or popped[-1]  # type: ignore[method-assign]
+
+    def one_pass(start: int, end: int) -> torch.Tensor:
+        return heads.prefix_forward(h[None, start:end], torch.arange(start, end)[None])[0][0, -1]
+
+    sp.observe_hidden(0, h[:4])
+    sp.observe_hidden(1, h[:3])
+    sp.propose([SpecRequest(0, [3] * 5), SpecRequest(1, [3] * 4)])
+    assert popped[-1] > 0 and pop() == 0.0 and batches == [2]
+    sp.observe_hidden(0, h[4:6])  # one step's accepted positions: no catch-up
+    sp.observe_hidden(1, h[3:4])
+    sp.observe_hidden(1, h[4:5])  # request 1 did not draft last step: it catches up
+    batches.clear()
+    sp.propose([SpecRequest(0, [3] * 7), SpecRequest(1, [3] * 6)])
+    assert batches == [1, 1] and popped[-1] > 0
+    assert torch.allclose(drafter._state[0].last, one_pass(0, 6), atol=1e-5)
+    assert torch.allclose(drafter._state[1].last, one_pass(0, 5), atol=1e-5)
+    sp.observe_hidden(0, h[6:7])
+    batches.clear()
+    sp.propose([SpecRequest(0, [3] * 8)])
+    assert batches == [1] and popped[-1] == 0.0
+    for i in range(7, 20):  # idle for 13 steps: more than the context of 5
+        sp.observe_hidden(0, h[i : i + 1])
+    assert drafter._state[0].kv is None and drafter._state[0].pending_rows == 5
+    sp.propose([SpecRequest(0, [3] * 21)])
+    assert popped[-1] > 0
+    assert torch.allclose(drafter._state[0].last, one_pass(15, 20), atol=1e-5)
+    assert drafter._state[0].kv.length == 5
+
+
 @pytest.mark.parametrize("prefix", [True, False])
 def test_drafter_refuses_missing_rows(prefix: bool) -> None:
     heads = _prefix_heads()

@@ -10,7 +10,7 @@ and the errors an engine gets for misuse.
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import pytest
 import torch
@@ -284,6 +284,37 @@ def test_engine_timings_reach_the_controller() -> None:
     assert batch.num_drafts > 0
     sp.accept(batch, toy_logits(batch, {"a": tokens}), forward_ms=5000.0)
     assert sp.controller.outcome_factor() < 1.0
+
+
+def test_a_drafters_catch_up_is_not_priced_as_drafting() -> None:
+    """Time a drafter reports as catching up (``pop_catch_up_ms``: a request's first draft, or a
+    resume) is left out of the drafting cost the controller learns; the same time unreported is
+    learned (the control)."""
+    import time
+
+    from dyntree.common.cost_model import CostModel
+
+    def learned(reported: float) -> float:
+        drafter = make_drafter("ngram")
+        can_draft = drafter.can_draft
+
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.1)
+            return can_draft(*args, **kwargs)
+
+        drafter.can_draft = slow  # type: ignore[method-assign]
+        drafter.pop_catch_up_ms = lambda: reported  # type: ignore[method-assign]
+        sp = Speculator(drafter, SpecConfig(adaptive=True, max_nodes=4, max_depth=4), vocab_size=V,
+                        cost_model=CostModel({1: 10.0, 16: 10.5}, lr=1.0))
+        tokens = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+        batch = sp.propose([SpecRequest("a", tokens)])
+        assert batch.num_drafts > 0
+        sp.accept(batch, toy_logits(batch, {"a": tokens}))
+        assert sp.controller is not None
+        return sp.controller.draft_cost(int(batch.depths.max()), batch.num_drafts)
+
+    assert learned(0.0) > 30.0
+    assert learned(1000.0) < 10.0
 
 
 @pytest.mark.parametrize("rectangular", [False, True])

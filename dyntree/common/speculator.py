@@ -262,7 +262,8 @@ class Speculator:
         batch = DraftBatch.from_trees(ids, trees)
         for r in requests:
             self._tokens[r.request_id], self._params[r.request_id] = r.token_ids, r.params
-        draft_ms = (time.perf_counter() - t0) * 1e3
+        # a request's catch-up (its first draft, or a resume) is paid once, not per draft: not priced
+        draft_ms = max((time.perf_counter() - t0) * 1e3 - self.drafter.pop_catch_up_ms(), 0.0)
         drafting = sum(t.size > 1 for t in trees)
         self._draft_ms = (int(batch.depths.max()), batch.num_drafts, draft_ms, drafting)  # priced at accept
         self.stats.draft_s += draft_ms / 1e3

@@ -22,12 +22,18 @@ engine through :meth:`HydraDrafter.observe_hidden`) and the embeddings of the pa
 with prefix attention (Hydra++) keep each request's prefix-layer KV cache: the states pushed since
 the last step are run through the layer in one batched forward at the step's first ``expand``,
 and the layer's output at the newest position feeds the heads; :meth:`release` drops the cache.
+A request that starts (its first draft) or resumes after steps it did not draft catches up in a
+batched forward of its own, timed apart (:meth:`HydraDrafter.pop_catch_up_ms`: a one-time cost
+per committed position, not a cost of the step's drafts); one that idled past ``context``
+positions starts its layer over on the last ``context`` of them, so a resume costs at most what
+a new request's start does.
 
 Pure torch: the target's weights and identity arrive as a :class:`~dyntree.common.drafter.TargetInfo`.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Hashable, Sequence
@@ -105,6 +111,7 @@ class _State:
     all, the heads' current input, and (prefix attention) the prefix layer's cache."""
 
     pending: list[torch.Tensor] = field(default_factory=list)
+    pending_rows: int = 0
     pushed: int = 0
     last: torch.Tensor | None = None
     kv: PrefixKV | None = None
@@ -128,6 +135,7 @@ class HydraDrafter(Drafter):
         self.device = heads.out_weight.device
         self.dtype = heads.out_weight.dtype
         self._state: dict[Hashable, _State] = {}
+        self._catch_up_s = 0.0  # prefix-layer time on catching-up requests since the last pop_catch_up_ms
 
     def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         d = self.heads.config.hidden_size
@@ -142,13 +150,22 @@ class HydraDrafter(Drafter):
             # starts over there, at those absolute positions (less context for the drafts, which
             # verification keeps lossless)
             if self.heads.prefix is not None:
-                s.kv, s.pending, s.last = None, [], None
+                s.kv, s.pending, s.pending_rows, s.last = None, [], 0, None
             s.pushed = start
         s.pushed += states.shape[0]
         if self.heads.prefix is None:  # copies: never hold a view of the engine's forward output
             s.last = states[-1].to(self.device, self.dtype, copy=True)
-        else:
-            s.pending.append(states.to(self.device, self.dtype, copy=True))
+            return
+        s.pending.append(states.to(self.device, self.dtype, copy=True))
+        s.pending_rows += states.shape[0]
+        if self.context and s.pending_rows > self.context:
+            # idle past the context: the layer starts over on the last ``context`` positions
+            rows = torch.cat(s.pending)[-self.context :]
+            s.kv, s.pending, s.pending_rows = None, [rows], rows.shape[0]
+
+    def pop_catch_up_ms(self) -> float:
+        self._catch_up_s, spent = 0.0, self._catch_up_s
+        return spent * 1e3
 
     def release(self, request_id: Hashable) -> None:
         self._state.pop(request_id, None)
@@ -171,8 +188,18 @@ class HydraDrafter(Drafter):
         return [self._state[r.request_id].last if r.kv_len > 0 else None for r in requests]
 
     def _advance(self, states: list[_State]) -> None:
-        """Run the prefix layer over every request's pending positions, in one batch."""
-        todo = [s for s in states if s.pending]
+        """Run the prefix layer over every request's pending positions: those that catch up
+        (their layer starts, or they did not draft last step: more than one push pending) in one
+        timed batch, the rest (one step's accepted positions each) in another."""
+        catching = [s for s in states if s.pending and (s.kv is None or len(s.pending) > 1)]
+        if catching:
+            started = time.perf_counter()
+            self._forward_pending(catching)
+            self._catch_up_s += time.perf_counter() - started
+        self._forward_pending([s for s in states if s.pending])
+
+    def _forward_pending(self, todo: list[_State]) -> None:
+        """Run the prefix layer over the pending positions of ``todo``, in one batch."""
         if not todo:
             return
         rows = [torch.cat(s.pending) for s in todo]
@@ -194,7 +221,7 @@ class HydraDrafter(Drafter):
         with torch.inference_mode():
             out, kv = self.heads.prefix_forward(hidden, positions, past, valid)
         for b, (s, x) in enumerate(zip(todo, rows)):
-            s.kv, s.last, s.pending = kv.row(b), out[b, x.shape[0] - 1].clone(), []
+            s.kv, s.last, s.pending, s.pending_rows = kv.row(b), out[b, x.shape[0] - 1].clone(), [], 0
 
     @torch.inference_mode()
     def expand(self, requests: Sequence[DraftRequest], frontiers: Sequence[Sequence[int]],

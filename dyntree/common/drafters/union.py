@@ -92,6 +92,9 @@ class UnionDrafter(Drafter):
             if p.needs_hidden:
                 p.observe_hidden(request_id, states, start)
 
+    def pop_catch_up_ms(self) -> float:
+        return sum(p.pop_catch_up_ms() for p in self.parts)
+
     def observe(self, request_id: Hashable, token_ids: Sequence[int], accepted_drafts: int) -> None:
         for p in self.parts:
             p.observe(request_id, token_ids, accepted_drafts)
