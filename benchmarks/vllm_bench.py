@@ -64,46 +64,121 @@ def prompt_rows(n: int = 8) -> dict[str, list[dict[str, Any]]]:
 
 
 def _counters(llm: Any) -> dict[str, float]:
-    return {m.name: float(m.value) for m in llm.get_metrics()
-            if m.name.startswith("vllm:spec_decode_num") and isinstance(getattr(m, "value", None), (int, float))}
+    """The engine's own spec-decode counters (drafting steps, accepted tokens), read from its
+    Prometheus logger: with several engines in one process, the registry that ``get_metrics``
+    reads holds only the newest engine's."""
+    for logger in llm.llm_engine.logger_manager.stat_loggers:
+        prom = getattr(logger, "spec_decoding_prom", None)
+        if prom is not None and prom.spec_decoding_enabled:
+            return {"drafts": prom.counter_spec_decode_num_drafts[0]._value.get(),
+                    "accepted": prom.counter_spec_decode_num_accepted_tokens[0]._value.get()}
+    return {}
+
+
+def _prompt_sets() -> dict[str, list[str]]:
+    from transformers import AutoTokenizer
+
+    from dyntree.models import model_path
+
+    tok = AutoTokenizer.from_pretrained(str(model_path("smollm2")))
+    return {name: [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
+                                           add_generation_prompt=True) for r in rows]
+            for name, rows in prompt_rows().items()}
+
+
+def _cells(sets: dict[str, list[str]]) -> list[tuple[str, list[str], int]]:
+    """``(cell, prompts, batch)``: every set at batch 1 and 8, both sets together at batch 16."""
+    return [(f"{name}/b{b}", sets["chat"] + sets["code"] if b == 16 else sets[name], b)
+            for b in BATCHES for name in (SETS if b < 16 else ("chat+code",))]
+
+
+def _engine(config: str, dtype: str) -> Any:
+    """One config's ``LLM``, after an untimed warm-up pass over both sets."""
+    from vllm import LLM, SamplingParams
+
+    from dyntree.models import model_path
+
+    llm = LLM(model=str(model_path("smollm2")), dtype=dtype, max_model_len=2048, seed=0, enforce_eager=True,
+              disable_log_stats=False, speculative_config=CONFIGS[config], **ENGINE_ARGS.get(config, {}))
+    sets = _prompt_sets()
+    llm.generate(sets["chat"] + sets["code"], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    return llm
+
+
+class _Cell:
+    """One config's runs of one cell: generated tokens, wall time of ``LLM.generate``, outputs and
+    the engine's spec-decode counters over those calls."""
+
+    def __init__(self) -> None:
+        self.tokens, self.wall, self.drafts, self.accepted = 0, 0.0, 0.0, 0.0
+        self.outputs: list[list[int]] = []
+
+    def run(self, llm: Any, prompts: list[str], params: Any) -> None:
+        before = _counters(llm)
+        t = time.perf_counter()
+        res = llm.generate(prompts, params, use_tqdm=False)
+        self.wall += time.perf_counter() - t
+        after = _counters(llm)
+        self.outputs += [list(o.outputs[0].token_ids) for o in res]
+        self.tokens += sum(len(o.outputs[0].token_ids) for o in res)
+        self.drafts += after.get("drafts", 0) - before.get("drafts", 0)
+        self.accepted += after.get("accepted", 0) - before.get("accepted", 0)
+
+    def result(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "wall_s": self.wall, "tokens_per_s": self.tokens / self.wall,
+                "tau": 1 + self.accepted / self.drafts if self.drafts else 1.0, "drafting_steps": int(self.drafts),
+                "outputs": self.outputs}
 
 
 def worker(config: str, dtype: str, max_tokens: int, out: Path) -> None:
     """One config in this process: every set and batch size once; writes its JSON to ``out``."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from dyntree.models import model_path
-
-    path = str(model_path("smollm2"))
-    tok = AutoTokenizer.from_pretrained(path)
-    sets = {name: [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
-                                           add_generation_prompt=True) for r in rows]
-            for name, rows in prompt_rows().items()}
-    llm = LLM(model=path, dtype=dtype, max_model_len=2048, seed=0, enforce_eager=True, disable_log_stats=False,
-              speculative_config=CONFIGS[config], **ENGINE_ARGS.get(config, {}))
-    llm.generate(sets["chat"] + sets["code"], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # warm-up
+    llm = _engine(config, dtype)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     runs: dict[str, dict[str, Any]] = {}
-    for b in BATCHES:
-        for name in (SETS if b < 16 else ("chat+code",)):
-            prompts = sets["chat"] + sets["code"] if b == 16 else sets[name]
-            before = _counters(llm)
-            tokens, outs, wall = 0, [], 0.0
-            for i in range(0, len(prompts), b):
-                t = time.perf_counter()
-                res = llm.generate(prompts[i : i + b], params, use_tqdm=False)
-                wall += time.perf_counter() - t
-                outs += [list(o.outputs[0].token_ids) for o in res]
-                tokens += sum(len(o.outputs[0].token_ids) for o in res)
-            after = _counters(llm)
-            drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
-            acc = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get("vllm:spec_decode_num_accepted_tokens", 0)
-            runs[f"{name}/b{b}"] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-                                    "tau": 1 + acc / drafts if drafts else 1.0, "drafting_steps": int(drafts),
-                                    "outputs": outs}
+    for cell, prompts, b in _cells(_prompt_sets()):
+        acc = _Cell()
+        for i in range(0, len(prompts), b):
+            acc.run(llm, prompts[i : i + b], params)
+        runs[cell] = acc.result()
     out.write_text(json.dumps(runs))
+
+
+def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int) -> list[dict[str, dict[str, Any]]]:
+    """Every config's engine in this one process (vLLM's engine in-process), each ``generate``
+    call (one batch of one cell) run by every config back to back, the order rotated call by call:
+    a config and its baseline are timed seconds apart, so a slow spell of a shared machine hits
+    both. Engines without speculation are built first (so they keep vLLM's own attention backend),
+    vLLM's ``ngram`` last. Returns the rounds as :func:`worker` writes them."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import SamplingParams
+
+    build = sorted(configs, key=lambda c: (CONFIGS[c] is not None, c == "vllm_ngram"))
+    engines = {}
+    for c in build:
+        t = time.time()
+        engines[c] = _engine(c, dtype)
+        print(f"built {c} ({time.time() - t:.0f} s)", flush=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    out: list[dict[str, dict[str, Any]]] = []
+    for r in range(rounds):
+        t = time.time()
+        out.append({c: {} for c in configs})
+        for cell, prompts, b in _cells(_prompt_sets()):
+            acc = {c: _Cell() for c in configs}
+            for k, i in enumerate(range(0, len(prompts), b)):
+                shift = (r + k) % len(configs)
+                for c in configs[shift:] + configs[:shift]:
+                    acc[c].run(engines[c], prompts[i : i + b], params)
+            for c in configs:
+                out[-1][c][cell] = acc[c].result()
+        cells = "  ".join(f"{cell} {v['tokens_per_s'] / out[-1]['none'][cell]['tokens_per_s']:.2f}x"
+                          for cell, v in out[-1].get("dyntree", {}).items()) if "none" in configs else ""
+        print(f"round {r + 1}/{rounds} ({time.time() - t:.0f} s)  dyntree over none: {cells}", flush=True)
+    return out
 
 
 def _median_ratio(a: list[float], b: list[float]) -> float:
@@ -165,6 +240,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on a CPU with native bf16, else fp32) | bfloat16 | float32")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--in-process", action="store_true",
+                    help="every config's engine in one process, generate calls interleaved (see interleaved())")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -186,7 +263,9 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     rounds: list[dict[str, dict[str, Any]]] = []
     started = time.time()
-    for r in range(args.rounds):
+    if args.in_process:
+        rounds = interleaved(configs, args.dtype, args.max_tokens, args.rounds)
+    for r in range(0 if args.in_process else args.rounds):
         order = configs[r % len(configs):] + configs[: r % len(configs)]
         rounds.append({})
         for c in order:
@@ -209,6 +288,8 @@ def main() -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_kind(), "cpu": cpu,
         "cores": os.cpu_count(), "dtype": short, "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         "model": "SmolLM2-135M-Instruct", "max_tokens": args.max_tokens, "rounds": args.rounds,
+        "mode": ("in-process: every engine in one process, each generate call run by every config back to back"
+                 if args.in_process else "a process per config and round"),
         "prompts": {name: [r["question_id"] for r in rows] for name, rows in prompt_rows().items()},
         "speculative_configs": {c: CONFIGS[c] for c in configs}, "wall_s": round(time.time() - started),
         "configs": summarize(rounds, configs),

@@ -43,6 +43,12 @@ def _timed(owner: Any, name: str, key: str, totals: dict[str, float], calls: dic
     setattr(owner, name, wrapper)
 
 
+def _rows(prompt_set: str) -> list[dict[str, Any]]:
+    """The prompt set's rows (``both``: chat then code, as vllm_bench's batch-16 cell)."""
+    rows = prompt_rows()
+    return rows["chat"] + rows["code"] if prompt_set == "both" else rows[prompt_set]
+
+
 def worker(config: str, dtype: str, max_tokens: int, batch: int, prompt_set: str) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -72,7 +78,7 @@ def worker(config: str, dtype: str, max_tokens: int, batch: int, prompt_set: str
     path = str(model_path("smollm2"))
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
-                                       add_generation_prompt=True) for r in prompt_rows()[prompt_set]]
+                                       add_generation_prompt=True) for r in _rows(prompt_set)]
     llm = LLM(model=path, dtype=dtype, max_model_len=2048, seed=0, enforce_eager=True, disable_log_stats=False,
               speculative_config=CONFIGS[config], **ENGINE_ARGS.get(config, {}))
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
@@ -108,7 +114,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1, help="prompts decoded together")
-    ap.add_argument("--set", default="chat", choices=("chat", "code"), help="prompt set (vllm_bench's)")
+    ap.add_argument("--set", default="chat", choices=("chat", "code", "both"),
+                    help="prompt set (vllm_bench's; both: chat then code)")
     ap.add_argument("--out")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -142,7 +149,7 @@ def main() -> int:
 
     doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_kind(), "cpu": cpu,
            "dtype": short, "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-           "setting": f"batch {args.batch}, {len(prompt_rows()[args.set])} {args.set} prompts x {args.max_tokens} tokens, "
+           "setting": f"batch {args.batch}, {len(_rows(args.set))} {args.set} prompts x {args.max_tokens} tokens, "
                       "in-process engine",
            "configs": results,
            "summary": {c: f"{r['share_outside_vllm_forward']:.0%} of a step outside vLLM's forward "

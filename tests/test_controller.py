@@ -309,6 +309,24 @@ def test_branching_trees_that_cost_the_engine_extra_give_way_to_chains() -> None
     assert ctrl.predicted_rate([0], [Plan("tree", 16, 8)]) < ctrl.predicted_rate([0], [plan])
 
 
+def test_a_request_with_positions_to_catch_up_pays_for_them_in_its_plan() -> None:
+    # Two requests alike but for the positions their drafter must first catch up (Hydra's prefix
+    # layer at a first draft or a resume): priced at the learned ms per position, the one with 64
+    # positions at 1 ms each is not worth drafting for this step; the other still is.
+    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET)
+    for rid in (0, 1):
+        for i in range(20):
+            ctrl.observe(rid, DraftTree.chain(0, [1, 2, 3, 4]), [0, 1, 2, 3, 4] if i % 2 else [0])
+    assert all(p.max_nodes > 0 for p in ctrl.plan([0, 1], catch_up=[0, 64]))  # nothing learned: free
+    with pytest.raises(ValueError, match="positions > 0"):
+        ctrl.observe_catch_up(0, 5.0)
+    ctrl.observe_catch_up(32, 32.0)
+    assert ctrl.catch_ms == pytest.approx(1.0)
+    plans = ctrl.plan([0, 1], catch_up=[0, 64])
+    assert plans[0].max_nodes > 0 and plans[1].max_nodes == 0
+    assert ctrl.plan([1], catch_up=[2])[0].max_nodes > 0  # two positions: worth it
+
+
 def test_sibling_gain_is_learned_from_trees() -> None:
     ctrl = SpeculationController(CostModel({1: 10.0}), BUDGET)
     tree = DraftTree(torch.tensor([0, 1, 2, 3]), torch.tensor([-1, 0, 0, 0]), torch.ones(4))

@@ -261,9 +261,10 @@ def test_prefix_layer_starts_from_the_last_context_positions() -> None:
 
 def test_catching_up_is_timed_apart_and_an_idle_request_starts_over_on_its_context() -> None:
     """A request whose layer starts, or that did not draft last step (several pushes pending),
-    catches up in a timed batch of its own (``pop_catch_up_ms``), beside the batch of requests
-    that drafted last step (not timed); one that idled past ``context`` positions starts its layer
-    over on the last ``context`` of them, as a new request would."""
+    catches up in a timed batch of its own (``catch_up`` counts its positions beforehand,
+    ``pop_catch_up`` reports time and positions), beside the batch of requests that drafted last
+    step (not timed); one that idled past ``context`` positions starts its layer over on the last
+    ``context`` of them, as a new request would."""
     heads = _prefix_heads(k=2)
     h = _history(30)
     drafter = HydraDrafter(heads, width=2, topk=2, context=5)
@@ -271,34 +272,39 @@ def test_catching_up_is_timed_apart_and_an_idle_request_starts_over_on_its_conte
     batches: list[int] = []
     forward = drafter._forward_pending
     drafter._forward_pending = lambda todo: (todo and batches.append(len(todo))) or forward(todo)  # type: ignore[method-assign]
-    popped: list[float] = []  # what the speculator takes after each propose
-    pop = drafter.pop_catch_up_ms
-    drafter.pop_catch_up_ms = lambda: popped.append(pop()) or popped[-1]  # type: ignore[method-assign]
+    popped: list[tuple[float, int]] = []  # what the speculator takes after each propose
+    pop = drafter.pop_catch_up
+    drafter.pop_catch_up = lambda: popped.append(pop()) or popped[-1]  # type: ignore[method-assign]
+
+    def pending(*lengths: int) -> list[int]:
+        return drafter.catch_up([DraftRequest(i, [3] * (n + 1), 6, 3) for i, n in enumerate(lengths)])
 
     def one_pass(start: int, end: int) -> torch.Tensor:
         return heads.prefix_forward(h[None, start:end], torch.arange(start, end)[None])[0][0, -1]
 
     sp.observe_hidden(0, h[:4])
     sp.observe_hidden(1, h[:3])
+    assert pending(4, 3) == [4, 3]
     sp.propose([SpecRequest(0, [3] * 5), SpecRequest(1, [3] * 4)])
-    assert popped[-1] > 0 and pop() == 0.0 and batches == [2]
+    assert popped[-1][0] > 0 and popped[-1][1] == 7 and pop() == (0.0, 0) and batches == [2]
     sp.observe_hidden(0, h[4:6])  # one step's accepted positions: no catch-up
     sp.observe_hidden(1, h[3:4])
     sp.observe_hidden(1, h[4:5])  # request 1 did not draft last step: it catches up
+    assert pending(6, 5) == [0, 2]
     batches.clear()
     sp.propose([SpecRequest(0, [3] * 7), SpecRequest(1, [3] * 6)])
-    assert batches == [1, 1] and popped[-1] > 0
+    assert batches == [1, 1] and popped[-1][0] > 0 and popped[-1][1] == 2
     assert torch.allclose(drafter._state[0].last, one_pass(0, 6), atol=1e-5)
     assert torch.allclose(drafter._state[1].last, one_pass(0, 5), atol=1e-5)
     sp.observe_hidden(0, h[6:7])
     batches.clear()
     sp.propose([SpecRequest(0, [3] * 8)])
-    assert batches == [1] and popped[-1] == 0.0
+    assert batches == [1] and popped[-1] == (0.0, 0)
     for i in range(7, 20):  # idle for 13 steps: more than the context of 5
         sp.observe_hidden(0, h[i : i + 1])
-    assert drafter._state[0].kv is None and drafter._state[0].pending_rows == 5
+    assert drafter._state[0].kv is None and pending(20) == [5]
     sp.propose([SpecRequest(0, [3] * 21)])
-    assert popped[-1] > 0
+    assert popped[-1][0] > 0 and popped[-1][1] == 5
     assert torch.allclose(drafter._state[0].last, one_pass(15, 20), atol=1e-5)
     assert drafter._state[0].kv.length == 5
 
@@ -381,7 +387,8 @@ class _Alternating:
     def __init__(self) -> None:
         self.n = 0
 
-    def plan(self, ids: Sequence[Hashable], kv: int | None = None, available: Sequence[bool] | None = None) -> list[Plan]:
+    def plan(self, ids: Sequence[Hashable], kv: int | None = None, available: Sequence[bool] | None = None,
+             catch_up: Sequence[int] | None = None) -> list[Plan]:
         self.n += 1
         return [Plan("none", 0, 0) if self.n % 2 == 0 else Plan("tree", 10, 5) for _ in ids]
 

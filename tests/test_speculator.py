@@ -286,15 +286,15 @@ def test_engine_timings_reach_the_controller() -> None:
     assert sp.controller.outcome_factor() < 1.0
 
 
-def test_a_drafters_catch_up_is_not_priced_as_drafting() -> None:
-    """Time a drafter reports as catching up (``pop_catch_up_ms``: a request's first draft, or a
-    resume) is left out of the drafting cost the controller learns; the same time unreported is
-    learned (the control)."""
+def test_a_drafters_catch_up_is_priced_per_position_not_as_drafting() -> None:
+    """Time a drafter reports as catching up (``pop_catch_up``: a request's first draft, or a
+    resume) is learned per position, not into the drafting cost; the same time unreported is
+    learned as drafting (the control)."""
     import time
 
     from dyntree.common.cost_model import CostModel
 
-    def learned(reported: float) -> float:
+    def learned(reported: tuple[float, int]) -> tuple[float, float]:
         drafter = make_drafter("ngram")
         can_draft = drafter.can_draft
 
@@ -303,7 +303,7 @@ def test_a_drafters_catch_up_is_not_priced_as_drafting() -> None:
             return can_draft(*args, **kwargs)
 
         drafter.can_draft = slow  # type: ignore[method-assign]
-        drafter.pop_catch_up_ms = lambda: reported  # type: ignore[method-assign]
+        drafter.pop_catch_up = lambda: reported  # type: ignore[method-assign]
         sp = Speculator(drafter, SpecConfig(adaptive=True, max_nodes=4, max_depth=4), vocab_size=V,
                         cost_model=CostModel({1: 10.0, 16: 10.5}, lr=1.0))
         tokens = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
@@ -311,10 +311,11 @@ def test_a_drafters_catch_up_is_not_priced_as_drafting() -> None:
         assert batch.num_drafts > 0
         sp.accept(batch, toy_logits(batch, {"a": tokens}))
         assert sp.controller is not None
-        return sp.controller.draft_cost(int(batch.depths.max()), batch.num_drafts)
+        return sp.controller.draft_cost(int(batch.depths.max()), batch.num_drafts), sp.controller.catch_ms
 
-    assert learned(0.0) > 30.0
-    assert learned(1000.0) < 10.0
+    assert learned((0.0, 0))[0] > 30.0
+    drafting, per_position = learned((1000.0, 50))
+    assert drafting < 10.0 and per_position == pytest.approx(20.0)
 
 
 @pytest.mark.parametrize("rectangular", [False, True])
@@ -328,7 +329,7 @@ def test_the_controller_prices_attention_at_the_prefix_each_engine_reads(rectang
     sp.prepare()
     seen: list[int | None] = []
     plan = sp.controller.plan
-    sp.controller.plan = lambda ids, kv=None, available=None: seen.append(kv) or plan(ids, kv, available)
+    sp.controller.plan = lambda ids, kv=None, available=None, catch_up=None: seen.append(kv) or plan(ids, kv, available)
     sp.propose([SpecRequest("a", list(range(11))), SpecRequest("b", list(range(101)))])
     assert seen == [100 if rectangular else 55]
 

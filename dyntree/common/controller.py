@@ -34,6 +34,11 @@
   outside the target's forward (vLLM's CPU tree attention beside its own kernel; a chain needs
   none) reports it (:meth:`SpeculationController.observe_branching`): each branching tree of a
   plan is then priced with it, and a chains-only plan is weighed against the plan with trees.
+  A drafter with state of its own to bring up to date before a request's draft (Hydra's prefix
+  layer, at a request's first draft or when it resumes after idle steps) reports the positions
+  per request (``Drafter.catch_up``) and what catching up cost
+  (:meth:`SpeculationController.observe_catch_up`): a plan that drafts for such a request pays
+  them at that step.
   When a forward's cost grows in proportion to its
   tokens (compute-bound, high batch) no prefix pays and every request decodes plainly.
 * The outcome check: what each speculative step really committed per measured millisecond
@@ -140,6 +145,8 @@ class SpeculationController:
         # ms an engine spends per branching tree outside the target's forward (EMA; 0 until one
         # is reported): a chain costs none of it, so with it a chains-only plan is priced too
         self._branch_ms = 0.0
+        # ms a drafter spends per committed position it catches up (EMA; 0 until reported)
+        self._catch_ms = 0.0
 
     # -- estimates ------------------------------------------------------------------------------
     def _state(self, rid: Hashable) -> _RequestState:
@@ -266,17 +273,20 @@ class SpeculationController:
 
     # -- planning -------------------------------------------------------------------------------
     def plan(self, request_ids: Sequence[Hashable], kv: int | None = None,
-             available: Sequence[bool] | None = None) -> list[Plan]:
+             available: Sequence[bool] | None = None, catch_up: Sequence[int] | None = None) -> list[Plan]:
         """One plan per live request for the next verify step; ``kv``: the cached tokens each
         query row of the verify attends to (one rectangular cache: the longest request's), priced by
         the cost model's attention term; ``available``: which requests the drafter can draft for
         this step, when it knows beforehand (``Drafter.can_draft``): the others are planned no
-        draft, the rest at their delivery ratio among the steps it could draft."""
+        draft, the rest at their delivery ratio among the steps it could draft; ``catch_up``: the
+        positions each request's draft must first catch up with (``Drafter.catch_up``), priced
+        per position (:meth:`observe_catch_up`) in a plan that drafts for it."""
         o = self.options
         b = len(request_ids)
         if b == 0:
             return []
         can = list(available) if available is not None else [True] * b
+        catch_ms = [self._catch_ms * n for n in catch_up] if catch_up is not None else [0.0] * b
         keys = [(self.alpha(r), self.delivery(r) if ok else 0.0) for r, ok in zip(request_ids, can)]
         plain_ms = self.cost(b, kv, b)
         plain = b / plain_ms
@@ -292,7 +302,7 @@ class SpeculationController:
             segs = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
             segs.sort(key=lambda s: (-s[0], s[1], s[2]))
             tabs = [cache[k][0] for k in keys]
-            rate, k, branching = self._scan(segs, tabs, keys, kv, plain_ms, factor)
+            rate, k, branching = self._scan(segs, tabs, keys, kv, plain_ms, factor, catch_ms)
             if rate > best_rate:
                 best_rate, best_k, tables, segments = rate, k, tabs, segs
             if not (branching and self._branch_ms > 0 and o.allow_trees):
@@ -331,14 +341,15 @@ class SpeculationController:
 
     def _scan(self, segments: list[tuple[float, int, int, int]], tables: list[tuple[list[float], list[int]]],
               keys: list[tuple[float, float]], kv: int | None, plain_ms: float,
-              factor: float) -> tuple[float, int, int]:
+              factor: float, catch_ms: list[float]) -> tuple[float, int, int]:
         """The best prefix of ``segments`` (merged hull steps, best gain first): its predicted
         committed tokens per ms (times ``factor``), length and branching trees. A prefix pays its verify forward
-        (plain with the chance that no planned tree arrives), its drafting and, per branching tree
-        in it, the engine's extra time for one (:meth:`observe_branching`)."""
+        (plain with the chance that no planned tree arrives), its drafting, the catch-up of each
+        request it drafts for (``catch_ms``) and, per branching tree in it, the engine's extra
+        time for one (:meth:`observe_branching`)."""
         o, cost, b = self.options, self.cost, len(keys)
         best_rate, best_k, best_branching = 0.0, 0, 0
-        nodes, widest, expected, max_depth, drafting, branching = 0, 0, float(b), 0, 0, 0
+        nodes, widest, expected, max_depth, drafting, branching, catching = 0, 0, float(b), 0, 0, 0, 0.0
         no_tree = 1.0  # chance that no planned tree is delivered (the forward is then plain)
         for k, (_, r, lo, hi) in enumerate(segments, start=1):
             tokens = self._verify_tokens(b, nodes + hi - lo, max(widest, hi))
@@ -351,11 +362,13 @@ class SpeculationController:
             if lo == 0:  # this request's first segment: its tree arrives with its delivery ratio
                 no_tree *= 1.0 - keys[r][1]
                 drafting += 1
+                catching += catch_ms[r]
             else:
                 branching -= int(tables[r][1][lo]) < lo
             branching += depth < hi
             forward = (1.0 - no_tree) * cost(tokens, kv, b) + no_tree * plain_ms
-            rate = factor * expected / (forward + self.draft_cost(max_depth, nodes, drafting) + self._branch_ms * branching)
+            spent = forward + self.draft_cost(max_depth, nodes, drafting) + self._branch_ms * branching + catching
+            rate = factor * expected / spent
             if rate > best_rate:
                 best_rate, best_k, best_branching = rate, k, branching
         return best_rate, best_k, best_branching
@@ -467,6 +480,20 @@ class SpeculationController:
             raise ValueError(f"observe_branching({trees}, {ms}): trees > 0 and ms >= 0 needed")
         per, e = ms / trees, self.options.ema
         self._branch_ms = per if self._branch_ms == 0 else (1 - e) * self._branch_ms + e * per
+
+    def observe_catch_up(self, positions: int, ms: float) -> None:
+        """A drafter spent ``ms`` catching up ``positions`` committed positions (its state of
+        requests that start drafting or resume): learned per position (EMA), the price of a
+        plan that drafts for a request with positions to catch up."""
+        if positions <= 0 or not ms >= 0:
+            raise ValueError(f"observe_catch_up({positions}, {ms}): positions > 0 and ms >= 0 needed")
+        per, e = ms / positions, self.options.ema
+        self._catch_ms = per if self._catch_ms == 0 else (1 - e) * self._catch_ms + e * per
+
+    @property
+    def catch_ms(self) -> float:
+        """The learned ms per position a drafter catches up (0 until one is reported)."""
+        return self._catch_ms
 
     @property
     def branch_ms(self) -> float:

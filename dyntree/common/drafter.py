@@ -327,12 +327,17 @@ class Drafter:
         accepted nodes, root first); ``start`` is the first row's position when the engine says
         it. Only called when ``needs_hidden``."""
 
-    def pop_catch_up_ms(self) -> float:
-        """Milliseconds spent since the last call bringing requests' own state up to date with
-        positions committed before their previous draft (a request's first draft, or its first
-        after steps it did not draft): paid once per committed position, not per draft, so the
-        speculator leaves it out of the drafting cost the controller prices. Default: none."""
-        return 0.0
+    def catch_up(self, requests: Sequence[DraftRequest]) -> list[int]:
+        """Per request, the committed positions its next draft must first bring the drafter's own
+        state up to date with (its first draft, or its first after steps it did not draft):
+        paid once, at that draft, so the controller prices it there. Default: none."""
+        return [0] * len(requests)
+
+    def pop_catch_up(self) -> tuple[float, int]:
+        """Milliseconds and positions spent catching up (:meth:`catch_up`) since the last call:
+        the speculator learns the price per position from them and leaves them out of the
+        per-step drafting cost. Default: none."""
+        return 0.0, 0
 
     def observe(self, request_id: Hashable, token_ids: Sequence[int], accepted_drafts: int) -> None:
         """After each verify step: the request's committed tokens and how many drafts were accepted."""

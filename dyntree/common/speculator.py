@@ -229,8 +229,8 @@ class Speculator:
         self._kv = max(kv_lens) if self._rectangular_kv else round(sum(kv_lens) / len(kv_lens))
         plans = None
         if self.controller is not None:
-            available = self.drafter.can_draft([self._draft_request(r, None) for r in requests])
-            plans = self.controller.plan(ids, self._kv, available)
+            full = [self._draft_request(r, None) for r in requests]
+            plans = self.controller.plan(ids, self._kv, self.drafter.can_draft(full), self.drafter.catch_up(full))
         drafts = [self._draft_request(r, plans[i] if plans else None) for i, r in enumerate(requests)]
         built_trees: dict[int, DraftTree] = {}
         # one builder run per tree mode and draft shaping (greedy, or temperature / top-k / top-p)
@@ -262,8 +262,11 @@ class Speculator:
         batch = DraftBatch.from_trees(ids, trees)
         for r in requests:
             self._tokens[r.request_id], self._params[r.request_id] = r.token_ids, r.params
-        # a request's catch-up (its first draft, or a resume) is paid once, not per draft: not priced
-        draft_ms = max((time.perf_counter() - t0) * 1e3 - self.drafter.pop_catch_up_ms(), 0.0)
+        # a request's catch-up (its first draft, or a resume) is priced per position, not per draft
+        catch_ms, caught = self.drafter.pop_catch_up()
+        if caught and self.controller is not None:
+            self.controller.observe_catch_up(caught, catch_ms)
+        draft_ms = max((time.perf_counter() - t0) * 1e3 - catch_ms, 0.0)
         drafting = sum(t.size > 1 for t in trees)
         self._draft_ms = (int(batch.depths.max()), batch.num_drafts, draft_ms, drafting)  # priced at accept
         self.stats.draft_s += draft_ms / 1e3

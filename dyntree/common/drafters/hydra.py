@@ -23,10 +23,11 @@ with prefix attention (Hydra++) keep each request's prefix-layer KV cache: the s
 the last step are run through the layer in one batched forward at the step's first ``expand``,
 and the layer's output at the newest position feeds the heads; :meth:`release` drops the cache.
 A request that starts (its first draft) or resumes after steps it did not draft catches up in a
-batched forward of its own, timed apart (:meth:`HydraDrafter.pop_catch_up_ms`: a one-time cost
-per committed position, not a cost of the step's drafts); one that idled past ``context``
-positions starts its layer over on the last ``context`` of them, so a resume costs at most what
-a new request's start does.
+batched forward of its own, timed apart (:meth:`HydraDrafter.catch_up` says how many positions
+each request has to catch up, :meth:`HydraDrafter.pop_catch_up` what it cost: a one-time cost per
+committed position, priced at the draft that pays it, not a cost of every step's drafts); one that
+idled past ``context`` positions starts its layer over on the last ``context`` of them, so a
+resume costs at most what a new request's start does.
 
 Pure torch: the target's weights and identity arrive as a :class:`~dyntree.common.drafter.TargetInfo`.
 """
@@ -135,7 +136,7 @@ class HydraDrafter(Drafter):
         self.device = heads.out_weight.device
         self.dtype = heads.out_weight.dtype
         self._state: dict[Hashable, _State] = {}
-        self._catch_up_s = 0.0  # prefix-layer time on catching-up requests since the last pop_catch_up_ms
+        self._catch_up = (0.0, 0)  # prefix-layer seconds and positions spent catching up since pop_catch_up
 
     def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         d = self.heads.config.hidden_size
@@ -163,9 +164,20 @@ class HydraDrafter(Drafter):
             rows = torch.cat(s.pending)[-self.context :]
             s.kv, s.pending, s.pending_rows = None, [rows], rows.shape[0]
 
-    def pop_catch_up_ms(self) -> float:
-        self._catch_up_s, spent = 0.0, self._catch_up_s
-        return spent * 1e3
+    def catch_up(self, requests: Sequence[DraftRequest]) -> list[int]:
+        states = [self._state.get(r.request_id) for r in requests]
+        if self.heads.prefix is None:
+            return [0] * len(requests)
+        return [s.pending_rows if s is not None and self._catching(s) else 0 for s in states]
+
+    def pop_catch_up(self) -> tuple[float, int]:
+        (spent, positions), self._catch_up = self._catch_up, (0.0, 0)
+        return spent * 1e3, positions
+
+    @staticmethod
+    def _catching(s: _State) -> bool:
+        """The request's layer starts, or it did not draft last step (more than one push pending)."""
+        return bool(s.pending) and (s.kv is None or len(s.pending) > 1)
 
     def release(self, request_id: Hashable) -> None:
         self._state.pop(request_id, None)
@@ -191,11 +203,13 @@ class HydraDrafter(Drafter):
         """Run the prefix layer over every request's pending positions: those that catch up
         (their layer starts, or they did not draft last step: more than one push pending) in one
         timed batch, the rest (one step's accepted positions each) in another."""
-        catching = [s for s in states if s.pending and (s.kv is None or len(s.pending) > 1)]
+        catching = [s for s in states if self._catching(s)]
         if catching:
+            positions = sum(s.pending_rows for s in catching)
             started = time.perf_counter()
             self._forward_pending(catching)
-            self._catch_up_s += time.perf_counter() - started
+            spent, done = self._catch_up
+            self._catch_up = (spent + time.perf_counter() - started, done + positions)
         self._forward_pending([s for s in states if s.pending])
 
     def _forward_pending(self, todo: list[_State]) -> None:

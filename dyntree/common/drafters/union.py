@@ -92,8 +92,12 @@ class UnionDrafter(Drafter):
             if p.needs_hidden:
                 p.observe_hidden(request_id, states, start)
 
-    def pop_catch_up_ms(self) -> float:
-        return sum(p.pop_catch_up_ms() for p in self.parts)
+    def catch_up(self, requests: Sequence[DraftRequest]) -> list[int]:
+        return [sum(col) for col in zip(*(p.catch_up(requests) for p in self.parts))]
+
+    def pop_catch_up(self) -> tuple[float, int]:
+        spent = [p.pop_catch_up() for p in self.parts]
+        return sum(ms for ms, _ in spent), sum(n for _, n in spent)
 
     def observe(self, request_id: Hashable, token_ids: Sequence[int], accepted_drafts: int) -> None:
         for p in self.parts:
