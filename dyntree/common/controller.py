@@ -66,6 +66,8 @@ import math
 from dataclasses import dataclass
 from typing import Hashable, Literal, Sequence
 
+import numpy as np
+
 from dyntree.common.cost_model import CostModel, DraftCost, batch_bucket
 from dyntree.common.options import Budget, ControllerOptions
 from dyntree.common.tree import DraftTree
@@ -347,31 +349,36 @@ class SpeculationController:
         (plain with the chance that no planned tree arrives), its drafting, the catch-up of each
         request it drafts for (``catch_ms``) and, per branching tree in it, the engine's extra
         time for one (:meth:`observe_branching`)."""
-        o, cost, b = self.options, self.cost, len(keys)
-        best_rate, best_k, best_branching = 0.0, 0, 0
-        nodes, widest, expected, max_depth, drafting, branching, catching = 0, 0, float(b), 0, 0, 0, 0.0
-        no_tree = 1.0  # chance that no planned tree is delivered (the forward is then plain)
-        for k, (_, r, lo, hi) in enumerate(segments, start=1):
-            tokens = self._verify_tokens(b, nodes + hi - lo, max(widest, hi))
-            if tokens > o.max_batch_tokens:
-                break
-            nodes, widest = nodes + hi - lo, max(widest, hi)
-            expected += float(tables[r][0][hi] - tables[r][0][lo])
-            depth = int(tables[r][1][hi])
-            max_depth = max(max_depth, depth)
-            if lo == 0:  # this request's first segment: its tree arrives with its delivery ratio
-                no_tree *= 1.0 - keys[r][1]
-                drafting += 1
-                catching += catch_ms[r]
-            else:
-                branching -= int(tables[r][1][lo]) < lo
-            branching += depth < hi
-            forward = (1.0 - no_tree) * cost(tokens, kv, b) + no_tree * plain_ms
-            spent = forward + self.draft_cost(max_depth, nodes, drafting) + self._branch_ms * branching + catching
-            rate = factor * expected / spent
-            if rate > best_rate:
-                best_rate, best_k, best_branching = rate, k, branching
-        return best_rate, best_k, best_branching
+        if not segments:
+            return 0.0, 0, 0
+        b, n = len(keys), len(segments)
+        r = np.fromiter((s[1] for s in segments), np.int64, n)
+        lo = np.fromiter((s[2] for s in segments), np.int64, n)
+        hi = np.fromiter((s[3] for s in segments), np.int64, n)
+        # every prefix at once: its nodes, widest tree and verify tokens (non-decreasing), cut
+        # where the verify would exceed max_batch_tokens
+        nodes = np.cumsum(hi - lo)
+        tokens = b * (1 + np.maximum.accumulate(hi)) if self.padded else b + nodes
+        n = int(np.searchsorted(tokens, self.options.max_batch_tokens, side="right"))
+        if n == 0:
+            return 0.0, 0, 0
+        r, lo, hi, nodes, tokens = r[:n], lo[:n], hi[:n], nodes[:n], tokens[:n]
+        gained = np.fromiter((tables[q][0][h] - tables[q][0][l] for q, l, h in zip(r.tolist(), lo.tolist(), hi.tolist())),
+                             np.float64, n)
+        depth_hi = np.fromiter((tables[q][1][h] for q, h in zip(r.tolist(), hi.tolist())), np.int64, n)
+        depth_lo = np.fromiter((tables[q][1][l] for q, l in zip(r.tolist(), lo.tolist())), np.int64, n)
+        first = lo == 0  # a request's first segment: its tree arrives with its delivery ratio
+        delivery = np.array([k[1] for k in keys])[r]
+        no_tree = np.cumprod(np.where(first, 1.0 - delivery, 1.0))  # chance that no planned tree arrives
+        drafting = np.cumsum(first)
+        catching = np.cumsum(np.where(first, np.asarray(catch_ms)[r], 0.0))
+        branching = np.cumsum((depth_hi < hi).astype(np.int64) - (~first & (depth_lo < lo)))
+        max_depth = np.maximum.accumulate(depth_hi)
+        forward = (1.0 - no_tree) * self.cost(tokens, kv, b) + no_tree * plain_ms
+        spent = forward + self.draft_cost(max_depth, nodes, drafting) + self._branch_ms * branching + catching
+        rate = factor * np.cumsum(np.concatenate(([float(b)], gained)))[1:] / spent
+        k = int(np.argmax(rate))  # the first of the best
+        return float(rate[k]), k + 1, int(branching[k])
 
     def _verify_tokens(self, batch: int, nodes: int, widest: int) -> int:
         """Query tokens of the verify forward: roots plus draft nodes, or, for an engine that

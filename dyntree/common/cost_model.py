@@ -7,10 +7,11 @@ with them; engines seed a :class:`CostModel` from their own timed forwards
 
 from __future__ import annotations
 
-import bisect
 import math
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, overload
+
+import numpy as np
 
 __all__ = ["CostModel", "DraftCost", "batch_bucket"]
 
@@ -118,30 +119,36 @@ class CostModel:
         knots until that batch size's first forward is observed)."""
         return self._ys.get(batch_bucket(rows), self._start)
 
-    def _segment(self, n: float) -> tuple[int, float]:
-        """Left knot index and the weight of the right knot for ``n`` (clamped)."""
-        xs = self.xs
-        if len(xs) == 1 or n <= xs[0]:
-            return 0, 0.0
-        i = min(bisect.bisect_right(xs, n) - 1, len(xs) - 2)
-        return i, (n - xs[i]) / (xs[i + 1] - xs[i])
-
-    def __call__(self, n_tokens: float, kv: int | None = None, rows: int = 1) -> float:
-        """Predicted ms of a forward of ``n_tokens`` query tokens from ``rows`` requests, each
-        against ``kv`` cached tokens (``None``: ``kv_ref``, the knots' own)."""
-        xs, ys = self.xs, self.knots(rows)
+    def _segment(self, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Left knot index and the weight of the right knot for each of ``n`` (clamped below the
+        first knot; above the last the last segment extends: weight > 1)."""
+        xs = np.asarray(self.xs, dtype=np.float64)
         if len(xs) == 1:
-            base = ys[0] * max(n_tokens, xs[0]) / xs[0]
-        else:
-            i, w = self._segment(n_tokens)
-            base = ys[i] + w * (ys[i + 1] - ys[i])  # w > 1 extends the last segment
-        return base + self._attention(n_tokens, kv, rows, base)
+            return np.zeros(n.shape, dtype=np.int64), np.zeros(n.shape)
+        i = np.clip(np.searchsorted(xs, n, side="right") - 1, 0, len(xs) - 2)
+        return i, np.where(n <= xs[0], 0.0, (n - xs[i]) / (xs[i + 1] - xs[i]))
 
-    def _attention(self, n_tokens: float, kv: int | None, rows: int, base: float) -> float:
-        """The attention terms: ms beyond (or, with fewer cached tokens, short of) the knots'."""
-        if kv is None or not (self.attn_ms or self.row_ms):
-            return 0.0
-        return max((kv - self.kv_ref) * (self.attn_ms * n_tokens + self.row_ms * rows), -0.5 * base)
+    @overload
+    def __call__(self, n_tokens: float, kv: int | None = None, rows: int = 1) -> float: ...
+
+    @overload
+    def __call__(self, n_tokens: np.ndarray, kv: int | None = None, rows: int = 1) -> np.ndarray: ...
+
+    def __call__(self, n_tokens: float | np.ndarray, kv: int | None = None, rows: int = 1) -> float | np.ndarray:
+        """Predicted ms of a forward of ``n_tokens`` query tokens (a number, or an array of them:
+        one prediction each) from ``rows`` requests, each against ``kv`` cached tokens (``None``:
+        ``kv_ref``, the knots' own)."""
+        n = np.asarray(n_tokens, dtype=np.float64)
+        ys = np.asarray(self.knots(rows), dtype=np.float64)
+        if len(self.xs) == 1:
+            base = ys[0] * np.maximum(n, self.xs[0]) / self.xs[0]
+        else:
+            i, w = self._segment(n)
+            base = ys[i] + w * (ys[i + 1] - ys[i])  # w > 1 extends the last segment
+        if kv is not None and (self.attn_ms or self.row_ms):
+            # the attention terms: ms beyond (or, with fewer cached tokens, short of) the knots'
+            base = base + np.maximum((kv - self.kv_ref) * (self.attn_ms * n + self.row_ms * rows), -0.5 * base)
+        return base if isinstance(n_tokens, np.ndarray) else float(base)
 
     def observe(self, n_tokens: int, ms: float, kv: int | None = None, rows: int = 1) -> None:
         """Move the knots toward one measured forward (``ms`` for ``n_tokens`` query tokens of
@@ -170,7 +177,8 @@ class CostModel:
         level = 1 + self.lr / 2 * (ratio - 1)
         ys[:] = [y * level for y in ys]
         err = target - self(n_tokens, kv, rows)
-        i, w = self._segment(n_tokens)
+        at, weight = self._segment(np.asarray(float(n_tokens)))
+        i, w = int(at), float(weight)
         if len(self.xs) == 1:
             ys[0] += self.lr * err * self.xs[0] / max(n_tokens, self.xs[0])
         else:
@@ -231,11 +239,19 @@ class DraftCost:
         self._xy = [0.0] * 4
         self.coef = self.prior
 
-    def __call__(self, depth: int, nodes: int, rows: int = 1) -> float:
-        if nodes <= 0:
-            return 0.0
+    @overload
+    def __call__(self, depth: int, nodes: int, rows: int = 1) -> float: ...
+
+    @overload
+    def __call__(self, depth: np.ndarray, nodes: np.ndarray, rows: np.ndarray) -> np.ndarray: ...
+
+    def __call__(self, depth: int | np.ndarray, nodes: int | np.ndarray,
+                 rows: int | np.ndarray = 1) -> float | np.ndarray:
+        """Predicted ms (0 without nodes); numbers, or arrays of as many steps."""
         a, b, c, e = self.coef
-        return a + b * depth + c * nodes + e * depth * rows
+        ms = np.where(np.asarray(nodes) > 0, a + b * np.asarray(depth) + c * np.asarray(nodes)
+                      + e * np.asarray(depth) * np.asarray(rows), 0.0)
+        return ms if isinstance(nodes, np.ndarray) else float(ms)
 
     def observe(self, depth: int, nodes: int, ms: float, rows: int = 1) -> None:
         """One measured drafting step (``nodes`` > 0, ``rows`` >= 1 requests drafting)."""

@@ -254,7 +254,7 @@ class Speculator:
             built_trees.update(zip(rows, built))
         trees = [built_trees[i] if i in built_trees else DraftTree.root_only(d.root) for i, d in enumerate(drafts)]
         for d, tree in zip(drafts, trees):
-            if tree.root != d.root or tree.size - 1 > d.max_nodes or tree.max_depth > d.max_depth:
+            if tree.root != d.root or (tree.size > 1 and (tree.size - 1 > d.max_nodes or tree.max_depth > d.max_depth)):
                 raise RuntimeError(
                     f"drafter {self.drafter.name!r} broke its budget or root: root {tree.root} (want {d.root}), "
                     f"{tree.size - 1} nodes (max {d.max_nodes}), depth {tree.max_depth} (max {d.max_depth})"
@@ -432,7 +432,7 @@ class Speculator:
             rs.steps += 1
             rs.proposed += tree.size - 1
             rs.accepted += len(nodes) - 1
-            for d in tree.depths[1:].tolist():
+            for d in tree.depths[1:].tolist() if tree.size > 1 else ():
                 _add(st.proposed_per_depth, d)
             for d in range(1, len(nodes)):
                 _add(rs.accepted_per_depth, d)

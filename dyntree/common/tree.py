@@ -104,12 +104,18 @@ class DraftTree:
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def root_only(cls, token: int) -> "DraftTree":
-        """A tree with no drafts: verifying it is one step of plain decoding."""
-        return cls(
-            torch.tensor([token], dtype=torch.int64),
-            torch.tensor([-1], dtype=torch.int64),
-            torch.ones(1),
-        )
+        """A tree with no drafts: verifying it is one step of plain decoding. Valid by
+        construction (only the token is checked): every request of a step that does not
+        speculate gets one, so it skips the general checks."""
+        if token < 0:
+            raise TreeError("DraftTree.tokens must be non-negative token ids")
+        tree = object.__new__(cls)
+        for name, value in (("tokens", torch.tensor([token], dtype=torch.int64)),
+                            ("parents", torch.tensor([-1], dtype=torch.int64)), ("draft_probs", torch.ones(1)),
+                            ("draft_dists", None), ("depths", torch.zeros(1, dtype=torch.int64)),
+                            ("_ancestors", torch.ones(1, 1, dtype=torch.bool))):
+            object.__setattr__(tree, name, value)
+        return tree
 
     @classmethod
     def chain(cls, root: int, drafts: Sequence[int], probs: Sequence[float] | None = None) -> "DraftTree":

@@ -181,12 +181,12 @@ def _push_hidden(step: StepRecord, hidden: torch.Tensor, proposer: "DynTreePropo
         if n == 0:
             continue
         start = int(step.starts[i])
-        if i in tree_of:
-            assert tree is not None and tree.accept is not None
-            rows = start + torch.tensor(tree.accept.accepted(tree_of[i]))
-        else:
-            rows = torch.arange(start, start + n)
-        proposer.speculator.observe_hidden(rid, hidden[rows.to(hidden.device)], start=int(step.computed[i]))
+        nodes = tree.accept.accepted(tree_of[i]) if i in tree_of and tree is not None and tree.accept is not None else []
+        if len(nodes) > 1:  # an accepted path of the tree: those rows
+            states = hidden[(start + torch.tensor(nodes)).to(hidden.device)]
+        else:  # all rows (a root alone is its first row)
+            states = hidden[start : start + (1 if nodes else n)]
+        proposer.speculator.observe_hidden(rid, states, start=int(step.computed[i]))
 
 
 def _params(sp: Any) -> SamplingParams | None:
