@@ -223,14 +223,19 @@ class SpeculationController:
         delivery only scales a table (the best depth does not change)."""
         return self._table(alpha, delivery)[0]
 
-    def _table(self, alpha: float, delivery: float,
-               chains: bool = False) -> tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]:
+    def _shape(self) -> tuple[float, tuple[float, ...]]:
+        """The sibling gain and depth profile as the tables are kept by (rounded to 0.01)."""
+        return round(self.sibling_gain, 2), tuple(round(r, 2) for r in self.depth_profile)
+
+    def _table(self, alpha: float, delivery: float, chains: bool = False,
+               shape: tuple[float, tuple[float, ...]] | None = None,
+               ) -> tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]:
         """:meth:`expected_table` (``chains``: of chains only) and the steps of its upper concave
-        hull (:meth:`_hull`), cached."""
+        hull (:meth:`_hull`), cached; ``shape``: :meth:`_shape`, when the caller has it."""
         n_max = self.budget.max_nodes
         if self.budget.max_depth == 0:
             return ([0.0] * (n_max + 1), [0] * (n_max + 1)), []
-        gain, profile = round(self.sibling_gain, 2), tuple(round(r, 2) for r in self.depth_profile)
+        gain, profile = shape if shape is not None else self._shape()
         base_key = (round(alpha, 2), 1.0, gain, profile, chains)
         key = (base_key[0], round(delivery, 2), gain, profile, chains)
         entry = self._tables.get(key)
@@ -297,9 +302,10 @@ class SpeculationController:
         # the two checks together move a plan by at most outcome_bound, as each does alone
         factor = max(self.outcome_factor(b), raise_bar / o.outcome_bound)
         best_rate, best_k, tables, segments = bar, 0, [], []
+        shape = self._shape()
         # trees; then, where the best plan holds branching trees that cost the engine extra, chains only
         for chains in (False, True):
-            cache = {key: self._table(*key, chains) for key in set(keys)}
+            cache = {key: self._table(*key, chains, shape) for key in set(keys)}
             # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
             segs = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
             segs.sort(key=lambda s: (-s[0], s[1], s[2]))
