@@ -421,8 +421,9 @@ class Speculator:
                 self.controller.observe_outcome(sum(len(t) for t in result.tokens), forward_ms + draft_ms + overhead_ms)
         self._draft_ms = None
         st.steps += 1
+        plain = batch.num_drafts == 0  # root-only trees: each accepted its root
         for b, (rid, tree) in enumerate(zip(batch.request_ids, batch.trees)):
-            nodes = result.accepted(b)
+            nodes = [0] if plain else result.accepted(b)
             self.drafter.observe(rid, list(self._tokens[rid]) + result.tokens[b], len(nodes) - 1)
             if self.builder is not None and self._calibrates and isinstance(tree, BuiltTree) and tree.size > 1:
                 self.builder.observe(tree, nodes)

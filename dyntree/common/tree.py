@@ -35,6 +35,11 @@ class TreeError(ValueError):
     """A draft tree violates its invariants (the message says which)."""
 
 
+#: The arrays every root-only tree has, but its token (:meth:`DraftTree.root_only`).
+_ROOT_ONLY = {"parents": torch.tensor([-1], dtype=torch.int64), "draft_probs": torch.ones(1),
+              "depths": torch.zeros(1, dtype=torch.int64), "_ancestors": torch.ones(1, 1, dtype=torch.bool)}
+
+
 @dataclass(frozen=True)
 class DraftTree:
     """A validated draft tree.
@@ -110,10 +115,9 @@ class DraftTree:
         if token < 0:
             raise TreeError("DraftTree.tokens must be non-negative token ids")
         tree = object.__new__(cls)
-        for name, value in (("tokens", torch.tensor([token], dtype=torch.int64)),
-                            ("parents", torch.tensor([-1], dtype=torch.int64)), ("draft_probs", torch.ones(1)),
-                            ("draft_dists", None), ("depths", torch.zeros(1, dtype=torch.int64)),
-                            ("_ancestors", torch.ones(1, 1, dtype=torch.bool))):
+        object.__setattr__(tree, "tokens", torch.tensor([token], dtype=torch.int64))
+        object.__setattr__(tree, "draft_dists", None)
+        for name, value in _ROOT_ONLY.items():  # shared by every root-only tree: read-only, as a tree's arrays are
             object.__setattr__(tree, name, value)
         return tree
 

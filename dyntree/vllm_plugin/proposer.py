@@ -18,7 +18,7 @@ from typing import Any, Hashable
 import numpy as np
 import torch
 
-from dyntree.common.config import SpecConfig
+from dyntree.common.config import SamplingParams, SpecConfig
 from dyntree.common.cost_model import CostModel
 from dyntree.common.drafter import TargetInfo
 from dyntree.common.drafters import make_engine_drafter
@@ -27,7 +27,7 @@ from dyntree.common.tree import DraftTree
 from dyntree.vllm_plugin.options import ENV
 from dyntree.vllm_plugin.step import StepRecord
 
-__all__ = ["DynTreeProposer"]
+__all__ = ["DynTreeProposer", "speculator_params"]
 
 
 class DynTreeProposer:
@@ -46,6 +46,7 @@ class DynTreeProposer:
         self.trees: dict[Hashable, DraftTree] = {}  # the last propose call's trees, by request id
         self.runner: Any = None  # the model runner (bind)
         self.step: StepRecord | None = None  # the step in flight (begin_step)
+        self._sampling: dict[str, SamplingParams | None] = {}  # per live request (sampling)
 
     # -- vLLM's custom_class contract -------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -75,6 +76,19 @@ class DynTreeProposer:
     def begin_step(self, step: StepRecord) -> None:
         """The step vLLM is about to run: its batch (the next :meth:`propose` call's rows) and trees."""
         self.step = step
+
+    def sampling(self, request_id: str, params: Any) -> SamplingParams | None:
+        """The request's vLLM sampling ``params`` as the speculator's (:func:`speculator_params`),
+        converted once per request: a request's sampling does not change while it runs."""
+        if request_id not in self._sampling:
+            self._sampling[request_id] = speculator_params(params)
+        return self._sampling[request_id]
+
+    def release(self, request_id: str) -> None:
+        """The request ended, or is recomputed from the start: drop its state."""
+        self._sampling.pop(request_id, None)
+        assert self.speculator is not None
+        self.speculator.release(request_id)
 
     def _measure_cost(self) -> CostModel:
         """The adaptive controller's starting cost model: vLLM's own dummy forwards (attention
@@ -128,3 +142,21 @@ def _target_info(model: torch.nn.Module, vllm_config: Any, vocab: int) -> Target
     tok = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
     return TargetInfo.from_model(model, tok, str(mc.model), vocab,
                                  weight_kernel=cpu_weight_kernel(next(model.parameters()).device))
+
+
+def speculator_params(sp: Any) -> SamplingParams | None:
+    """The request's sampling as the speculator's params, or ``None`` when it must decode plainly
+    (whatever the tree verifier does not reproduce: penalties, logit bias, allowed or bad words,
+    min-p, min-tokens, structured output, logprobs)."""
+    if sp is None:
+        return None
+    plain = (
+        sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1 or sp.min_p != 0
+        or sp.min_tokens or sp.logit_bias or sp.allowed_token_ids or sp.bad_words or sp.structured_outputs
+        or sp.logprobs is not None or sp.prompt_logprobs is not None
+    )
+    if plain:
+        return None
+    greedy = sp.temperature < 1e-5
+    return SamplingParams(temperature=0.0 if greedy else sp.temperature, top_k=max(sp.top_k, 0),
+                          top_p=sp.top_p)

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dyntree.common.config import SamplingParams
 from dyntree.vllm_plugin.step import StepRecord, TreeAttentionBuilder, TreeStep, ablations, plan_trees
 
 if TYPE_CHECKING:
@@ -72,13 +71,13 @@ def _prepare_inputs(orig: Any) -> Any:
         computed = self.input_batch.num_computed_tokens_cpu[:num_reqs].copy()
         ended = list(scheduler_output.finished_req_ids) + [rid for rid, c in zip(req_ids, computed) if c == 0]
         for rid in ended:  # finished, or new / recomputed after preemption
-            proposer.speculator.release(rid)
+            proposer.release(rid)
             for builder in builders:
                 builder.release(rid)
         scheduled = num_scheduled_tokens[:num_reqs]
         drafts = scheduler_output.scheduled_spec_decode_tokens
         tree = plan_trees(req_ids, drafts, scheduled, computed, proposer.trees)
-        if tree is not None and "positions" not in ablations():
+        if tree is not None and tree.batch.num_drafts and "positions" not in ablations():
             rows = torch.cat([torch.arange(s, s + t.size) for s, t in zip(tree.starts, tree.batch.trees)])
             self.positions[rows.to(self.positions.device)] = tree.batch.positions(tree.prefix).to(self.positions)
         if not builders and tree is not None:
@@ -88,7 +87,7 @@ def _prepare_inputs(orig: Any) -> Any:
         # a forward of decoding rows only (no prefill chunk) refines the controller's cost model
         decoding = all(int(scheduled[i]) == 1 + len(drafts.get(rid, ())) for i, rid in enumerate(req_ids))
         proposer.begin_step(StepRecord(
-            req_ids, {rid: _params(self.requests[rid].sampling_params) for rid in req_ids}, computed,
+            req_ids, {rid: proposer.sampling(rid, self.requests[rid].sampling_params) for rid in req_ids}, computed,
             scheduled.cumsum() - scheduled, scheduled.copy(), time.perf_counter(),
             int(scheduled.sum()) if decoding else 0, tree))
         return out
@@ -175,7 +174,8 @@ def _push_hidden(step: StepRecord, hidden: torch.Tensor, proposer: "DynTreePropo
     """Hand the drafter the last-layer states of every position this step committed: all rows of a
     prefill chunk or plain decode, the accepted nodes of a tree."""
     tree = step.tree
-    tree_of = {i: b for b, i in enumerate(tree.rows)} if tree is not None and tree.accept is not None else {}
+    drafted = tree is not None and tree.accept is not None and tree.batch.num_drafts > 0
+    tree_of = {i: b for b, i in enumerate(tree.rows)} if drafted else {}  # else: every row is a plain step's
     for i, rid in enumerate(step.req_ids):
         n = int(step.scheduled[i])
         if n == 0:
@@ -187,24 +187,6 @@ def _push_hidden(step: StepRecord, hidden: torch.Tensor, proposer: "DynTreePropo
         else:  # all rows (a root alone is its first row)
             states = hidden[start : start + (1 if nodes else n)]
         proposer.speculator.observe_hidden(rid, states, start=int(step.computed[i]))
-
-
-def _params(sp: Any) -> SamplingParams | None:
-    """The request's sampling as the speculator's params, or ``None`` when it must decode plainly
-    (whatever the tree verifier does not reproduce: penalties, logit bias, allowed or bad words,
-    min-p, min-tokens, structured output, logprobs)."""
-    if sp is None:
-        return None
-    plain = (
-        sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1 or sp.min_p != 0
-        or sp.min_tokens or sp.logit_bias or sp.allowed_token_ids or sp.bad_words or sp.structured_outputs
-        or sp.logprobs is not None or sp.prompt_logprobs is not None
-    )
-    if plain:
-        return None
-    greedy = sp.temperature < 1e-5
-    return SamplingParams(temperature=0.0 if greedy else sp.temperature, top_k=max(sp.top_k, 0),
-                          top_p=sp.top_p)
 
 
 _PATCHES = {"_prepare_inputs": _prepare_inputs, "_sample": _sample, "propose_draft_token_ids": _propose_draft_token_ids}

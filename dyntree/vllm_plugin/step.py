@@ -71,6 +71,8 @@ class TreeStep:
     def branching(self) -> list[int]:
         """The trees (indices into ``batch``) whose rows need tree attention: every tree that is not a
         chain (a chain's nodes see exactly what causal attention shows them, so vLLM's kernel serves it)."""
+        if not self.batch.num_drafts:
+            return []
         return [b for b, m in enumerate(self.masks) if not bool(torch.equal(m, torch.tril(torch.ones_like(m))))]
 
     def moves(self) -> "list[Move]":
