@@ -325,6 +325,13 @@ def test_a_request_with_positions_to_catch_up_pays_for_them_in_its_plan() -> Non
     plans = ctrl.plan([0, 1], catch_up=[0, 64])
     assert plans[0].max_nodes > 0 and plans[1].max_nodes == 0
     assert ctrl.plan([1], catch_up=[2])[0].max_nodes > 0  # two positions: worth it
+    # a ratio of EMAs: a prompt's 64 positions weigh by their count against small catch-ups,
+    # whose fixed cost per call would price every position far above what a prompt's costs
+    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET)
+    ctrl.observe_catch_up(64, 3.2)
+    for _ in range(3):
+        ctrl.observe_catch_up(8, 1.6)
+    assert 0.05 < ctrl.catch_ms < 0.1  # per call it was 0.05 and 0.2
 
 
 def test_sibling_gain_is_learned_from_trees() -> None:

@@ -260,8 +260,8 @@ def test_prefix_layer_starts_from_the_last_context_positions() -> None:
 
 
 def test_catching_up_is_timed_apart_and_an_idle_request_starts_over_on_its_context() -> None:
-    """A request whose layer starts, or that did not draft last step (several pushes pending),
-    catches up in a timed batch of its own (``catch_up`` counts its positions beforehand,
+    """A request whose layer starts, or that has more positions pending than one step commits
+    (it idled), catches up in a timed batch of its own (``catch_up`` counts its positions beforehand,
     ``pop_catch_up`` reports time and positions), beside the batch of requests that drafted last
     step (not timed); one that idled past ``context`` positions starts its layer over on the last
     ``context`` of them, as a new request would."""
@@ -288,19 +288,21 @@ def test_catching_up_is_timed_apart_and_an_idle_request_starts_over_on_its_conte
     sp.propose([SpecRequest(0, [3] * 5), SpecRequest(1, [3] * 4)])
     assert popped[-1][0] > 0 and popped[-1][1] == 7 and pop() == (0.0, 0) and batches == [2]
     sp.observe_hidden(0, h[4:6])  # one step's accepted positions: no catch-up
-    sp.observe_hidden(1, h[3:4])
-    sp.observe_hidden(1, h[4:5])  # request 1 did not draft last step: it catches up
-    assert pending(6, 5) == [0, 2]
+    for i in range(3, 7):  # request 1 idled 4 steps: more positions than one step commits (3)
+        sp.observe_hidden(1, h[i : i + 1])
+    assert pending(6, 7) == [0, 4]
     batches.clear()
-    sp.propose([SpecRequest(0, [3] * 7), SpecRequest(1, [3] * 6)])
-    assert batches == [1, 1] and popped[-1][0] > 0 and popped[-1][1] == 2
+    sp.propose([SpecRequest(0, [3] * 7), SpecRequest(1, [3] * 8)])
+    assert batches == [1, 1] and popped[-1][0] > 0 and popped[-1][1] == 4
     assert torch.allclose(drafter._state[0].last, one_pass(0, 6), atol=1e-5)
-    assert torch.allclose(drafter._state[1].last, one_pass(0, 5), atol=1e-5)
-    sp.observe_hidden(0, h[6:7])
+    assert torch.allclose(drafter._state[1].last, one_pass(0, 7), atol=1e-5)
+    sp.observe_hidden(0, h[6:7])  # one idle step: its position rides with the step's batch
+    sp.observe_hidden(0, h[7:8])
+    assert pending(8) == [0]
     batches.clear()
-    sp.propose([SpecRequest(0, [3] * 8)])
+    sp.propose([SpecRequest(0, [3] * 9)])
     assert batches == [1] and popped[-1] == (0.0, 0)
-    for i in range(7, 20):  # idle for 13 steps: more than the context of 5
+    for i in range(8, 20):  # idle for 12 steps: more than the context of 5
         sp.observe_hidden(0, h[i : i + 1])
     assert drafter._state[0].kv is None and pending(20) == [5]
     sp.propose([SpecRequest(0, [3] * 21)])

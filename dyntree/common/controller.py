@@ -147,7 +147,9 @@ class SpeculationController:
         # ms an engine spends per branching tree outside the target's forward (EMA; 0 until one
         # is reported): a chain costs none of it, so with it a chains-only plan is priced too
         self._branch_ms = 0.0
-        # ms a drafter spends per committed position it catches up (EMA; 0 until reported)
+        # ms a drafter spends per committed position it catches up (a ratio of EMAs of ms and
+        # positions; 0 until reported)
+        self._caught = (0.0, 0.0)
         self._catch_ms = 0.0
 
     # -- estimates ------------------------------------------------------------------------------
@@ -496,12 +498,15 @@ class SpeculationController:
 
     def observe_catch_up(self, positions: int, ms: float) -> None:
         """A drafter spent ``ms`` catching up ``positions`` committed positions (its state of
-        requests that start drafting or resume): learned per position (EMA), the price of a
-        plan that drafts for a request with positions to catch up."""
+        requests that start drafting or resume): the price per position of a plan that drafts for
+        a request with positions to catch up is the ratio of EMAs of both, so a large catch-up
+        weighs by its positions (a small one's fixed cost does not price a prompt's 64)."""
         if positions <= 0 or not ms >= 0:
             raise ValueError(f"observe_catch_up({positions}, {ms}): positions > 0 and ms >= 0 needed")
-        per, e = ms / positions, self.options.ema
-        self._catch_ms = per if self._catch_ms == 0 else (1 - e) * self._catch_ms + e * per
+        e = self.options.ema
+        spent, done = self._caught
+        self._caught = (ms, float(positions)) if done == 0 else (spent + e * (ms - spent), done + e * (positions - done))
+        self._catch_ms = self._caught[0] / self._caught[1]
 
     @property
     def catch_ms(self) -> float:

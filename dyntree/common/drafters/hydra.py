@@ -22,8 +22,8 @@ engine through :meth:`HydraDrafter.observe_hidden`) and the embeddings of the pa
 with prefix attention (Hydra++) keep each request's prefix-layer KV cache: the states pushed since
 the last step are run through the layer in one batched forward at the step's first ``expand``,
 and the layer's output at the newest position feeds the heads; :meth:`release` drops the cache.
-A request that starts (its first draft) or resumes after steps it did not draft catches up in a
-batched forward of its own, timed apart (:meth:`HydraDrafter.catch_up` says how many positions
+A request that starts (its first draft) or resumes after more idle steps than one step commits
+positions catches up in a batched forward of its own, timed apart (:meth:`HydraDrafter.catch_up` says how many positions
 each request has to catch up, :meth:`HydraDrafter.pop_catch_up` what it cost: a one-time cost per
 committed position, priced at the draft that pays it, not a cost of every step's drafts); one that
 idled past ``context`` positions starts its layer over on the last ``context`` of them, so a
@@ -174,10 +174,10 @@ class HydraDrafter(Drafter):
         (spent, positions), self._catch_up = self._catch_up, (0.0, 0)
         return spent * 1e3, positions
 
-    @staticmethod
-    def _catching(s: _State) -> bool:
-        """The request's layer starts, or it did not draft last step (more than one push pending)."""
-        return bool(s.pending) and (s.kv is None or len(s.pending) > 1)
+    def _catching(self, s: _State) -> bool:
+        """The request's layer starts, or it has more positions pending than one step commits
+        (it did not draft for a while): a few idle steps' positions ride with the step's batch."""
+        return bool(s.pending) and (s.kv is None or s.pending_rows > self.max_depth + 1)
 
     def release(self, request_id: Hashable) -> None:
         self._state.pop(request_id, None)
@@ -201,8 +201,7 @@ class HydraDrafter(Drafter):
 
     def _advance(self, states: list[_State]) -> None:
         """Run the prefix layer over every request's pending positions: those that catch up
-        (their layer starts, or they did not draft last step: more than one push pending) in one
-        timed batch, the rest (one step's accepted positions each) in another."""
+        (:meth:`_catching`) in one timed batch, the rest in another."""
         catching = [s for s in states if self._catching(s)]
         if catching:
             positions = sum(s.pending_rows for s in catching)
