@@ -97,6 +97,24 @@ def test_cost_model_carries_a_forward_at_one_size_to_every_size() -> None:
     assert 12.0 < cm(1) < 24.0 and cm(32) >= cm(16)
 
 
+def test_noise_at_one_size_does_not_walk_the_other_knots_away() -> None:
+    """Hundreds of plain steps timed with the machine's noise (+-15%) and nothing else: the knots
+    of wider verifies, never timed again, keep about their start-up ratio to the plain step. They
+    used to follow the level (which the noise walks) up whenever the plain knot overshot and then
+    stay up (made monotone), until a 2-token verify was priced ~15-45% above a plain step and
+    chains no longer paid at batch 1."""
+    import random
+
+    ratios = []
+    for seed in range(10):
+        rng = random.Random(seed)
+        cm = CostModel({1: 30.0, 2: 30.5, 4: 30.5, 8: 31.5, 16: 31.5, 32: 34.2}, lr=0.2)
+        for _ in range(1000):
+            cm.observe(1, 30.0 * rng.lognormvariate(0, 0.15))
+        ratios.append(cm(2) / cm(1))
+    assert sorted(ratios)[5] < 1.08 and max(ratios) < 1.2  # start-up: 1.017
+
+
 def test_cost_model_learns_each_batch_size_apart() -> None:
     """One request's 16-token verifies priced at its plain step's cost must not teach batch 8 that
     8 roots and 8 drafts cost what 8 roots do: each batch size learns its own knots, from the
@@ -110,7 +128,9 @@ def test_cost_model_learns_each_batch_size_apart() -> None:
     for _ in range(100):
         cm.observe(8, 44.0, rows=8)
         cm.observe(16, 70.0, rows=8)
-    assert cm(16, rows=8) == pytest.approx(70.0, rel=0.03) and cm(8, rows=9) == pytest.approx(44.0, rel=0.03)
+    # a shape this far from the start-up one (16 / 8 tokens: 1.59x measured, 1.09x at start-up) is
+    # learned to within a few percent: the other knots' anchor to the start-up shape pulls a little
+    assert cm(16, rows=8) == pytest.approx(70.0, rel=0.05) and cm(8, rows=9) == pytest.approx(44.0, rel=0.05)
     assert cm(16) == pytest.approx(40.0, rel=0.02)  # batch 1's knots did not move
     assert cm.copy()(16, rows=8) == pytest.approx(cm(16, rows=8))
 
@@ -178,8 +198,9 @@ def test_batch_attention_makes_wide_verifies_dear() -> None:
     # the row term that reading is priced for plain steps and verifies alike, and a padded 12 x 2
     # verify costs the knots' 12 extra tokens on top (+22%), more than a drafter accepted 20% of
     # the time returns. The same knots without the row term learn the batch's reading as the cost
-    # of any 12-token forward (the 24-token knot is lifted to it by monotonicity): a 2-token
-    # verify then looks nearly free, and that drafter speculates.
+    # of any 12-token forward; the 24-token knot, never timed, keeps its start-up increment above
+    # it through the shape's anchor (it once was lifted to it by monotonicity, and a 2-token
+    # verify looked nearly free), though less of it than the row term prices.
     knots = {1: 55.0, 8: 100.0, 16: 102.0, 24: 123.0, 32: 133.0, 64: 240.0}
     batch = list(range(12))
     opts = ControllerOptions(alpha_prior=0.2)
@@ -190,9 +211,8 @@ def test_batch_attention_makes_wide_verifies_dear() -> None:
     for _ in range(40):
         without.observe_step(12, measured_plain, 800, 12)
         with_rows.observe_step(12, measured_plain, 800, 12)
-    assert with_rows.cost(24, 800, 12) / measured_plain > 1.2 > without.cost(24, 800, 12) / measured_plain
+    assert with_rows.cost(24, 800, 12) / measured_plain > 1.2 > without.cost(24, 800, 12) / measured_plain > 1.1
     assert all(p == Plan("none", 0, 0) for p in with_rows.plan(batch, kv=800))
-    assert any(p.max_nodes > 0 for p in without.plan(batch, kv=800))
 
 
 def test_long_prefixes_make_padded_speculation_dear() -> None:

@@ -56,6 +56,7 @@ class CostModel:
         self.lr = lr
         self.attn_ms, self.row_ms, self.kv_ref = float(attn_ms), float(row_ms), int(kv_ref)
         self._unseen = False  # set by :meth:`online`: the first observation sets every knot
+        self._anchored = True  # the start-up knots are a measured shape the knots drift back to
 
     @classmethod
     def online(cls, sizes: Sequence[int], lr: float = 0.2) -> "CostModel":
@@ -64,7 +65,7 @@ class CostModel:
         start for wide verifies, which the next observations correct), then :meth:`observe` refines
         the knots near each observed size."""
         model = cls({int(n): 1.0 for n in sizes}, lr)
-        model._unseen = True
+        model._unseen, model._anchored = True, False
         return model
 
     @classmethod
@@ -106,7 +107,7 @@ class CostModel:
         """An independent copy (every batch size's knots, the attention terms, the learning rate)."""
         model = CostModel(list(zip(self.xs, self._start)), self.lr, self.attn_ms, self.kv_ref, self.row_ms)
         model._ys = {b: list(ys) for b, ys in self._ys.items()}
-        model._unseen = self._unseen
+        model._unseen, model._anchored = self._unseen, self._anchored
         return model
 
     @property
@@ -139,7 +140,10 @@ class CostModel:
         one prediction each) from ``rows`` requests, each against ``kv`` cached tokens (``None``:
         ``kv_ref``, the knots' own)."""
         n = np.asarray(n_tokens, dtype=np.float64)
-        ys = np.asarray(self.knots(rows), dtype=np.float64)
+        # a forward of more tokens never costs less: the knots as read are non-decreasing (the
+        # stored ones are left as learned, so a knot pulled up by noise at a smaller size does
+        # not ratchet every larger one up with it)
+        ys = np.maximum.accumulate(np.asarray(self.knots(rows), dtype=np.float64))
         if len(self.xs) == 1:
             base = ys[0] * np.maximum(n, self.xs[0]) / self.xs[0]
         else:
@@ -185,7 +189,16 @@ class CostModel:
             w = min(w, 1.0)
             ys[i] += self.lr * (1 - w) * err
             ys[i + 1] += self.lr * w * err
-        ys[:] = _monotone([max(y, 1e-6) for y in ys])
+            # the shape's anchor: every other knot drifts back (at lr / 20) toward the start-up
+            # shape at the level just observed. Knots that are not timed again only ever moved
+            # with the level, which the observed knot's noise walks up and down (and, made
+            # monotone, only up); they now follow it back. The observed segment keeps its own.
+            at_start = self._start[i] + w * (self._start[i + 1] - self._start[i])
+            scale = (ys[i] + w * (ys[i + 1] - ys[i])) / max(at_start, 1e-6)
+            pull = self.lr / 20 if self._anchored else 0.0
+            kept = {i: 1 - w, i + 1: w}  # the share of the shape move each knot of the segment took
+            ys[:] = [y + pull * (1 - kept.get(k, 0.0)) * (scale * s0 - y) for k, (y, s0) in enumerate(zip(ys, self._start))]
+        ys[:] = [max(y, 1e-6) for y in ys]
 
 
 _CLIP_LOW, _CLIP_HIGH = 0.8, 1.25  # CostModel.observe: how far one measurement may pull
