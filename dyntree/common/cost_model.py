@@ -164,7 +164,9 @@ class CostModel:
         forward at one size says about every size: timed back to back at start-up, forwards run
         with the weights warm in the caches, while an engine's steps interleave drafting and
         sampling; a batch that always speculates never re-times the plain forward it is compared
-        with, and local moves alone would leave that knot at its start-up value."""
+        with, and local moves alone would leave that knot at its start-up value. Third, the knots
+        outside the observed segment drift back (at ``lr / 20``) toward the start-up shape at the
+        level observed there: the level alone would walk them with the observed size's noise."""
         if n_tokens < 1 or not ms > 0:
             raise ValueError(f"observe({n_tokens}, {ms}): n_tokens must be >= 1 and ms > 0")
         if self._unseen:
