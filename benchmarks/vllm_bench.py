@@ -92,15 +92,14 @@ def _cells(sets: dict[str, list[str]]) -> list[tuple[str, list[str], int]]:
             for b in BATCHES for name in (SETS if b < 16 else ("chat+code",))]
 
 
-def _engine(config: str, dtype: str) -> Any:
-    """One config's ``LLM``, after an untimed warm-up pass over both sets."""
+def _engine(config: str, dtype: str, sets: dict[str, list[str]]) -> Any:
+    """One config's ``LLM``, after an untimed warm-up pass over both ``sets``."""
     from vllm import LLM, SamplingParams
 
     from dyntree.models import model_path
 
     llm = LLM(model=str(model_path("smollm2")), dtype=dtype, max_model_len=2048, seed=0, enforce_eager=True,
               disable_log_stats=False, speculative_config=CONFIGS[config], **ENGINE_ARGS.get(config, {}))
-    sets = _prompt_sets()
     llm.generate(sets["chat"] + sets["code"], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     return llm
 
@@ -135,10 +134,11 @@ def worker(config: str, dtype: str, max_tokens: int, out: Path) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import SamplingParams
 
-    llm = _engine(config, dtype)
+    sets = _prompt_sets()
+    llm = _engine(config, dtype, sets)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     runs: dict[str, dict[str, Any]] = {}
-    for cell, prompts, b in _cells(_prompt_sets()):
+    for cell, prompts, b in _cells(sets):
         acc = _Cell()
         for i in range(0, len(prompts), b):
             acc.run(llm, prompts[i : i + b], params)
@@ -156,18 +156,19 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int) ->
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import SamplingParams
 
+    sets = _prompt_sets()
     build = sorted(configs, key=lambda c: (CONFIGS[c] is not None, c == "vllm_ngram"))
     engines = {}
     for c in build:
         t = time.time()
-        engines[c] = _engine(c, dtype)
+        engines[c] = _engine(c, dtype, sets)
         print(f"built {c} ({time.time() - t:.0f} s)", flush=True)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     out: list[dict[str, dict[str, Any]]] = []
     for r in range(rounds):
         t = time.time()
         out.append({c: {} for c in configs})
-        for cell, prompts, b in _cells(_prompt_sets()):
+        for cell, prompts, b in _cells(sets):
             acc = {c: _Cell() for c in configs}
             for k, i in enumerate(range(0, len(prompts), b)):
                 shift = (r + k) % len(configs)

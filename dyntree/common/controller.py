@@ -366,7 +366,7 @@ class SpeculationController:
         # every prefix at once: its nodes, widest tree and verify tokens (non-decreasing), cut
         # where the verify would exceed max_batch_tokens
         nodes = np.cumsum(hi - lo)
-        tokens = b * (1 + np.maximum.accumulate(hi)) if self.padded else b + nodes
+        tokens = self._verify_tokens(b, nodes, np.maximum.accumulate(hi))
         n = int(np.searchsorted(tokens, self.options.max_batch_tokens, side="right"))
         if n == 0:
             return 0.0, 0, 0
@@ -388,9 +388,10 @@ class SpeculationController:
         k = int(np.argmax(rate))  # the first of the best
         return float(rate[k]), k + 1, int(branching[k])
 
-    def _verify_tokens(self, batch: int, nodes: int, widest: int) -> int:
-        """Query tokens of the verify forward: roots plus draft nodes, or, for an engine that
-        pads every tree of the batch to the widest (``padded``), ``batch x (1 + widest)``."""
+    def _verify_tokens(self, batch: int, nodes: "int | np.ndarray", widest: "int | np.ndarray") -> "int | np.ndarray":
+        """Query tokens of the verify forward (numbers, or arrays of plans): roots plus draft
+        nodes, or, for an engine that pads every tree of the batch to the widest (``padded``),
+        ``batch x (1 + widest)``."""
         return batch * (1 + widest) if self.padded else batch + nodes
 
     def _hull(self, e: list[float]) -> list[tuple[float, int, int]]:

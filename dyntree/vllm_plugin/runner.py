@@ -181,7 +181,7 @@ def _push_hidden(step: StepRecord, hidden: torch.Tensor, proposer: "DynTreePropo
         if n == 0:
             continue
         start = int(step.starts[i])
-        nodes = tree.accept.accepted(tree_of[i]) if i in tree_of and tree is not None and tree.accept is not None else []
+        nodes = tree.accept.accepted(tree_of[i]) if i in tree_of else []  # type: ignore[union-attr]
         if len(nodes) > 1:  # an accepted path of the tree: those rows
             states = hidden[(start + torch.tensor(nodes)).to(hidden.device)]
         else:  # all rows (a root alone is its first row)

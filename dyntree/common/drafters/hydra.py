@@ -165,9 +165,9 @@ class HydraDrafter(Drafter):
             s.kv, s.pending, s.pending_rows = None, [rows], rows.shape[0]
 
     def catch_up(self, requests: Sequence[DraftRequest]) -> list[int]:
-        states = [self._state.get(r.request_id) for r in requests]
         if self.heads.prefix is None:
             return [0] * len(requests)
+        states = [self._state.get(r.request_id) for r in requests]
         return [s.pending_rows if s is not None and self._catching(s) else 0 for s in states]
 
     def pop_catch_up(self) -> tuple[float, int]:
