@@ -605,3 +605,64 @@ def test_outcome_check_vetoes_marginal_speculation_that_does_not_deliver() -> No
     mispriced = SpeculationController(dear, Budget(1, 1), opts)
     assert not any(_outcome_run(mispriced, 50, spec_ms=40.0, plain_ms=30.0))
     assert mispriced.outcome_factor() == 1.0
+
+
+def _static_batch(objective: str = "auto") -> SpeculationController:
+    """A batch of 4 where a verify costs per query token: one request drafting a chain pays in
+    committed tokens per ms (its extra tokens outweigh the wider verify), but a step of the batch
+    lasts longer for the three others too."""
+    cost = CostModel({1: 10.0, 4: 20.0, 8: 22.0, 64: 60.0}, lr=0.0)
+    ctrl = SpeculationController(cost, BUDGET, ControllerOptions(alpha_prior=0.8, objective=objective))
+    return ctrl
+
+
+def test_with_nothing_waiting_the_batch_speculates_at_its_slowest_requests_pace() -> None:
+    """Only request 0 can be drafted for (an n-gram match). While requests wait, its extra tokens
+    count; with nothing waiting, the batch lasts as long as the others, so drafting for it alone
+    only makes every step dearer, unless it is the request with the most tokens left."""
+    ctrl = _static_batch()
+    only_first = [True, False, False, False]
+    assert ctrl.objective(None) == "throughput" and ctrl.objective(3) == "throughput" and ctrl.objective(0) == "batch"
+    assert ctrl.plan([0, 1, 2, 3], available=only_first, waiting=3)[0].max_nodes > 0
+    assert ctrl.plan([0, 1, 2, 3], available=only_first, waiting=None)[0].max_nodes > 0  # not known: throughput
+    assert all(p.max_nodes == 0 for p in ctrl.plan([0, 1, 2, 3], available=only_first, waiting=0))
+    assert all(p.max_nodes == 0 for p in ctrl.plan([0, 1, 2, 3], available=only_first, remaining=[64] * 4, waiting=0))
+    # request 0 has the most left: its pace is the batch's
+    assert ctrl.plan([0, 1, 2, 3], available=only_first, remaining=[64, 8, 8, 8], waiting=0)[0].max_nodes > 0
+    # every request can be drafted for: the batch's pace rises with all of them
+    assert all(p.max_nodes > 0 for p in ctrl.plan([0, 1, 2, 3], waiting=0))
+    forced = _static_batch("batch")
+    assert all(p.max_nodes == 0 for p in forced.plan([0, 1, 2, 3], available=only_first, waiting=3))
+    assert _static_batch("throughput").plan([0, 1, 2, 3], available=only_first, waiting=0)[0].max_nodes > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.floats(0.0, 3.0), st.integers(1, 3)), min_size=1, max_size=14),
+       st.lists(st.floats(1.0, 4.0), min_size=5, max_size=5))
+def test_the_batch_pace_after_each_water_filling_prefix_is_its_slowest_requests_value(
+        draws: list[tuple[int, float, int]], slack: list[float]) -> None:
+    """:meth:`SpeculationController._pace` against the plain definition: after each prefix of
+    segments (sorted by the value they start at), the lowest ``slack x (1 + E)`` over the batch."""
+    import numpy as np
+
+    tables, segs, at = [], [], [0] * 5
+    for q in range(5):  # each request's E: increasing along its hull points
+        e = [0.0]
+        for _ in range(12):
+            e.append(e[-1] + random.Random(q * 31 + len(e)).uniform(0.05, 1.0))
+        tables.append((e, list(range(13))))
+    for q, _, width in draws:
+        if at[q] + width <= 12:
+            segs.append((q, at[q], at[q] + width))
+            at[q] += width
+    if not segs:
+        return
+    s = np.array(slack)
+    segs.sort(key=lambda g: (s[g[0]] * (1 + tables[g[0]][0][g[1]]), g[0], g[1]))
+    r, lo, hi = (np.array(x) for x in zip(*segs))
+    got = SpeculationController._pace(r, lo, hi, tables, s)
+    for k in range(len(segs)):
+        n = [0] * 5
+        for q, _, h in segs[: k + 1]:
+            n[q] = h
+        assert got[k] == pytest.approx(min(s[q] * (1 + tables[q][0][n[q]]) for q in range(5)))

@@ -390,7 +390,8 @@ class _Alternating:
         self.n = 0
 
     def plan(self, ids: Sequence[Hashable], kv: int | None = None, available: Sequence[bool] | None = None,
-             catch_up: Sequence[int] | None = None) -> list[Plan]:
+             catch_up: Sequence[int] | None = None, remaining: Sequence[int | None] | None = None,
+             waiting: int | None = None) -> list[Plan]:
         self.n += 1
         return [Plan("none", 0, 0) if self.n % 2 == 0 else Plan("tree", 10, 5) for _ in ids]
 

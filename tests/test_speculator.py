@@ -329,7 +329,7 @@ def test_the_controller_prices_attention_at_the_prefix_each_engine_reads(rectang
     sp.prepare()
     seen: list[int | None] = []
     plan = sp.controller.plan
-    sp.controller.plan = lambda ids, kv=None, available=None, catch_up=None: seen.append(kv) or plan(ids, kv, available)
+    sp.controller.plan = lambda ids, kv=None, *rest: seen.append(kv) or plan(ids, kv, *rest)
     sp.propose([SpecRequest("a", list(range(11))), SpecRequest("b", list(range(101)))])
     assert seen == [100 if rectangular else 55]
 

@@ -86,6 +86,38 @@ def test_unsupported_vllm_versions_are_refused() -> None:
             check_version(version, platform)
 
 
+def test_the_scheduler_tells_the_worker_how_many_requests_wait() -> None:
+    """vLLM's scheduler output says what runs, not what waits: the wrapped ``schedule`` adds the
+    scheduler's own count of waiting requests, once however often it is installed; vLLM's
+    scheduler (when installed) has both seams."""
+    from types import SimpleNamespace
+
+    from dyntree.vllm_plugin import scheduler
+
+    class Queue:
+        def __init__(self) -> None:
+            self.queue = [1, 2, 3]
+
+        def schedule(self, throttle_prefills: bool = False) -> SimpleNamespace:
+            self.queue.pop()
+            return SimpleNamespace(throttle=throttle_prefills)
+
+        def get_request_counts(self) -> tuple[int, int]:
+            return 4, len(self.queue)
+
+    scheduler.install(Queue)
+    scheduler.install(Queue)
+    q = Queue()
+    assert scheduler.waiting(q.schedule(throttle_prefills=True)) == 2 and scheduler.waiting(q.schedule()) == 1
+    assert scheduler.waiting(SimpleNamespace()) is None  # an output from an unwrapped scheduler
+    with pytest.raises(RuntimeError, match="get_request_counts"):
+        scheduler.install(type("Old", (), {"schedule": lambda self: None}))
+    if HAS_VLLM:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        assert callable(Scheduler.schedule) and callable(Scheduler.get_request_counts)
+
+
 @needs_vllm
 def test_cuda_start_up_picks_triton_attention_and_refuses_by_name() -> None:
     """On CUDA: TRITON_ATTN is chosen when no backend is; another backend, CUDA graphs and the CPU-only

@@ -41,6 +41,13 @@
   them at that step.
   When a forward's cost grows in proportion to its
   tokens (compute-bound, high batch) no prefix pays and every request decodes plainly.
+* The objective (``ControllerOptions.objective``): committed tokens per ms while requests wait
+  for a place in the batch (a request that finishes early makes room for one), else the batch's
+  pace. With nothing waiting the batch lasts as long as the request that finishes last, so a
+  plan is worth ``batch x min(slack x (1 + E))`` per ms (``slack``: the most tokens left in the
+  batch over the request's own, 1 for the request that sets the pace) and hull steps are merged
+  by water-filling, the lowest request's next step first: drafts for some requests while the
+  others (an n-gram drafter without a match) cannot keep up only make every step dearer.
 * The outcome check: what each speculative step really committed per measured millisecond
   (drafting and verify) over what its plan predicted, as an EMA kept per batch size (a
   power-of-two bucket); below 1 it scales speculative plans' predicted rates down
@@ -203,6 +210,14 @@ class SpeculationController:
         got, want = self._plain_outcome.get(batch_bucket(rows), (1.0, 1.0))
         return min(max(got / want, 1.0), self.options.outcome_bound)
 
+    def objective(self, waiting: int | None) -> Literal["throughput", "batch"]:
+        """What plans maximise (``ControllerOptions.objective``): ``auto`` is ``batch`` when the
+        engine reports that no request waits (``waiting == 0``), else ``throughput``."""
+        o = self.options.objective
+        if o == "auto":
+            return "batch" if waiting == 0 else "throughput"
+        return o
+
     @property
     def sibling_gain(self) -> float:
         """Fitted ``g``: extra-sibling catch rate ``c = 1 - (1 - alpha)^g`` solved for ``g``."""
@@ -282,14 +297,18 @@ class SpeculationController:
 
     # -- planning -------------------------------------------------------------------------------
     def plan(self, request_ids: Sequence[Hashable], kv: int | None = None,
-             available: Sequence[bool] | None = None, catch_up: Sequence[int] | None = None) -> list[Plan]:
+             available: Sequence[bool] | None = None, catch_up: Sequence[int] | None = None,
+             remaining: Sequence[int | None] | None = None, waiting: int | None = None) -> list[Plan]:
         """One plan per live request for the next verify step; ``kv``: the cached tokens each
         query row of the verify attends to (one rectangular cache: the longest request's), priced by
         the cost model's attention term; ``available``: which requests the drafter can draft for
         this step, when it knows beforehand (``Drafter.can_draft``): the others are planned no
         draft, the rest at their delivery ratio among the steps it could draft; ``catch_up``: the
         positions each request's draft must first catch up with (``Drafter.catch_up``), priced
-        per position (:meth:`observe_catch_up`) in a plan that drafts for it."""
+        per position (:meth:`observe_catch_up`) in a plan that drafts for it; ``remaining``: the
+        tokens each request may still commit (``None``: unknown) and ``waiting``: the requests the
+        engine holds back for want of room (``None``: unknown), which choose the objective
+        (:meth:`objective`)."""
         o = self.options
         b = len(request_ids)
         if b == 0:
@@ -297,24 +316,28 @@ class SpeculationController:
         can = list(available) if available is not None else [True] * b
         catch_ms = [self._catch_ms * n for n in catch_up] if catch_up is not None else [0.0] * b
         keys = [(self.alpha(r), self.delivery(r) if ok else 0.0) for r, ok in zip(request_ids, can)]
+        slack = _slack(remaining, b) if self.objective(waiting) == "batch" and b > 1 else None
         plain_ms = self.cost(b, kv, b)
         plain = b / plain_ms
         raise_bar = self.plain_factor(b)
         bar = plain * raise_bar  # what plain decoding delivers, as measured
         # the two checks together move a plan by at most outcome_bound, as each does alone
         factor = max(self.outcome_factor(b), raise_bar / o.outcome_bound)
-        best_rate, best_k, tables, segments = bar, 0, [], []
+        best_rate, best_k, tables, segments, best_tokens = bar, 0, [], [], bar
         shape = self._shape()
         # trees; then, where the best plan holds branching trees that cost the engine extra, chains only
         for chains in (False, True):
             cache = {key: self._table(*key, chains, shape) for key in set(keys)}
             # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
             segs = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
-            segs.sort(key=lambda s: (-s[0], s[1], s[2]))
             tabs = [cache[k][0] for k in keys]
-            rate, k, branching = self._scan(segs, tabs, keys, kv, plain_ms, factor, catch_ms)
+            if slack is None:  # throughput: the best gain per token first
+                segs.sort(key=lambda s: (-s[0], s[1], s[2]))
+            else:  # the batch's pace: water-filling, the slowest request's next step first
+                segs.sort(key=lambda s: (slack[s[1]] * (1 + tabs[s[1]][0][s[2]]), s[1], s[2]))
+            rate, k, branching, tokens_rate = self._scan(segs, tabs, keys, kv, plain_ms, factor, catch_ms, slack)
             if rate > best_rate:
-                best_rate, best_k, tables, segments = rate, k, tabs, segs
+                best_rate, best_k, tables, segments, best_tokens = rate, k, tabs, segs, tokens_rate
             if not (branching and self._branch_ms > 0 and o.allow_trees):
                 break
         alloc = [0] * b
@@ -329,7 +352,8 @@ class SpeculationController:
             if bucket in self._outcome:
                 got, want = self._outcome[bucket]
                 self._outcome[bucket] = (got + o.outcome_relax * (want - got), want)
-        self._pending = (best_rate / factor, b, True) if speculate else (plain, b, False)
+        # the outcome check compares committed tokens with the tokens the plan predicted
+        self._pending = (best_tokens / factor, b, True) if speculate else (plain, b, False)
         plans = []
         for r, (rid, n) in enumerate(zip(request_ids, alloc)):
             self._planned[rid] = n
@@ -351,14 +375,17 @@ class SpeculationController:
 
     def _scan(self, segments: list[tuple[float, int, int, int]], tables: list[tuple[list[float], list[int]]],
               keys: list[tuple[float, float]], kv: int | None, plain_ms: float,
-              factor: float, catch_ms: list[float]) -> tuple[float, int, int]:
-        """The best prefix of ``segments`` (merged hull steps, best gain first): its predicted
-        committed tokens per ms (times ``factor``), length and branching trees. A prefix pays its verify forward
-        (plain with the chance that no planned tree arrives), its drafting, the catch-up of each
-        request it drafts for (``catch_ms``) and, per branching tree in it, the engine's extra
-        time for one (:meth:`observe_branching`)."""
+              factor: float, catch_ms: list[float], slack: np.ndarray | None = None) -> tuple[float, int, int, float]:
+        """The best prefix of ``segments`` (merged hull steps in the order they are taken): its
+        predicted rate (times ``factor``), length, branching trees, and predicted committed tokens
+        per ms (times ``factor``). The rate is committed tokens per ms, or with ``slack`` (each
+        request's tokens left, the most over its own: the ``batch`` objective) the batch's pace:
+        ``batch`` times the lowest ``slack x (1 + E)`` over its requests, per ms. A prefix pays its
+        verify forward (plain with the chance that no planned tree arrives), its drafting, the
+        catch-up of each request it drafts for (``catch_ms``) and, per branching tree in it, the
+        engine's extra time for one (:meth:`observe_branching`)."""
         if not segments:
-            return 0.0, 0, 0
+            return 0.0, 0, 0, 0.0
         b, n = len(keys), len(segments)
         r = np.fromiter((s[1] for s in segments), np.int64, n)
         lo = np.fromiter((s[2] for s in segments), np.int64, n)
@@ -369,7 +396,7 @@ class SpeculationController:
         tokens = self._verify_tokens(b, nodes, np.maximum.accumulate(hi))
         n = int(np.searchsorted(tokens, self.options.max_batch_tokens, side="right"))
         if n == 0:
-            return 0.0, 0, 0
+            return 0.0, 0, 0, 0.0
         r, lo, hi, nodes, tokens = r[:n], lo[:n], hi[:n], nodes[:n], tokens[:n]
         gained = np.fromiter((tables[q][0][h] - tables[q][0][l] for q, l, h in zip(r.tolist(), lo.tolist(), hi.tolist())),
                              np.float64, n)
@@ -384,9 +411,29 @@ class SpeculationController:
         max_depth = np.maximum.accumulate(depth_hi)
         forward = (1.0 - no_tree) * self.cost(tokens, kv, b) + no_tree * plain_ms
         spent = forward + self.draft_cost(max_depth, nodes, drafting) + self._branch_ms * branching + catching
-        rate = factor * np.cumsum(np.concatenate(([float(b)], gained)))[1:] / spent
+        committed = factor * np.cumsum(np.concatenate(([float(b)], gained)))[1:] / spent
+        rate = committed if slack is None else factor * b * self._pace(r, lo, hi, tables, slack) / spent
         k = int(np.argmax(rate))  # the first of the best
-        return float(rate[k]), k + 1, int(branching[k])
+        return float(rate[k]), k + 1, int(branching[k]), float(committed[k])
+
+    @staticmethod
+    def _pace(r: np.ndarray, lo: np.ndarray, hi: np.ndarray, tables: list[tuple[list[float], list[int]]],
+              slack: np.ndarray) -> np.ndarray:
+        """After each prefix of water-filling segments (ordered by the value ``slack x (1 + E)``
+        their request starts them at), the lowest value over the batch: the next segment's start
+        (every request with a segment left is at its next one's start, the lowest first), a
+        request whose segments are all taken (its last value), or one that has none (its slack)."""
+        n = len(r)
+        e = [tables[q][0] for q in r.tolist()]
+        start = slack[r] * (1 + np.fromiter((t[l] for t, l in zip(e, lo.tolist())), np.float64, n))
+        end = slack[r] * (1 + np.fromiter((t[h] for t, h in zip(e, hi.tolist())), np.float64, n))
+        last = np.zeros(n, dtype=bool)
+        last[n - 1 - np.unique(r[::-1], return_index=True)[1]] = True  # each request's last segment
+        done = np.minimum.accumulate(np.where(last, end, np.inf))
+        untouched = np.ones(len(slack), dtype=bool)
+        untouched[r] = False
+        idle = float(slack[untouched].min()) if untouched.any() else np.inf
+        return np.minimum(np.minimum(np.append(start[1:], np.inf), done), idle)
 
     def _verify_tokens(self, batch: int, nodes: "int | np.ndarray", widest: "int | np.ndarray") -> "int | np.ndarray":
         """Query tokens of the verify forward (numbers, or arrays of plans): roots plus draft
@@ -539,3 +586,12 @@ class SpeculationController:
         b = len(plans)
         forward = (1.0 - no_tree) * self.cost(tokens, kv, b) + no_tree * self.cost(b, kv, b)
         return expected / (forward + self.draft_cost(depth, nodes, drafting) + self._branch_ms * branching)
+
+
+def _slack(remaining: Sequence[int | None] | None, batch: int) -> np.ndarray:
+    """Per request, the most tokens left in the batch over its own (1: it sets the batch's pace;
+    an unknown count is taken for the most): how far below the batch's pace it may fall."""
+    left = [None] * batch if remaining is None else list(remaining)
+    known = [n for n in left if n is not None]
+    most = max(known, default=1)
+    return np.array([most / max(n, 1) if n is not None else 1.0 for n in left], dtype=np.float64)

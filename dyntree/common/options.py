@@ -161,6 +161,14 @@ class ControllerOptions(BaseModel):
     min_node_value: float = Field(
         0.05, ge=0, le=1, description="skip draft nodes expected to add fewer accepted tokens than this"
     )
+    objective: Literal["auto", "throughput", "batch"] = Field(
+        "auto",
+        description="what a plan maximises: 'throughput', the batch's committed tokens per ms (right while "
+        "requests wait: a request that finishes early frees its place for one of them); 'batch', the pace of "
+        "the request that will finish last (right when nothing waits: the batch lasts as long as that request, "
+        "so drafts for the others only add to every step); 'auto', 'batch' when the engine reports that no "
+        "request waits, else 'throughput'",
+    )
     min_gain: float = Field(
         1.03,
         ge=1,

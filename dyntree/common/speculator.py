@@ -53,12 +53,16 @@ class SpecRequest:
         params: how the request samples (greedy by default); the draft is shaped the same way.
         max_nodes: optional cap on this request's draft nodes this step (e.g. the engine's free
             KV slots); never raises the configured budget.
+        remaining: the tokens the request may still commit (its token limit less what it has
+            generated), when the engine knows: with nothing waiting, the request with the most
+            left sets the batch's pace (``ControllerOptions.objective``).
     """
 
     request_id: Hashable
     token_ids: Sequence[int]
     params: SamplingParams = GREEDY
     max_nodes: int | None = None
+    remaining: int | None = None
 
 
 @dataclass(frozen=True)
@@ -213,9 +217,12 @@ class Speculator:
         return time.perf_counter() - t
 
     # -- the step ------------------------------------------------------------------------------
-    def propose(self, requests: Sequence[SpecRequest], generator: torch.Generator | None = None) -> DraftBatch:
+    def propose(self, requests: Sequence[SpecRequest], generator: torch.Generator | None = None,
+                waiting: int | None = None) -> DraftBatch:
         """One draft tree per request, flat: plan, draft or build, check budgets. ``generator``
-        (CPU) draws the children of sampled requests' trees."""
+        (CPU) draws the children of sampled requests' trees; ``waiting``: the requests the engine
+        holds back for want of room in the batch, when it knows (0: a request that finishes early
+        frees a place nobody takes, so the controller plans for the batch's pace)."""
         if not requests:
             raise ValueError("propose needs at least one request")
         if len({r.request_id for r in requests}) != len(requests):
@@ -230,7 +237,8 @@ class Speculator:
         plans = None
         if self.controller is not None:
             full = [self._draft_request(r, None) for r in requests]
-            plans = self.controller.plan(ids, self._kv, self.drafter.can_draft(full), self.drafter.catch_up(full))
+            plans = self.controller.plan(ids, self._kv, self.drafter.can_draft(full), self.drafter.catch_up(full),
+                                         [r.remaining for r in requests], waiting)
         drafts = [self._draft_request(r, plans[i] if plans else None) for i, r in enumerate(requests)]
         built_trees: dict[int, DraftTree] = {}
         # one builder run per tree mode and draft shaping (greedy, or temperature / top-k / top-p)

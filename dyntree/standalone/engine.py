@@ -265,7 +265,7 @@ class SpecEngine:
                                       on_commit)
                     self.prefill_s += time.perf_counter() - t0
                 else:
-                    self._step(params, gen, eos, on_commit)
+                    self._step(params, gen, eos, on_commit, waiting=len(waiting))
                 self._retire(done, bar)
             yield
         bar.close()
@@ -322,10 +322,12 @@ class SpecEngine:
 
     # -- one step ------------------------------------------------------------------------------
     def _step(self, params: SamplingParams, gen: torch.Generator, eos: set[int],
-              on_commit: Callable[[Hashable, list[int]], None] | None = None) -> None:
-        """Propose, verify in one forward, compact the KV, commit."""
+              on_commit: Callable[[Hashable, list[int]], None] | None = None, waiting: int | None = None) -> None:
+        """Propose, verify in one forward, compact the KV, commit (``waiting``: prompts not yet in the batch)."""
         live = self._live
-        batch = self.speculator.propose([SpecRequest(r.out.request_id, r.tokens, params) for r in live], gen)
+        reqs = [SpecRequest(r.out.request_id, r.tokens, params, remaining=params.max_new_tokens - len(r.out.token_ids))
+                for r in live]
+        batch = self.speculator.propose(reqs, gen, waiting)
         t1 = time.perf_counter()
         prefix = kv.seq_len(self.cache)
         kv_lens = torch.tensor([r.kv_len for r in live])

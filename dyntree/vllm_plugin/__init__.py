@@ -9,7 +9,8 @@ config is in use:
   synchronous scheduling) after validating the options
   (:func:`~dyntree.vllm_plugin.options.parse_options`) and refusing what cannot work; the options
   travel to the workers in ``DYNTREE_VLLM_OPTIONS``;
-* workers (only when that variable is set): the V1 runner hooks of
+* engine core and workers (only when that variable is set): the scheduler's count of waiting
+  requests on its output (:mod:`dyntree.vllm_plugin.scheduler`), the V1 runner hooks of
   :mod:`dyntree.vllm_plugin.runner` and the tree attention backend: over ``CPU_ATTN`` on a CPU
   (:mod:`~dyntree.vllm_plugin.attention`), over ``TRITON_ATTN`` on CUDA
   (:mod:`~dyntree.vllm_plugin.triton_attention`; chosen for the engine when no backend is, other
@@ -146,11 +147,13 @@ def _cuda_problems(args: Any, drafter: str) -> list[str]:
 def _install_worker_side() -> None:
     from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from dyntree.vllm_plugin.runner import install
+    from dyntree.vllm_plugin import runner, scheduler
 
-    install(GPUModelRunner)
+    runner.install(GPUModelRunner)
+    scheduler.install(Scheduler)  # the engine core's scheduler: how many requests wait
     if platform_name() == "cuda":
         register_backend(AttentionBackendEnum.TRITON_ATTN,
                          "dyntree.vllm_plugin.triton_attention.TreeTritonAttentionBackend")

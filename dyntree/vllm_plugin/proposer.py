@@ -46,7 +46,7 @@ class DynTreeProposer:
         self.trees: dict[Hashable, DraftTree] = {}  # the last propose call's trees, by request id
         self.runner: Any = None  # the model runner (bind)
         self.step: StepRecord | None = None  # the step in flight (begin_step)
-        self._sampling: dict[str, SamplingParams | None] = {}  # per live request (sampling)
+        self._admitted: dict[str, tuple[SamplingParams | None, int]] = {}  # per live request (admit)
 
     # -- vLLM's custom_class contract -------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -77,16 +77,21 @@ class DynTreeProposer:
         """The step vLLM is about to run: its batch (the next :meth:`propose` call's rows) and trees."""
         self.step = step
 
-    def sampling(self, request_id: str, params: Any) -> SamplingParams | None:
-        """The request's vLLM sampling ``params`` as the speculator's (:func:`speculator_params`),
-        converted once per request: a request's sampling does not change while it runs."""
-        if request_id not in self._sampling:
-            self._sampling[request_id] = speculator_params(params)
-        return self._sampling[request_id]
+    def admit(self, request_id: str, state: Any) -> tuple[SamplingParams | None, int]:
+        """From vLLM's request ``state`` (the runner's ``CachedRequestState``): its sampling as the
+        speculator's (:func:`speculator_params`) and the most tokens, prompt included, it may reach
+        (``max_tokens`` after the prompt, within the model's length); read once per request, as
+        neither changes while it runs."""
+        if request_id not in self._admitted:
+            sp = state.sampling_params
+            most = sp.max_tokens if sp is not None and sp.max_tokens is not None else self.max_model_len
+            self._admitted[request_id] = (speculator_params(sp),
+                                          min(int(state.num_prompt_tokens) + int(most), self.max_model_len))
+        return self._admitted[request_id]
 
     def release(self, request_id: str) -> None:
         """The request ended, or is recomputed from the start: drop its state."""
-        self._sampling.pop(request_id, None)
+        self._admitted.pop(request_id, None)
         assert self.speculator is not None
         self.speculator.release(request_id)
 
@@ -123,10 +128,11 @@ class DynTreeProposer:
             if room < 1:
                 continue
             rows.append(i)
-            reqs.append(SpecRequest(rid, token_ids_cpu[i, :n].tolist(), params, max_nodes=room))
+            reqs.append(SpecRequest(rid, token_ids_cpu[i, :n].tolist(), params, max_nodes=room,
+                                    remaining=self.step.limits[rid] - n))
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         if reqs:
-            batch = self.speculator.propose(reqs, self.generator)
+            batch = self.speculator.propose(reqs, self.generator, self.step.waiting)
             for i, r, tree in zip(rows, reqs, batch.trees):
                 self.trees[r.request_id] = tree
                 out[i] = tree.tokens[1:].tolist()

@@ -6,7 +6,8 @@ linear KV slots. Each step the hooks build one explicit
 :class:`~dyntree.vllm_plugin.step.TreeStep`) and hand it on by argument:
 
 * ``_prepare_inputs`` (after vLLM's own): the proposer opens the step
-  (:meth:`~dyntree.vllm_plugin.proposer.DynTreeProposer.begin_step`); tree rows get RoPE positions
+  (:meth:`~dyntree.vllm_plugin.proposer.DynTreeProposer.begin_step`, with each request's sampling
+  and token limit, and the scheduler's count of waiting requests); tree rows get RoPE positions
   ``prefix + depth`` (slots stay linear); the tree attention builders
   (:class:`~dyntree.vllm_plugin.step.TreeAttentionBuilder`: the CPU one, or the Triton one on CUDA) are
   given the :class:`~dyntree.vllm_plugin.step.TreeStep` to plan into the step's attention metadata,
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dyntree.vllm_plugin.scheduler import waiting
 from dyntree.vllm_plugin.step import StepRecord, TreeAttentionBuilder, TreeStep, ablations, plan_trees
 
 if TYPE_CHECKING:
@@ -86,10 +88,11 @@ def _prepare_inputs(orig: Any) -> Any:
             builder.plan_trees(tree)
         # a forward of decoding rows only (no prefill chunk) refines the controller's cost model
         decoding = all(int(scheduled[i]) == 1 + len(drafts.get(rid, ())) for i, rid in enumerate(req_ids))
+        admitted = {rid: proposer.admit(rid, self.requests[rid]) for rid in req_ids}
         proposer.begin_step(StepRecord(
-            req_ids, {rid: proposer.sampling(rid, self.requests[rid].sampling_params) for rid in req_ids}, computed,
-            scheduled.cumsum() - scheduled, scheduled.copy(), time.perf_counter(),
-            int(scheduled.sum()) if decoding else 0, tree))
+            req_ids, {rid: a[0] for rid, a in admitted.items()}, computed, scheduled.cumsum() - scheduled,
+            scheduled.copy(), time.perf_counter(), int(scheduled.sum()) if decoding else 0, tree,
+            {rid: a[1] for rid, a in admitted.items()}, waiting(scheduler_output)))
         return out
 
     return wrapper

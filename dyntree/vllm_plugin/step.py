@@ -123,6 +123,8 @@ class StepRecord:
     started: float  # perf_counter when the forward began
     decode_tokens: int  # the forward's query tokens when it holds decoding rows only, else 0
     tree: TreeStep | None
+    limits: dict[str, int]  # per request, the most tokens (prompt included) it may reach
+    waiting: int | None  # requests the scheduler holds back (None: not known)
 
 
 def plan_trees(req_ids: list[str], scheduled_drafts: dict[str, list[int]], num_scheduled: np.ndarray,
