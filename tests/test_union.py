@@ -63,7 +63,7 @@ class ShallowDrafter(Drafter):
     def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         self.calls.append(("hidden", request_id))
 
-    def observe(self, request_id: Hashable, token_ids: Sequence[int], accepted_drafts: int) -> None:
+    def observe(self, request_id: Hashable, committed: Sequence[int], accepted_drafts: int) -> None:
         self.calls.append(("observe", request_id))
 
     def release(self, request_id: Hashable) -> None:

@@ -329,8 +329,14 @@ class SpeculationController:
         for chains in (False, True):
             cache = {key: self._table(*key, chains, shape) for key in set(keys)}
             # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
-            segs = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
             tabs = [cache[k][0] for k in keys]
+            # no plan can beat this: every request's best tree, at the cost of a plain step (a
+            # verify costs at least that); below the bar there is nothing to scan (nor with chains)
+            top = np.array([t[0][cache[k][1][-1][2]] if cache[k][1] else 0.0 for t, k in zip(tabs, keys)])
+            bound = b + top.sum() if slack is None else b * float((slack * (1 + top)).min())
+            if factor * bound / plain_ms < bar * o.min_gain:
+                break
+            segs = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
             if slack is None:  # throughput: the best gain per token first
                 segs.sort(key=lambda s: (-s[0], s[1], s[2]))
             else:  # the batch's pace: water-filling, the slowest request's next step first

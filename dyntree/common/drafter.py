@@ -339,8 +339,9 @@ class Drafter:
         per-step drafting cost. Default: none."""
         return 0.0, 0
 
-    def observe(self, request_id: Hashable, token_ids: Sequence[int], accepted_drafts: int) -> None:
-        """After each verify step: the request's committed tokens and how many drafts were accepted."""
+    def observe(self, request_id: Hashable, committed: Sequence[int], accepted_drafts: int) -> None:
+        """After each verify step: the tokens it committed for the request (its accepted drafts,
+        then the bonus token) and how many drafts were accepted."""
 
     def release(self, request_id: Hashable) -> None:
         """The request finished; drop any per-request state."""

@@ -192,7 +192,6 @@ class Speculator:
         if spec.adaptive and cost_model is None:
             raise ValueError("SpecConfig.adaptive needs a cost model (or a function that measures one)")
         self.stats = SpecStats()
-        self._tokens: dict[Hashable, Sequence[int]] = {}
         self._params: dict[Hashable, SamplingParams] = {}
         self._kv: int | None = None  # the last propose's cached tokens per verify row (the cost model's kv)
         self._draft_ms: tuple[int, int, float, int] | None = None  # the last propose: (depth, nodes, ms, drafting requests)
@@ -269,7 +268,7 @@ class Speculator:
                 )
         batch = DraftBatch.from_trees(ids, trees)
         for r in requests:
-            self._tokens[r.request_id], self._params[r.request_id] = r.token_ids, r.params
+            self._params[r.request_id] = r.params
         # a request's catch-up (its first draft, or a resume) is priced per position, not per draft
         catch_ms, caught = self.drafter.pop_catch_up()
         if caught and self.controller is not None:
@@ -375,8 +374,7 @@ class Speculator:
         self.drafter.release(request_id)
         if self.controller is not None:
             self.controller.release(request_id)
-        for d in (self._tokens, self._params):
-            d.pop(request_id, None)
+        self._params.pop(request_id, None)
         return self.stats.requests.pop(request_id, RequestStats())
 
     # -- inside the step -----------------------------------------------------------------------
@@ -433,7 +431,7 @@ class Speculator:
         plain = batch.num_drafts == 0  # root-only trees: each accepted its root
         for b, (rid, tree) in enumerate(zip(batch.request_ids, batch.trees)):
             nodes = [0] if plain else result.accepted(b)
-            self.drafter.observe(rid, list(self._tokens[rid]) + result.tokens[b], len(nodes) - 1)
+            self.drafter.observe(rid, result.tokens[b], len(nodes) - 1)
             if self.builder is not None and self._calibrates and isinstance(tree, BuiltTree) and tree.size > 1:
                 self.builder.observe(tree, nodes)
             if self.controller is not None:

@@ -121,27 +121,41 @@ def _sample(orig: Any) -> Any:
             tree.accept = proposer.speculator.accept(tree.batch, sampled.cpu().to(torch.int64), proposer.generator,
                                                      forward_ms=forward_ms if step.decode_tokens else None)
             return out
-        ends = spec_decode_metadata.cu_num_sampled_tokens.tolist()
-        flat = torch.cat([torch.arange(ends[i] - t.size, ends[i]) for i, t in zip(tree.rows, tree.batch.trees)])
+        rows = torch.tensor(tree.rows)
+        sizes = tree.batch.qo_indptr.diff()
+        # each tree's logits: the last of its request's sampled rows (vLLM samples one row per scheduled token)
+        ends = spec_decode_metadata.cu_num_sampled_tokens.cpu()[rows].to(torch.int64)
+        flat = torch.repeat_interleave(ends - sizes - tree.batch.qo_indptr[:-1], sizes) + torch.arange(int(sizes.sum()))
         width = spec_decode_metadata.max_spec_len + 1
         # verified first: vLLM's sampler may scale the logits in place. A whole step of decoding
         # rows is reported as such: the controller checks its outcome, as the standalone engine's
         tree.accept = res = proposer.speculator.accept(
             tree.batch, logits[flat.to(logits.device)], proposer.generator,
             forward_ms=forward_ms if whole and step.decode_tokens else None, overhead_ms=tree_ms - tree.fill_ms)
+        committed = _padded_rows(res.tokens, width)
         if whole:  # vLLM's sampler has nothing left to do
-            out = SamplerOutput(torch.full((len(tree.rows), width), -1, dtype=torch.int32, device=logits.device), None)
+            sampled = torch.full((len(step.req_ids), width), -1, dtype=torch.int32)
+            sampled[rows] = committed
+            out = SamplerOutput(sampled.to(logits.device), None)
         else:
             out = orig(self, logits, spec_decode_metadata)
-        sampled = out.sampled_token_ids
-        for b, i in enumerate(tree.rows):
-            sampled[i].fill_(-1)
-            sampled[i, : len(res.tokens[b])] = torch.tensor(res.tokens[b], dtype=sampled.dtype)
-        if "compaction" not in ablations():
+            out.sampled_token_ids[rows.to(logits.device)] = committed.to(out.sampled_token_ids)
+        if tree.batch.num_drafts and "compaction" not in ablations():
             _compact(self, tree)
         return out
 
     return wrapper
+
+
+def _padded_rows(tokens: list[list[int]], width: int) -> torch.Tensor:
+    """``[len(tokens), width]`` int32: each request's committed tokens, ``-1`` after them (vLLM's
+    sampled rows: the scheduler rolls back the slots of rejected drafts)."""
+    lens = torch.tensor([len(t) for t in tokens])
+    out = torch.full((len(tokens), width), -1, dtype=torch.int32)
+    starts = torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    flat = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int32)
+    out[torch.repeat_interleave(torch.arange(len(tokens)), lens), torch.arange(len(flat)) - starts] = flat
+    return out
 
 
 def _compact(runner: Any, step: TreeStep) -> None:

@@ -78,8 +78,10 @@ class TreeStep:
     def moves(self) -> "list[Move]":
         """After :attr:`accept`: the requests whose accepted nodes are not already in place (KV compaction)."""
         assert self.accept is not None
-        moves = [Move(i, self.prefix[b], torch.tensor(self.accept.accepted(b))) for b, i in enumerate(self.rows)]
-        return [m for m in moves if not torch.equal(m.nodes, torch.arange(len(m.nodes)))]
+        index, length = self.accept.accept_index, self.accept.accept_len
+        cols = torch.arange(index.shape[1])
+        moved = ((index != cols) & (cols < length[:, None])).any(1).nonzero().flatten().tolist()
+        return [Move(self.rows[b], self.prefix[b], index[b, : int(length[b])].clone()) for b in moved]
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,7 @@ class QSpecDrafter(Drafter):
         rows = torch.cat([logits[b, : len(f)] for b, f in enumerate(frontiers)])
         return top_candidates(rows, k, shaping, with_entropy=entropy)
 
-    def observe(self, request_id: Hashable, token_ids: Sequence[int], accepted_drafts: int) -> None:
+    def observe(self, request_id: Hashable, committed: Sequence[int], accepted_drafts: int) -> None:
         """The step was verified: its scratch KV is dead."""
         self._end_step()
 

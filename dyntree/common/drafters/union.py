@@ -99,9 +99,9 @@ class UnionDrafter(Drafter):
         spent = [p.pop_catch_up() for p in self.parts]
         return sum(ms for ms, _ in spent), sum(n for _, n in spent)
 
-    def observe(self, request_id: Hashable, token_ids: Sequence[int], accepted_drafts: int) -> None:
+    def observe(self, request_id: Hashable, committed: Sequence[int], accepted_drafts: int) -> None:
         for p in self.parts:
-            p.observe(request_id, token_ids, accepted_drafts)
+            p.observe(request_id, committed, accepted_drafts)
 
     def release(self, request_id: Hashable) -> None:
         for p in self.parts:
