@@ -74,7 +74,7 @@ class OracleDrafter(Drafter):
             truth = list(self.refs[r.request_id][done : done + r.max_depth])
             tokens, parents = [r.root], [-1]
             if truth:
-                for d in range(min(self.decoys, max(0, r.max_nodes - len(truth)) // 2)):
+                for d in range(min(self.decoys, max(0, r.max_nodes - len(truth)) // 2) if r.max_depth > 1 else 0):
                     wrong = (truth[0] + 7 + 13 * d) % self.vocab
                     tokens += [wrong, (wrong + 1) % self.vocab]
                     parents += [0, len(tokens) - 2]

@@ -666,3 +666,29 @@ def test_the_batch_pace_after_each_water_filling_prefix_is_its_slowest_requests_
         for q, _, h in segs[: k + 1]:
             n[q] = h
         assert got[k] == pytest.approx(min(s[q] * (1 + tables[q][0][n[q]]) for q in range(5)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(0, 64), st.integers(1, 64), st.booleans()),
+                min_size=1, max_size=6),
+       st.floats(1.0, 3.0), st.floats(0.0, 4.0), st.floats(0.0, 0.2), st.sampled_from([None, 0, 2]))
+def test_the_shortcut_past_plans_that_cannot_pay_never_changes_a_plan(
+        requests: list[tuple[float, int, int, bool]], slope: float, draft_ms: float, catch_ms: float,
+        waiting: int | None) -> None:
+    """:meth:`SpeculationController._beyond_reach` is a bound: where it skips the scan, the scan
+    would have found nothing to speculate either."""
+    def make() -> SpeculationController:
+        cost = CostModel({1: 10.0, 2: 10.0 + 0.1 * slope, 16: 10.0 + slope, 64: 10.0 + 8 * slope}, lr=0.0)
+        ctrl = SpeculationController(cost, BUDGET, ControllerOptions(draft_ms_fixed=draft_ms, outcome_ema=0))
+        ctrl.observe_catch_up(10, 10 * catch_ms) if catch_ms > 0 else None
+        for rid, (alpha, _, _, _) in enumerate(requests):
+            for step in range(20):
+                ctrl.observe(rid, DraftTree.chain(0, [1]), [0, 1] if (step * alpha) % 1 > 1 - alpha else [0])
+        return ctrl
+
+    ids = list(range(len(requests)))
+    args = dict(available=[r[3] for r in requests], catch_up=[r[1] for r in requests],
+                remaining=[r[2] for r in requests], waiting=waiting)
+    fast, full = make(), make()
+    full._beyond_reach = lambda *_: False  # type: ignore[method-assign]
+    assert fast.plan(ids, **args) == full.plan(ids, **args)

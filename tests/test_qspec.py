@@ -170,13 +170,18 @@ def plain(tiny) -> dict[int, list]:
     return {n: _generate(tiny, NoDrafter(), n=n) for n in (16, 20)}
 
 
+#: accepted drafts per depth over 20 tokens when every draft is accepted (see below)
+FULL = [4, 4, 4, 3]
+
+
 def test_unquantized_self_draft_is_always_fully_accepted(tiny, plain) -> None:
     plain = plain[20]
     outs = _generate(tiny, QSpecDrafter(parse_qspec("none"), topk=1, width=1))
     for p, o in zip(plain, outs):
         assert o.token_ids == p.token_ids
-        # 4 drafts + bonus per step: 20 tokens in 4 steps; every step accepted all 4 drafts
-        assert o.steps == 4 and o.accepted_per_depth == [4, 4, 4, 4]
+        # the prefill's token, then 4 drafts + bonus per step: every step accepts all its drafts;
+        # the last drafts 3 (a 4th would pass the 20-token limit): 1 + 5 + 5 + 5 + 4 tokens
+        assert o.steps == 4 and o.accepted_per_depth == FULL
 
 
 @pytest.mark.parametrize("spec_text", ["w4a4,g32,asym", "w8a16,skip=2"])
@@ -284,7 +289,7 @@ def test_unquantized_self_draft_in_tree_modes_is_always_fully_accepted(tiny, pla
     plain = plain[20]
     chain = _generate(tiny, QSpecDrafter(parse_qspec("none")), tree="chain")
     for p, o in zip(plain, chain):
-        assert o.token_ids == p.token_ids and o.steps == 4 and o.accepted_per_depth == [4, 4, 4, 4]
+        assert o.token_ids == p.token_ids and o.steps == 4 and o.accepted_per_depth == FULL
     _Recording.seen = []
     outs = _generate(tiny, QSpecDrafter(parse_qspec("none")), max_nodes=8, tree="dyntree", engine_cls=_Recording)
     assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
@@ -306,7 +311,7 @@ def test_unquantized_self_draft_sampling_accepts_every_draw(tiny) -> None:
     # target the acceptance ratio p/q is 1, so every draft is accepted
     outs = _generate(tiny, QSpecDrafter(parse_qspec("none")), tree="chain", temperature=1.0, top_k=20, seed=5)
     for o in outs:
-        assert len(o.token_ids) == 20 and o.steps == 4 and o.accepted_per_depth == [4, 4, 4, 4]
+        assert len(o.token_ids) == 20 and o.steps == 4 and o.accepted_per_depth == FULL
 
 
 @pytest.mark.parametrize("mode", ["chain", "static", "dyntree"])

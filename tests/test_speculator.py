@@ -188,6 +188,9 @@ def test_budgets_are_capped_by_request_and_drafter_depth() -> None:
     sp = Speculator(d, SpecConfig(max_nodes=16, max_depth=8), vocab_size=V)
     sp.propose([SpecRequest("a", [1, 2]), SpecRequest("b", [3], max_nodes=5), SpecRequest("c", [4], max_nodes=0)])
     assert d.budgets == [(16, 3), (5, 3)]  # a zero budget never reaches the drafter
+    d.budgets.clear()
+    sp.propose([SpecRequest("a", [1, 2], remaining=3), SpecRequest("b", [3], remaining=1)])
+    assert d.budgets == [(16, 2)]  # drafts past the last token would be cut; one token left: none
 
 
 class Greedy(Drafter):

@@ -330,12 +330,8 @@ class SpeculationController:
             cache = {key: self._table(*key, chains, shape) for key in set(keys)}
             # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
             tabs = [cache[k][0] for k in keys]
-            # no plan can beat this: every request's best tree, at the cost of a plain step (a
-            # verify costs at least that); below the bar there is nothing to scan (nor with chains)
-            top = np.array([t[0][cache[k][1][-1][2]] if cache[k][1] else 0.0 for t, k in zip(tabs, keys)])
-            bound = b + top.sum() if slack is None else b * float((slack * (1 + top)).min())
-            if factor * bound / plain_ms < bar * o.min_gain:
-                break
+            if self._beyond_reach(tabs, [cache[k][1] for k in keys], slack, plain_ms, factor, bar, catch_ms):
+                break  # nor with chains
             segs = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
             if slack is None:  # throughput: the best gain per token first
                 segs.sort(key=lambda s: (-s[0], s[1], s[2]))
@@ -378,6 +374,26 @@ class SpeculationController:
                 d = int(tables[r][1][n])
                 plans.append(Plan("chain" if d == n else "tree", n, d))
         return plans
+
+    def _beyond_reach(self, tables: list[tuple[list[float], list[int]]], hulls: list[list[tuple[float, int, int]]],
+                      slack: np.ndarray | None, plain_ms: float, factor: float, bar: float,
+                      catch_ms: list[float]) -> bool:
+        """Whether no plan can clear the bar, by a bound that is cheaper than the scan: every
+        request's best tree, for a verify at a plain step's cost (no verify costs less), plus the
+        least drafting a plan that pays must do. For throughput that is one request's one node;
+        for the batch's pace every request whose slack is below ``min_gain`` must draft (the
+        pace of one that does not stays at its slack), and catch up first."""
+        o = self.options
+        top = np.array([t[0][h[-1][2]] if h else 0.0 for t, h in zip(tables, hulls)])
+        b = len(tables)
+        if slack is None:
+            best, least = b + float(top.sum()), plain_ms + self.draft_cost(1, 1, 1)
+        else:
+            must = slack < o.min_gain
+            k = max(int(must.sum()), 1)
+            best = b * float((slack * (1 + top)).min())
+            least = plain_ms + self.draft_cost(1, k, k) + float(np.asarray(catch_ms)[must].sum())
+        return factor * best / least < bar * o.min_gain
 
     def _scan(self, segments: list[tuple[float, int, int, int]], tables: list[tuple[list[float], list[int]]],
               keys: list[tuple[float, float]], kv: int | None, plain_ms: float,

@@ -54,8 +54,9 @@ class SpecRequest:
         max_nodes: optional cap on this request's draft nodes this step (e.g. the engine's free
             KV slots); never raises the configured budget.
         remaining: the tokens the request may still commit (its token limit less what it has
-            generated), when the engine knows: with nothing waiting, the request with the most
-            left sets the batch's pace (``ControllerOptions.objective``).
+            generated), when the engine knows: its drafts go at most ``remaining - 1`` deep (the
+            bonus token is the last), and with nothing waiting the request with the most left
+            sets the batch's pace (``ControllerOptions.objective``).
     """
 
     request_id: Hashable
@@ -236,7 +237,10 @@ class Speculator:
         plans = None
         if self.controller is not None:
             full = [self._draft_request(r, None) for r in requests]
-            plans = self.controller.plan(ids, self._kv, self.drafter.can_draft(full), self.drafter.catch_up(full),
+            can = self.drafter.can_draft(full)
+            if any(d.max_depth == 0 for d in full):  # a request with one token left has nothing to draft
+                can = [d.max_depth > 0 and (can is None or c) for d, c in zip(full, can or [True] * len(full))]
+            plans = self.controller.plan(ids, self._kv, can, self.drafter.catch_up(full),
                                          [r.remaining for r in requests], waiting)
         drafts = [self._draft_request(r, plans[i] if plans else None) for i, r in enumerate(requests)]
         built_trees: dict[int, DraftTree] = {}
@@ -385,6 +389,8 @@ class Speculator:
             nodes = min(nodes, max(r.max_nodes, 0))
         if self.drafter.max_depth is not None:
             depth = min(depth, self.drafter.max_depth)
+        if r.remaining is not None:  # drafts past the request's last token would be cut
+            depth = min(depth, max(r.remaining - 1, 0))
         if len(r.token_ids) == 0:
             raise ValueError(f"request {r.request_id!r} has no tokens (the last committed token is the root)")
         return DraftRequest(r.request_id, r.token_ids, nodes, depth)
