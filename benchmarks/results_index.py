@@ -331,7 +331,8 @@ ENGINE_CONFIGS = {"ngram": "dyntree_ngram", "hydra": "dyntree_hydra", "qspec": "
 def config_rows(doc: dict[str, Any], what: str, to: str) -> list[str]:
     """An engine benchmark with per-config cells (``vllm_bench.py``): a row per prompt set and
     batch; drafter cells are speedups over no speculation (tau), the default config (``auto``) stands
-    in for the drafter it resolves to, and the engine's own n-gram (and ``none_sync``, on a CPU the
+    in for the drafter it resolves to (where that drafter has no config of its own; else it goes in
+    the setting), and the engine's own n-gram (and ``none_sync``, on a CPU the
     same engine as ``none``: the A/A control, where the run has it) goes in the setting."""
     configs = doc["configs"]
     auto = doc.get("auto_drafter", "hydra")
@@ -345,7 +346,10 @@ def config_rows(doc: dict[str, Any], what: str, to: str) -> list[str]:
 
         own = configs.get("vllm_ngram", {}).get(cell_name)
         sync = configs.get("none_sync", {}).get(cell_name)
+        # the default, where its drafter's column holds that drafter's own config
+        default = configs.get("dyntree", {}).get(cell_name) if ENGINE_CONFIGS.get(auto) in configs else None
         label = (f"{cell_name.replace('/b', ', batch ')}, {doc.get('rounds', 1)} rounds"
+                 + (f"; default (`auto`) {_x(default['speedup_vs_none'])} (tau {default['tau']:.2f})" if default else "")
                  + (f"; vLLM ngram {_x(own['speedup_vs_none'])}" if own else "")
                  + (f"; none again (A/A) {_x(sync['speedup_vs_none'])}" if sync else ""))
         rows.append(f"| {what} | {label} | [{plain['median_tokens_per_s']:.1f}]({to}) | "

@@ -86,10 +86,11 @@ def _prompt_sets() -> dict[str, list[str]]:
             for name, rows in prompt_rows().items()}
 
 
-def _cells(sets: dict[str, list[str]]) -> list[tuple[str, list[str], int]]:
-    """``(cell, prompts, batch)``: every set at batch 1 and 8, both sets together at batch 16."""
+def _cells(sets: dict[str, list[str]], batches: tuple[int, ...] = BATCHES) -> list[tuple[str, list[str], int]]:
+    """``(cell, prompts, batch)``: every set at batch 1 and 8, both sets together at batch 16 (of
+    ``batches``)."""
     return [(f"{name}/b{b}", sets["chat"] + sets["code"] if b == 16 else sets[name], b)
-            for b in BATCHES for name in (SETS if b < 16 else ("chat+code",))]
+            for b in batches for name in (SETS if b < 16 else ("chat+code",))]
 
 
 def _engine(config: str, dtype: str, sets: dict[str, list[str]]) -> Any:
@@ -129,7 +130,7 @@ class _Cell:
                 "outputs": self.outputs}
 
 
-def worker(config: str, dtype: str, max_tokens: int, out: Path) -> None:
+def worker(config: str, dtype: str, max_tokens: int, out: Path, batches: tuple[int, ...] = BATCHES) -> None:
     """One config in this process: every set and batch size once; writes its JSON to ``out``."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import SamplingParams
@@ -138,7 +139,7 @@ def worker(config: str, dtype: str, max_tokens: int, out: Path) -> None:
     llm = _engine(config, dtype, sets)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     runs: dict[str, dict[str, Any]] = {}
-    for cell, prompts, b in _cells(sets):
+    for cell, prompts, b in _cells(sets, batches):
         acc = _Cell()
         for i in range(0, len(prompts), b):
             acc.run(llm, prompts[i : i + b], params)
@@ -146,7 +147,8 @@ def worker(config: str, dtype: str, max_tokens: int, out: Path) -> None:
     out.write_text(json.dumps(runs))
 
 
-def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int) -> list[dict[str, dict[str, Any]]]:
+def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
+                batches: tuple[int, ...] = BATCHES) -> list[dict[str, dict[str, Any]]]:
     """Every config's engine in this one process (vLLM's engine in-process), each ``generate``
     call (one batch of one cell) run by every config back to back, the order rotated call by call:
     a config and its baseline are timed seconds apart, so a slow spell of a shared machine hits
@@ -168,7 +170,7 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int) ->
     for r in range(rounds):
         t = time.time()
         out.append({c: {} for c in configs})
-        for cell, prompts, b in _cells(sets):
+        for cell, prompts, b in _cells(sets, batches):
             acc = {c: _Cell() for c in configs}
             for k, i in enumerate(range(0, len(prompts), b)):
                 shift = (r + k) % len(configs)
@@ -241,6 +243,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on a CPU with native bf16, else fp32) | bfloat16 | float32")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="of 1, 8, 16 (default: all)")
     ap.add_argument("--in-process", action="store_true",
                     help="every config's engine in one process, generate calls interleaved (see interleaved())")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -252,8 +255,11 @@ def main() -> int:
 
     if args.dtype == "auto":
         args.dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[pick_dtype("auto", torch.device("cpu"))[0]]
+    batches = tuple(int(b) for b in args.batches.split(","))
+    if not batches or any(b not in BATCHES for b in batches):
+        ap.error(f"--batches: choose from {', '.join(map(str, BATCHES))}")
     if args.worker:
-        worker(args.worker, args.dtype, args.max_tokens, Path(args.worker_out))
+        worker(args.worker, args.dtype, args.max_tokens, Path(args.worker_out), batches)
         return 0
     configs = args.configs.split(",")
     unknown = [c for c in configs if c not in CONFIGS]
@@ -265,7 +271,7 @@ def main() -> int:
     rounds: list[dict[str, dict[str, Any]]] = []
     started = time.time()
     if args.in_process:
-        rounds = interleaved(configs, args.dtype, args.max_tokens, args.rounds)
+        rounds = interleaved(configs, args.dtype, args.max_tokens, args.rounds, batches)
     for r in range(0 if args.in_process else args.rounds):
         order = configs[r % len(configs):] + configs[: r % len(configs)]
         rounds.append({})
@@ -273,7 +279,8 @@ def main() -> int:
             tmp = out.with_suffix(f".{c}.tmp.json")
             t = time.time()
             proc = subprocess.run([sys.executable, __file__, "--worker", c, "--worker-out", str(tmp), "--dtype", args.dtype,
-                                   "--max-tokens", str(args.max_tokens)], capture_output=True, text=True)
+                                   "--max-tokens", str(args.max_tokens), "--batches", args.batches],
+                                  capture_output=True, text=True)
             if proc.returncode != 0:
                 print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
                 raise SystemExit(f"config {c} failed in round {r + 1}")
@@ -288,7 +295,7 @@ def main() -> int:
     doc: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_kind(), "cpu": cpu,
         "cores": os.cpu_count(), "dtype": short, "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-        "model": "SmolLM2-135M-Instruct", "max_tokens": args.max_tokens, "rounds": args.rounds,
+        "model": "SmolLM2-135M-Instruct", "max_tokens": args.max_tokens, "rounds": args.rounds, "batches": list(batches),
         "mode": ("in-process: every engine in one process, each generate call run by every config back to back"
                  if args.in_process else "a process per config and round"),
         "prompts": {name: [r["question_id"] for r in rows] for name, rows in prompt_rows().items()},

@@ -692,3 +692,29 @@ def test_the_shortcut_past_plans_that_cannot_pay_never_changes_a_plan(
     fast, full = make(), make()
     full._beyond_reach = lambda *_: False  # type: ignore[method-assign]
     assert fast.plan(ids, **args) == full.plan(ids, **args)
+
+
+def test_a_batch_whose_plans_cannot_pay_goes_quiet_for_doubling_spells() -> None:
+    """Drafting that costs more than any tree could save (a bound: no scan) lets the same batch
+    skip planning for 1, then 2, 4, ... steps up to ``quiet_steps``; another batch plans at once.
+    A drafter that cannot draft now (no n-gram match) but would pay if it could never goes quiet:
+    the next step may have a match."""
+    cost = CostModel({1: 10.0, 64: 11.0}, lr=0.0)
+    dear = SpeculationController(cost, BUDGET, ControllerOptions(draft_ms_fixed=50.0, quiet_steps=4, outcome_ema=0))
+    ids = [0, 1, 2]
+    spells = []
+    for _ in range(5):
+        assert all(p.max_nodes == 0 for p in dear.plan(ids))
+        n = 0
+        while dear.quiet(ids):
+            n += 1
+        spells.append(n)
+    assert spells == [1, 2, 4, 4, 4]
+    dear.plan(ids)
+    assert not dear.quiet([0, 1]) and dear.quiet(ids)  # only the batch that was planned
+    cheap = SpeculationController(cost, BUDGET, ControllerOptions(alpha_prior=0.8, outcome_ema=0))
+    assert all(p.max_nodes == 0 for p in cheap.plan(ids, available=[False] * 3)) and not cheap.quiet(ids)
+    assert any(p.max_nodes for p in cheap.plan(ids)) and not cheap.quiet(ids)
+    off = SpeculationController(cost, BUDGET, ControllerOptions(draft_ms_fixed=50.0, quiet_steps=0))
+    off.plan(ids)
+    assert not off.quiet(ids)

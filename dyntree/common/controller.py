@@ -48,6 +48,11 @@
   batch over the request's own, 1 for the request that sets the pace) and hull steps are merged
   by water-filling, the lowest request's next step first: drafts for some requests while the
   others (an n-gram drafter without a match) cannot keep up only make every step dearer.
+* Quiet spells: before searching, a bound (every request's best tree at a plain step's cost,
+  plus the least drafting and catch-up a paying plan needs) says whether any plan could pay.
+  When none could even if the drafter could draft for every request, the same batch may decode
+  the next steps without a plan (:meth:`SpeculationController.quiet`; 1, 2, 4, ... steps up to
+  ``quiet_steps``), so an engine skips drafting and verification there too.
 * The outcome check: what each speculative step really committed per measured millisecond
   (drafting and verify) over what its plan predicted, as an EMA kept per batch size (a
   power-of-two bucket); below 1 it scales speculative plans' predicted rates down
@@ -158,6 +163,9 @@ class SpeculationController:
         # positions; 0 until reported)
         self._caught = (0.0, 0.0)
         self._catch_ms = 0.0
+        # quiet steps (:meth:`quiet`): the batch whose plans could not pay, the steps it may still
+        # skip planning, and the backoff that granted them
+        self._quiet: tuple[frozenset, int, int] = (frozenset(), 0, 0)
 
     # -- estimates ------------------------------------------------------------------------------
     def _state(self, rid: Hashable) -> _RequestState:
@@ -325,13 +333,18 @@ class SpeculationController:
         factor = max(self.outcome_factor(b), raise_bar / o.outcome_bound)
         best_rate, best_k, tables, segments, best_tokens = bar, 0, [], [], bar
         shape = self._shape()
+        hopeless = False  # no plan could pay even if the drafter could draft for every request
         # trees; then, where the best plan holds branching trees that cost the engine extra, chains only
         for chains in (False, True):
             cache = {key: self._table(*key, chains, shape) for key in set(keys)}
-            # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
             tabs = [cache[k][0] for k in keys]
             if self._beyond_reach(tabs, [cache[k][1] for k in keys], slack, plain_ms, factor, bar, catch_ms):
+                if not chains:
+                    every = [self._table(self.alpha(r), self.delivery(r), False, shape) for r in request_ids]
+                    hopeless = all(can) or self._beyond_reach([t[0] for t in every], [t[1] for t in every], slack,
+                                                              plain_ms, factor, bar, catch_ms)
                 break  # nor with chains
+            # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
             segs = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
             if slack is None:  # throughput: the best gain per token first
                 segs.sort(key=lambda s: (-s[0], s[1], s[2]))
@@ -346,6 +359,8 @@ class SpeculationController:
         for _, r, lo, hi in segments[:best_k]:
             alloc[r] = hi
         speculate = best_k > 0 and best_rate >= bar * o.min_gain
+        backoff = min(2 * self._quiet[2], o.quiet_steps) if self._quiet[2] else min(1, o.quiet_steps)
+        self._quiet = (frozenset(request_ids), backoff, backoff) if hopeless else (frozenset(), 0, 0)
         if not speculate:
             alloc = [0] * b
             # idle: the speculative outcome drifts back toward 1, so a bad spell (or a cost model
@@ -375,7 +390,19 @@ class SpeculationController:
                 plans.append(Plan("chain" if d == n else "tree", n, d))
         return plans
 
-    def _beyond_reach(self, tables: list[tuple[list[float], list[int]]], hulls: list[list[tuple[float, int, int]]],
+    def quiet(self, request_ids: Sequence[Hashable]) -> bool:
+        """Whether this step of ``request_ids`` may decode plainly without a plan: the same batch's
+        recent plans could not pay even if the drafter could draft for every request (a bound that
+        holds whatever the drafter finds), so for a few steps (``quiet_steps``, the backoff doubling
+        while such plans keep coming) the engine skips planning, drafting and verification. Counts
+        the step when it says so."""
+        ids, left, backoff = self._quiet
+        if left <= 0 or frozenset(request_ids) != ids:
+            return False
+        self._quiet = (ids, left - 1, backoff)
+        return True
+
+    def _beyond_reach(self, tables: Sequence[tuple[list[float], list[int]]], hulls: Sequence[list[tuple[float, int, int]]],
                       slack: np.ndarray | None, plain_ms: float, factor: float, bar: float,
                       catch_ms: list[float]) -> bool:
         """Whether no plan can clear the bar, by a bound that is cheaper than the scan: every

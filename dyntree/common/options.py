@@ -169,6 +169,12 @@ class ControllerOptions(BaseModel):
         "so drafts for the others only add to every step); 'auto', 'batch' when the engine reports that no "
         "request waits, else 'throughput'",
     )
+    quiet_steps: int = Field(
+        8, ge=0, le=64,
+        description="after a plan that could not pay even if the drafter could draft for every request (a "
+        "bound, no search), the same batch decodes this many steps at most without planning (1 after the first "
+        "such plan, doubling while they keep coming; 0: plan every step)",
+    )
     min_gain: float = Field(
         1.03,
         ge=1,

@@ -355,13 +355,22 @@ class Speculator:
             tokens.append(res.tokens)
         return AcceptResult(list(batch.request_ids), index, length, tokens)
 
-    def observe_forward(self, n_query_tokens: int, ms: float) -> None:
+    def quiet(self, request_ids: Sequence[Hashable]) -> bool:
+        """Whether this step may go without :meth:`propose` and :meth:`accept`: the adaptive
+        controller's recent plans for this same batch could not pay whatever the drafter found
+        (:meth:`~dyntree.common.controller.SpeculationController.quiet`). The engine then decodes
+        every request plainly, keeps pushing hidden states (:meth:`observe_hidden`) and reports
+        the forward to :meth:`observe_forward`."""
+        return self.controller is not None and self.controller.quiet(request_ids)
+
+    def observe_forward(self, n_query_tokens: int, ms: float, rows: int = 1, kv: int | None = None) -> None:
         """A measured target forward the engine did not report to :meth:`accept`: a plain decoding
         step, or a verify whose batch also held rows outside the trees (``n_query_tokens`` counts
-        every query token of the forward). Refines the adaptive controller's cost model; an
-        engine reports each forward either here or through ``accept(forward_ms=...)``, not both."""
+        every query token of the forward, ``rows`` its requests, ``kv`` the cached tokens a row
+        attends to, as :meth:`propose` prices them). Refines the adaptive controller's cost model;
+        an engine reports each forward either here or through ``accept(forward_ms=...)``, not both."""
         if self.controller is not None and n_query_tokens > 0 and ms > 0:
-            self.controller.observe_step(n_query_tokens, ms)
+            self.controller.observe_step(n_query_tokens, ms, kv, rows)
 
     def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         """The target's last-layer hidden states ``[n, d]`` (the LM-head input) of the request's

@@ -116,27 +116,27 @@ class DynTreeProposer:
         """One draft list per request in batch order: its tree's nodes after the root (``[]``: none)."""
         assert self.speculator is not None and self.step is not None
         self.trees = {}
-        rows, reqs = [], []
+        rows, rids = [], []
         req_ids, all_params = self.step.req_ids, self.step.params
         for i, sampled in enumerate(sampled_token_ids):
             rid = req_ids[i] if i < len(req_ids) else None
-            params = all_params.get(rid) if rid is not None else None
-            if not sampled or params is None:
+            if not sampled or rid is None or all_params.get(rid) is None:
                 continue
-            n = int(num_tokens_no_spec[i])
-            room = self.max_model_len - n - 1
-            if room < 1:
-                continue
-            rows.append(i)
-            reqs.append(SpecRequest(rid, token_ids_cpu[i, :n].tolist(), params, max_nodes=room,
-                                    remaining=self.step.limits[rid] - n))
+            if self.max_model_len - int(num_tokens_no_spec[i]) - 1 >= 1:
+                rows.append(i)
+                rids.append(rid)
         out: list[list[int]] = [[] for _ in sampled_token_ids]
-        if reqs:
-            batch = self.speculator.propose(reqs, self.generator, self.step.waiting)
-            for i, r, tree in zip(rows, reqs, batch.trees):
-                self.trees[r.request_id] = tree
-                out[i] = tree.tokens[1:].tolist()
+        if not rids or self.speculator.quiet(rids):  # quiet: plain decoding, nothing to draft or verify
+            return out
+        reqs = [SpecRequest(rid, token_ids_cpu[i, :n].tolist(), all_params[rid], max_nodes=self.max_model_len - n - 1,
+                            remaining=self.step.limits[rid] - n)
+                for i, rid, n in ((i, rid, int(num_tokens_no_spec[i])) for i, rid in zip(rows, rids))]
+        batch = self.speculator.propose(reqs, self.generator, self.step.waiting)
+        for i, r, tree in zip(rows, reqs, batch.trees):
+            self.trees[r.request_id] = tree
+            out[i] = tree.tokens[1:].tolist()
         return out
+
 
 def _target_info(model: torch.nn.Module, vllm_config: Any, vocab: int) -> TargetInfo:
     """What Hydra borrows from vLLM's loaded model (weights shared, cut to the real vocabulary)."""

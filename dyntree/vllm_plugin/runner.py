@@ -111,8 +111,9 @@ def _sample(orig: Any) -> Any:
         whole = tree is not None and len(tree.rows) == len(step.req_ids)  # every row verified as a tree
         forward_ms = (time.perf_counter() - step.started) * 1e3 - tree_ms if step is not None else 0.0
         if proposer is not None and step is not None and step.decode_tokens and not whole:
-            # a forward with rows outside the trees refines the cost model only
-            proposer.speculator.observe_forward(step.decode_tokens, forward_ms)
+            # a forward with rows outside the trees (or a quiet step's) refines the cost model only
+            proposer.speculator.observe_forward(step.decode_tokens, forward_ms, len(step.req_ids),
+                                                round(float(step.computed.mean())) if len(step.computed) else None)
         if tree is None or logits is None or proposer is None or (spec_decode_metadata is None and not whole):
             return orig(self, logits, spec_decode_metadata)
         if spec_decode_metadata is None:  # nobody drafted: a step of plain decoding, by vLLM's own sampler
