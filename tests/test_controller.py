@@ -695,8 +695,9 @@ def test_the_shortcut_past_plans_that_cannot_pay_never_changes_a_plan(
 
 
 def test_a_batch_whose_plans_cannot_pay_goes_quiet_for_doubling_spells() -> None:
-    """Drafting that costs more than any tree could save (a bound: no scan) lets the same batch
-    skip planning for 1, then 2, 4, ... steps up to ``quiet_steps``; another batch plans at once.
+    """Drafting that costs more than any tree could save (a bound: no scan), or a search that finds
+    nothing paying though every request could draft, lets the same batch skip planning for 1,
+    then 2, 4, ... steps up to ``quiet_steps``; another batch plans at once.
     A drafter that cannot draft now (no n-gram match) but would pay if it could never goes quiet:
     the next step may have a match."""
     cost = CostModel({1: 10.0, 64: 11.0}, lr=0.0)
@@ -715,6 +716,11 @@ def test_a_batch_whose_plans_cannot_pay_goes_quiet_for_doubling_spells() -> None
     cheap = SpeculationController(cost, BUDGET, ControllerOptions(alpha_prior=0.8, outcome_ema=0))
     assert all(p.max_nodes == 0 for p in cheap.plan(ids, available=[False] * 3)) and not cheap.quiet(ids)
     assert any(p.max_nodes for p in cheap.plan(ids)) and not cheap.quiet(ids)
+    # the search (not the bound) finds nothing paying: every verify token costs as much as a step
+    steep = SpeculationController(CostModel({1: 10.0, 64: 640.0}, lr=0.0), BUDGET, ControllerOptions(outcome_ema=0))
+    assert not steep._beyond_reach(*zip(*(steep._table(steep.alpha(r), 1.0) for r in ids)), None, 30.0, 1.0,
+                                   0.1, [0.0] * 3)
+    assert all(p.max_nodes == 0 for p in steep.plan(ids)) and steep.quiet(ids)
     off = SpeculationController(cost, BUDGET, ControllerOptions(draft_ms_fixed=50.0, quiet_steps=0))
     off.plan(ids)
     assert not off.quiet(ids)

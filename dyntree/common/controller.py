@@ -50,9 +50,10 @@
   others (an n-gram drafter without a match) cannot keep up only make every step dearer.
 * Quiet spells: before searching, a bound (every request's best tree at a plain step's cost,
   plus the least drafting and catch-up a paying plan needs) says whether any plan could pay.
-  When none could even if the drafter could draft for every request, the same batch may decode
-  the next steps without a plan (:meth:`SpeculationController.quiet`; 1, 2, 4, ... steps up to
-  ``quiet_steps``), so an engine skips drafting and verification there too.
+  When no plan pays though the drafter could draft for every request (or none could by the
+  bound if it could), the same batch may decode the next steps without a plan
+  (:meth:`SpeculationController.quiet`; 1, 2, 4, ... steps up to ``quiet_steps``), so an engine
+  skips drafting and verification there too.
 * The outcome check: what each speculative step really committed per measured millisecond
   (drafting and verify) over what its plan predicted, as an EMA kept per batch size (a
   power-of-two bucket); below 1 it scales speculative plans' predicted rates down
@@ -333,16 +334,17 @@ class SpeculationController:
         factor = max(self.outcome_factor(b), raise_bar / o.outcome_bound)
         best_rate, best_k, tables, segments, best_tokens = bar, 0, [], [], bar
         shape = self._shape()
-        hopeless = False  # no plan could pay even if the drafter could draft for every request
+        # no plan pays though the drafter could draft for every request, or could not pay if it could
+        hopeless = False
         # trees; then, where the best plan holds branching trees that cost the engine extra, chains only
         for chains in (False, True):
             cache = {key: self._table(*key, chains, shape) for key in set(keys)}
             tabs = [cache[k][0] for k in keys]
             if self._beyond_reach(tabs, [cache[k][1] for k in keys], slack, plain_ms, factor, bar, catch_ms):
-                if not chains:
+                if not chains and not all(can):
                     every = [self._table(self.alpha(r), self.delivery(r), False, shape) for r in request_ids]
-                    hopeless = all(can) or self._beyond_reach([t[0] for t in every], [t[1] for t in every], slack,
-                                                              plain_ms, factor, bar, catch_ms)
+                    hopeless = self._beyond_reach([t[0] for t in every], [t[1] for t in every], slack,
+                                                  plain_ms, factor, bar, catch_ms)
                 break  # nor with chains
             # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
             segs = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
@@ -359,6 +361,7 @@ class SpeculationController:
         for _, r, lo, hi in segments[:best_k]:
             alloc[r] = hi
         speculate = best_k > 0 and best_rate >= bar * o.min_gain
+        hopeless = not speculate and (hopeless or all(can))
         backoff = min(2 * self._quiet[2], o.quiet_steps) if self._quiet[2] else min(1, o.quiet_steps)
         self._quiet = (frozenset(request_ids), backoff, backoff) if hopeless else (frozenset(), 0, 0)
         if not speculate:
@@ -392,10 +395,12 @@ class SpeculationController:
 
     def quiet(self, request_ids: Sequence[Hashable]) -> bool:
         """Whether this step of ``request_ids`` may decode plainly without a plan: the same batch's
-        recent plans could not pay even if the drafter could draft for every request (a bound that
-        holds whatever the drafter finds), so for a few steps (``quiet_steps``, the backoff doubling
-        while such plans keep coming) the engine skips planning, drafting and verification. Counts
-        the step when it says so."""
+        recent plans found nothing that pays though the drafter could draft for every request (or
+        a bound says nothing could if it could), so for a few steps (``quiet_steps``, the backoff
+        doubling while such plans keep coming) the engine skips planning, drafting and
+        verification. A drafter that had nothing for some requests (an n-gram lookup without a
+        match) but might pay when it has keeps planning every step. Counts the step when it says
+        so."""
         ids, left, backoff = self._quiet
         if left <= 0 or frozenset(request_ids) != ids:
             return False

@@ -171,9 +171,9 @@ class ControllerOptions(BaseModel):
     )
     quiet_steps: int = Field(
         8, ge=0, le=64,
-        description="after a plan that could not pay even if the drafter could draft for every request (a "
-        "bound, no search), the same batch decodes this many steps at most without planning (1 after the first "
-        "such plan, doubling while they keep coming; 0: plan every step)",
+        description="after a plan that found nothing paying though the drafter could draft for every request "
+        "(or, by a bound, could not pay if it could), the same batch decodes this many steps at most without "
+        "planning (1 after the first such plan, doubling while they keep coming; 0: plan every step)",
     )
     min_gain: float = Field(
         1.03,

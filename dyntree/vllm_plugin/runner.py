@@ -115,6 +115,10 @@ def _sample(orig: Any) -> Any:
             proposer.speculator.observe_forward(step.decode_tokens, forward_ms, len(step.req_ids),
                                                 round(float(step.computed.mean())) if len(step.computed) else None)
         if tree is None or logits is None or proposer is None or (spec_decode_metadata is None and not whole):
+            if proposer is not None and spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+                # no drafts scheduled (a quiet step): vLLM's plain sampler, which its rejection sampler
+                # would run anyway for one token per request, with more bookkeeping
+                spec_decode_metadata = None
             return orig(self, logits, spec_decode_metadata)
         if spec_decode_metadata is None:  # nobody drafted: a step of plain decoding, by vLLM's own sampler
             out = orig(self, logits, spec_decode_metadata)
