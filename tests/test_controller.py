@@ -721,6 +721,12 @@ def test_a_batch_whose_plans_cannot_pay_goes_quiet_for_doubling_spells() -> None
     assert not steep._beyond_reach(*zip(*(steep._table(steep.alpha(r), 1.0) for r in ids)), None, 30.0, 1.0,
                                    0.1, [0.0] * 3)
     assert all(p.max_nodes == 0 for p in steep.plan(ids)) and steep.quiet(ids)
+    # a quiet step is an idle step: a failing request drifts back toward the prior as in a plan
+    _feed(dear, 0, accept_all=False)
+    before = dear.alpha(0)
+    dear.plan(ids)
+    after_plan = dear.alpha(0)
+    assert dear.quiet(ids) and dear.alpha(0) - after_plan == pytest.approx(after_plan - before, rel=0.2)
     off = SpeculationController(cost, BUDGET, ControllerOptions(draft_ms_fixed=50.0, quiet_steps=0))
     off.plan(ids)
     assert not off.quiet(ids)

@@ -165,8 +165,8 @@ class SpeculationController:
         self._caught = (0.0, 0.0)
         self._catch_ms = 0.0
         # quiet steps (:meth:`quiet`): the batch whose plans could not pay, the steps it may still
-        # skip planning, and the backoff that granted them
-        self._quiet: tuple[frozenset, int, int] = (frozenset(), 0, 0)
+        # skip planning, the backoff that granted them, and its requests the drafter could draft for
+        self._quiet: tuple[frozenset, int, int, tuple] = (frozenset(), 0, 0, ())
 
     # -- estimates ------------------------------------------------------------------------------
     def _state(self, rid: Hashable) -> _RequestState:
@@ -363,15 +363,11 @@ class SpeculationController:
         speculate = best_k > 0 and best_rate >= bar * o.min_gain
         hopeless = not speculate and (hopeless or all(can))
         backoff = min(2 * self._quiet[2], o.quiet_steps) if self._quiet[2] else min(1, o.quiet_steps)
-        self._quiet = (frozenset(request_ids), backoff, backoff) if hopeless else (frozenset(), 0, 0)
+        self._quiet = ((frozenset(request_ids), backoff, backoff, tuple(r for r, c in zip(request_ids, can) if c))
+                       if hopeless else (frozenset(), 0, 0, ()))
         if not speculate:
             alloc = [0] * b
-            # idle: the speculative outcome drifts back toward 1, so a bad spell (or a cost model
-            # that was wrong and has learned since) does not end speculation at this batch size
-            bucket = batch_bucket(b)
-            if bucket in self._outcome:
-                got, want = self._outcome[bucket]
-                self._outcome[bucket] = (got + o.outcome_relax * (want - got), want)
+            self._relax_outcome(b)
         # the outcome check compares committed tokens with the tokens the plan predicted
         self._pending = (best_tokens / factor, b, True) if speculate else (plain, b, False)
         plans = []
@@ -380,13 +376,7 @@ class SpeculationController:
             if n == 0 and not can[r]:
                 plans.append(Plan("none", 0, 0))  # nothing to draft: no choice, no evidence
             elif n == 0:
-                # idle: no evidence, so drift back toward the better of the population's
-                # acceptance and the prior (and toward full delivery) until a short probe pays
-                # again (one unlucky step must not end a good drafter's speculation for the rest
-                # of a request)
-                s = self._state(rid)
-                s.hits += o.relax * (max(self.population_alpha, o.alpha_prior) * s.trials - s.hits)
-                s.got += o.relax * (s.want - s.got)
+                self._relax(rid)
                 plans.append(Plan("none", 0, 0))
             else:
                 d = int(tables[r][1][n])
@@ -401,11 +391,32 @@ class SpeculationController:
         verification. A drafter that had nothing for some requests (an n-gram lookup without a
         match) but might pay when it has keeps planning every step. Counts the step when it says
         so."""
-        ids, left, backoff = self._quiet
+        ids, left, backoff, could = self._quiet
         if left <= 0 or frozenset(request_ids) != ids:
             return False
-        self._quiet = (ids, left - 1, backoff)
+        self._quiet = (ids, left - 1, backoff, could)
+        for rid in could:  # an idle step, as a plan without drafts would count it
+            self._relax(rid)
+        self._relax_outcome(len(request_ids))
         return True
+
+    def _relax(self, rid: Hashable) -> None:
+        """A step without a draft for a request that could have had one: no evidence, so its
+        acceptance drifts back toward the better of the population's and the prior (and its
+        delivery toward full) until a short probe pays again (one unlucky step must not end a
+        good drafter's speculation for the rest of a request)."""
+        o, s = self.options, self._state(rid)
+        s.hits += o.relax * (max(self.population_alpha, o.alpha_prior) * s.trials - s.hits)
+        s.got += o.relax * (s.want - s.got)
+
+    def _relax_outcome(self, rows: int) -> None:
+        """A step without speculation at ``rows`` requests: the speculative outcome check drifts
+        back toward 1, so a bad spell (or a cost model that was wrong and has learned since) does
+        not end speculation at this batch size."""
+        bucket = batch_bucket(rows)
+        if bucket in self._outcome:
+            got, want = self._outcome[bucket]
+            self._outcome[bucket] = (got + self.options.outcome_relax * (want - got), want)
 
     def _beyond_reach(self, tables: Sequence[tuple[list[float], list[int]]], hulls: Sequence[list[tuple[float, int, int]]],
                       slack: np.ndarray | None, plain_ms: float, factor: float, bar: float,
