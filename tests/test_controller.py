@@ -612,8 +612,7 @@ def _static_batch(objective: str = "auto") -> SpeculationController:
     committed tokens per ms (its extra tokens outweigh the wider verify), but a step of the batch
     lasts longer for the three others too."""
     cost = CostModel({1: 10.0, 4: 20.0, 8: 22.0, 64: 60.0}, lr=0.0)
-    ctrl = SpeculationController(cost, BUDGET, ControllerOptions(alpha_prior=0.8, objective=objective))
-    return ctrl
+    return SpeculationController(cost, BUDGET, ControllerOptions(alpha_prior=0.8, objective=objective))
 
 
 def test_with_nothing_waiting_the_batch_speculates_at_its_slowest_requests_pace() -> None:
@@ -680,7 +679,8 @@ def test_the_shortcut_past_plans_that_cannot_pay_never_changes_a_plan(
     def make() -> SpeculationController:
         cost = CostModel({1: 10.0, 2: 10.0 + 0.1 * slope, 16: 10.0 + slope, 64: 10.0 + 8 * slope}, lr=0.0)
         ctrl = SpeculationController(cost, BUDGET, ControllerOptions(draft_ms_fixed=draft_ms, outcome_ema=0))
-        ctrl.observe_catch_up(10, 10 * catch_ms) if catch_ms > 0 else None
+        if catch_ms > 0:
+            ctrl.observe_catch_up(10, 10 * catch_ms)
         for rid, (alpha, _, _, _) in enumerate(requests):
             for step in range(20):
                 ctrl.observe(rid, DraftTree.chain(0, [1]), [0, 1] if (step * alpha) % 1 > 1 - alpha else [0])

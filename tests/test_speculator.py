@@ -257,6 +257,10 @@ def test_engine_timings_reach_the_controller() -> None:
     assert sp.controller is not None
     sp.observe_forward(16, 40.0)
     assert sp.controller.cost(16) == pytest.approx(25.0)  # toward 40 ms, by at most 1.25x per forward
+    # a forward of 16 one-token requests teaches the batch-16 knots, not one request's
+    one_request = list(sp.controller.cost.knots(1))
+    sp.observe_forward(16, 12.0, kv_lens=[0] * 16)
+    assert sp.controller.cost.knots(1) == one_request and sp.controller.cost.knots(16)[-1] < 20.0
     tokens = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
     for _ in range(20):
         batch = sp.propose([SpecRequest("a", tokens)])

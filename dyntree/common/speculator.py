@@ -233,7 +233,7 @@ class Speculator:
         ids = [r.request_id for r in requests]
         kv_lens = [len(r.token_ids) - 1 for r in requests]
         # the cached tokens a verify row attends to: a rectangular cache's longest prefix, else the mean
-        self._kv = max(kv_lens) if self._rectangular_kv else round(sum(kv_lens) / len(kv_lens))
+        self._kv = self._attended(kv_lens)
         plans = None
         if self.controller is not None:
             full = [self._draft_request(r, None) for r in requests]
@@ -363,14 +363,16 @@ class Speculator:
         the forward to :meth:`observe_forward`."""
         return self.controller is not None and self.controller.quiet(request_ids)
 
-    def observe_forward(self, n_query_tokens: int, ms: float, rows: int = 1, kv: int | None = None) -> None:
+    def observe_forward(self, n_query_tokens: int, ms: float, kv_lens: Sequence[int] | None = None) -> None:
         """A measured target forward the engine did not report to :meth:`accept`: a plain decoding
         step, or a verify whose batch also held rows outside the trees (``n_query_tokens`` counts
-        every query token of the forward, ``rows`` its requests, ``kv`` the cached tokens a row
-        attends to, as :meth:`propose` prices them). Refines the adaptive controller's cost model;
-        an engine reports each forward either here or through ``accept(forward_ms=...)``, not both."""
+        every query token of the forward, ``kv_lens`` each of its requests' cached tokens, when
+        known: the cost model learns it at its batch size and attention, as :meth:`propose` prices
+        them). Refines the adaptive controller's cost model; an engine reports each forward either
+        here or through ``accept(forward_ms=...)``, not both."""
         if self.controller is not None and n_query_tokens > 0 and ms > 0:
-            self.controller.observe_step(n_query_tokens, ms, kv, rows)
+            kv = self._attended(kv_lens) if kv_lens else None
+            self.controller.observe_step(n_query_tokens, ms, kv, len(kv_lens) if kv_lens else 1)
 
     def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         """The target's last-layer hidden states ``[n, d]`` (the LM-head input) of the request's
@@ -391,6 +393,11 @@ class Speculator:
         return self.stats.requests.pop(request_id, RequestStats())
 
     # -- inside the step -----------------------------------------------------------------------
+    def _attended(self, kv_lens: Sequence[int]) -> int:
+        """The cached tokens a verify row attends to, as the cost model prices them: a rectangular
+        cache's longest prefix, else the mean."""
+        return max(kv_lens) if self._rectangular_kv else round(sum(kv_lens) / len(kv_lens))
+
     def _draft_request(self, r: SpecRequest, plan: Plan | None) -> DraftRequest:
         nodes = plan.max_nodes if plan is not None else self.spec.max_nodes
         depth = plan.max_depth if plan is not None else self.spec.max_depth

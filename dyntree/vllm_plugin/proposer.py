@@ -116,24 +116,21 @@ class DynTreeProposer:
         """One draft list per request in batch order: its tree's nodes after the root (``[]``: none)."""
         assert self.speculator is not None and self.step is not None
         self.trees = {}
-        rows, rids = [], []
+        live = []  # (batch row, request id, committed tokens) of the requests that may draft
         req_ids, all_params = self.step.req_ids, self.step.params
         for i, sampled in enumerate(sampled_token_ids):
             rid = req_ids[i] if i < len(req_ids) else None
-            if not sampled or rid is None or all_params.get(rid) is None:
-                continue
-            if self.max_model_len - int(num_tokens_no_spec[i]) - 1 >= 1:
-                rows.append(i)
-                rids.append(rid)
+            n = int(num_tokens_no_spec[i])
+            if sampled and rid is not None and all_params.get(rid) is not None and n + 1 < self.max_model_len:
+                live.append((i, rid, n))
         out: list[list[int]] = [[] for _ in sampled_token_ids]
-        if not rids or self.speculator.quiet(rids):  # quiet: plain decoding, nothing to draft or verify
+        if not live or self.speculator.quiet([rid for _, rid, _ in live]):  # quiet: plain decoding
             return out
         reqs = [SpecRequest(rid, token_ids_cpu[i, :n].tolist(), all_params[rid], max_nodes=self.max_model_len - n - 1,
-                            remaining=self.step.limits[rid] - n)
-                for i, rid, n in ((i, rid, int(num_tokens_no_spec[i])) for i, rid in zip(rows, rids))]
+                            remaining=self.step.limits[rid] - n) for i, rid, n in live]
         batch = self.speculator.propose(reqs, self.generator, self.step.waiting)
-        for i, r, tree in zip(rows, reqs, batch.trees):
-            self.trees[r.request_id] = tree
+        for (i, rid, _), tree in zip(live, batch.trees):
+            self.trees[rid] = tree
             out[i] = tree.tokens[1:].tolist()
         return out
 

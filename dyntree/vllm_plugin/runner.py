@@ -112,8 +112,7 @@ def _sample(orig: Any) -> Any:
         forward_ms = (time.perf_counter() - step.started) * 1e3 - tree_ms if step is not None else 0.0
         if proposer is not None and step is not None and step.decode_tokens and not whole:
             # a forward with rows outside the trees (or a quiet step's) refines the cost model only
-            proposer.speculator.observe_forward(step.decode_tokens, forward_ms, len(step.req_ids),
-                                                round(float(step.computed.mean())) if len(step.computed) else None)
+            proposer.speculator.observe_forward(step.decode_tokens, forward_ms, step.computed.tolist())
         if tree is None or logits is None or proposer is None or (spec_decode_metadata is None and not whole):
             if proposer is not None and spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
                 # no drafts scheduled (a quiet step): vLLM's plain sampler, which its rejection sampler
