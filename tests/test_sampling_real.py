@@ -60,13 +60,15 @@ def test_engine_first_token_matches_plain_sampling(smol, setup) -> None:
     accepted = draws = 0
     for seed in range(4):
         eng = SpecEngine(model, tok, make_drafter("ngram"), SPEC)
-        params = SamplingParams(max_new_tokens=2, temperature=TEMP, top_k=TOP_K, seed=seed, ignore_eos=True)
+        # three tokens: with only one left a step has nothing to gain from drafts and plans none
+        params = SamplingParams(max_new_tokens=3, temperature=TEMP, top_k=TOP_K, seed=seed, ignore_eos=True)
         outs = [o for o in eng.generate([prompt[:-1]] * 128, params) if o.token_ids[0] == prompt[-1]]
         for o in outs:
             counts[o.token_ids[1]] += 1
             accepted += bool(o.accepted_per_depth)
             draws += 1
-        assert all(o.draft_nodes >= 2 and o.steps == 1 for o in outs)  # sibling drafts for that token
+        # sibling drafts for that token (the first tree step; a second, if any, has one token left)
+        assert all(o.draft_nodes == 2 and o.steps <= 2 for o in outs)
     assert draws >= 200, f"only {draws} rows drew the prompt's last token first"
     ok, stat, crit = chi2_pvalue_ok(counts, p)
     assert ok, f"engine first-token distribution differs from plain sampling: chi2 {stat:.1f} > {crit:.1f}"
