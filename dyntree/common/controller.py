@@ -137,12 +137,14 @@ class SpeculationController:
         # decayed hits and the hits the requests' own alpha predicted: how acceptance changes with
         # depth (Hydra's later heads are weaker; an n-gram match that held once tends to hold on),
         # measured against each request's own rate, so the good requests that alone reach deep
-        # levels do not make deep levels look good. Each level's prior (``prior_weight`` predicted
-        # hits, decaying as the level is observed) is the level above's ratio, so a level that is
-        # rarely reached is not taken for as good as the root.
+        # levels do not make deep levels look good. Each level's prior is the level above's ratio,
+        # worth ``prior_weight`` observations of the level (their EMA weight, decaying as the level
+        # is observed, times the population's alpha: the hits they would predict), so a level that
+        # is rarely reached is not taken for as good as the root, and one that is reached learns
+        # its own ratio within a few dozen observations.
         self._lvl_hits = [0.0] * budget.max_depth
         self._lvl_expected = [0.0] * budget.max_depth
-        self._lvl_prior = [o.prior_weight] * budget.max_depth
+        self._lvl_prior = [o.prior_weight * (1 - self._keep)] * budget.max_depth
         # expected_table and its hull steps, by rounded inputs
         self._tables: dict[tuple, tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]] = {}
         # The outcome check, per batch size (rounded down to a power of two): EMAs of the tokens
@@ -182,6 +184,11 @@ class SpeculationController:
         starting estimate."""
         return self._pop_hits / self._pop_trials
 
+    @property
+    def _keep(self) -> float:
+        """The decay of the population statistics per observation: batch-wide, slowly moving."""
+        return 1 - self.options.ema / 4
+
     def alpha(self, request_id: Hashable) -> float:
         """Current top-1 acceptance estimate of a request."""
         s = self._state(request_id)
@@ -197,9 +204,9 @@ class SpeculationController:
         """Per tree level, observed top-1 hits over the hits the requests' alpha predicted (1.0
         at the root, whose first child alpha is; a level with little evidence leans on the level
         above it)."""
-        profile, above = [], 1.0
+        profile, above, alpha = [], 1.0, max(self.population_alpha, 1e-3)
         for h, e, p in zip(self._lvl_hits, self._lvl_expected, self._lvl_prior):
-            above = (h + p * above) / (e + p)
+            above = (h + p * alpha * above) / (e + p * alpha)
             profile.append(above)
         return profile
 
@@ -525,7 +532,7 @@ class SpeculationController:
         """Learn from one verified tree: the drafter's delivery (nodes drafted of those planned),
         top-1 acceptance per reached level, and sibling gain."""
         o = self.options
-        keep = 1 - o.ema / 4  # population statistics: batch-wide, slowly moving
+        keep = self._keep
         planned = self._planned.pop(request_id, 0)
         if planned > 0:
             got = min(tree.size - 1, planned)
