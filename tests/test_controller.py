@@ -496,6 +496,25 @@ def test_depth_profile_makes_trees_shallower_when_later_levels_are_weaker() -> N
     assert weak.plan([0])[0].max_depth < flat.plan([0])[0].max_depth
 
 
+def test_depth_profile_learns_a_reached_levels_own_ratio_within_dozens_of_observations() -> None:
+    # n-gram-like: the first draft is accepted 30% of the time, each later one 80% once its parent
+    # is. 200 steps reach level 1 ~60 times: enough for the profile to read the level's own ratio
+    # (0.8 / 0.3 ~ 2.7) rather than lean on the level above (1.0), as a prior worth only two
+    # observations allows.
+    gen = torch.Generator().manual_seed(1)
+    tree = DraftTree.chain(0, [1, 2, 3, 4])
+    ctrl = SpeculationController(CostModel({1: 10.0, 64: 11.0}), Budget(8, 4))
+    reached = 0
+    for _ in range(200):
+        path = [0]
+        while len(path) < 5 and float(torch.rand(1, generator=gen)) < (0.3 if len(path) == 1 else 0.8):
+            path.append(len(path))
+        reached += len(path) > 1
+        ctrl.observe(0, tree, path)
+    assert reached < 80
+    assert ctrl.depth_profile[1] > 2.2 and ctrl.depth_profile[2] > 2.0
+
+
 def _outcome_run(ctrl: SpeculationController, steps: int, spec_ms: float, plain_ms: float,
                  first_ms: float | None = None) -> list[bool]:
     """Plan and observe ``steps`` batch-1 steps: every draft is accepted; a speculative step takes
