@@ -714,6 +714,36 @@ def test_the_shortcut_past_plans_that_cannot_pay_never_changes_a_plan(
     assert fast.plan(ids, **args) == full.plan(ids, **args)
 
 
+def test_a_batch_held_back_by_missing_drafts_goes_quiet_once_planning_does_not_pay() -> None:
+    """Requests the drafter has nothing for this step (no n-gram match) hold back a batch that
+    runs at the pace of its slowest request: it keeps planning every step while its plans save
+    more milliseconds (an EMA) than a plan without drafts costs, since a match may come next step,
+    and goes quiet for doubling spells once they do not; a plan that pays ends the spells. Without
+    a measured planning cost it never goes quiet for that."""
+    cost = CostModel({1: 10.0, 64: 11.0}, lr=0.0)
+    ids = [0, 1, 2]
+    full = dict(remaining=[10] * 3, waiting=0)  # the batch's pace: every request sets it
+    held = dict(available=[True, False, True], **full)
+    ctrl = SpeculationController(cost, BUDGET, ControllerOptions(alpha_prior=0.8, outcome_ema=0, quiet_steps=4))
+    ctrl.observe_plan_cost(3, 0.5)
+    assert any(p.max_nodes for p in ctrl.plan(ids, **full)) and not ctrl.quiet(ids)
+    plans = 0
+    while True:
+        assert all(p.max_nodes == 0 for p in ctrl.plan(ids, **held))
+        plans += 1
+        if ctrl.quiet(ids):
+            break
+    assert plans > 5  # a plan that paid outweighs a few held back
+    spells = [1 + sum(1 for _ in iter(lambda: ctrl.quiet(ids), False))]
+    ctrl.plan(ids, **held)
+    spells.append(sum(1 for _ in iter(lambda: ctrl.quiet(ids), False)))
+    assert spells == [1, 2]
+    assert any(p.max_nodes for p in ctrl.plan(ids, **full)) and not ctrl.quiet(ids)
+    unmeasured = SpeculationController(cost, BUDGET, ControllerOptions(alpha_prior=0.8, outcome_ema=0))
+    for _ in range(50):
+        assert all(p.max_nodes == 0 for p in unmeasured.plan(ids, **held)) and not unmeasured.quiet(ids)
+
+
 def test_a_batch_whose_plans_cannot_pay_goes_quiet_for_doubling_spells() -> None:
     """Drafting that costs more than any tree could save (a bound: no scan), or a search that finds
     nothing paying though every request could draft, lets the same batch skip planning for 1,

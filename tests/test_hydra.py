@@ -671,3 +671,24 @@ def test_expand_scores_frontiers_with_the_matching_head() -> None:
     sp = Speculator(drafter, SpecConfig(max_nodes=4, max_depth=2), vocab_size=small)
     with pytest.raises(ValueError, match=rf"must lie in \[0, {small}\)"):
         sp.propose([SpecRequest(0, [5, 7])])
+
+
+@pytest.mark.parametrize("idle", [12, 30, 41])
+def test_a_request_idle_past_the_context_restarts_on_its_last_context_positions(idle: int) -> None:
+    """Pushed one position at a time without drafting past ``context`` positions, a request's
+    prefix layer starts over on the last ``context`` of them: it catches up exactly those and
+    drafts what a drafter handed only them (at their absolute positions) drafts."""
+    heads = _perturbed_heads()
+    rows = torch.randn(idle, heads.config.hidden_size)
+    tokens = list(range(1, idle + 2))  # the root after ``idle`` committed positions
+    idle_drafter, fresh = HydraDrafter(heads, context=8), HydraDrafter(heads, context=8)
+    for i in range(idle):
+        idle_drafter.observe_hidden(0, rows[i : i + 1])
+    fresh.observe_hidden(0, rows[-8:], start=idle - 8)
+    trees = []
+    for drafter in (idle_drafter, fresh):
+        sp = Speculator(drafter, SpecConfig(max_nodes=6, max_depth=3), vocab_size=heads.config.target.vocab_size)
+        assert drafter.catch_up([DraftRequest(0, tokens, 6, 3)]) == [8]
+        trees.append(sp.propose([SpecRequest(0, tokens)]).trees[0])
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
+    assert torch.allclose(trees[0].draft_probs, trees[1].draft_probs)

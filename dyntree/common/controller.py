@@ -53,7 +53,11 @@
   When no plan pays though the drafter could draft for every request (or none could by the
   bound if it could), the same batch may decode the next steps without a plan
   (:meth:`SpeculationController.quiet`; 1, 2, 4, ... steps up to ``quiet_steps``), so an engine
-  skips drafting and verification there too.
+  skips drafting and verification there too. A batch held back by requests the drafter has
+  nothing for this step (an n-gram lookup without a match) goes quiet the same way once its
+  plans, at that batch size, save fewer milliseconds (an EMA) than a plan without drafts costs
+  the engine (:meth:`SpeculationController.observe_plan_cost`): at batch 1 a match often comes
+  next step and pays, in a batch of 16 all matching at once is rare.
 * The outcome check: what each speculative step really committed per measured millisecond
   (drafting and verify) over what its plan predicted, as an EMA kept per batch size (a
   power-of-two bucket); below 1 it scales speculative plans' predicted rates down
@@ -169,6 +173,10 @@ class SpeculationController:
         # quiet steps (:meth:`quiet`): the batch whose plans could not pay, the steps it may still
         # skip planning, the backoff that granted them, and its requests the drafter could draft for
         self._quiet: tuple[frozenset, int, int, tuple] = (frozenset(), 0, 0, ())
+        # per batch size (a power-of-two bucket): EMAs of the ms a plan saves over plain decoding
+        # (0 for a plan that drafts nothing) and of the ms a plan that drafts nothing costs the engine
+        self._plan_value: dict[int, float] = {}
+        self._plan_cost: dict[int, float] = {}
 
     # -- estimates ------------------------------------------------------------------------------
     def _state(self, rid: Hashable) -> _RequestState:
@@ -368,7 +376,16 @@ class SpeculationController:
         for _, r, lo, hi in segments[:best_k]:
             alloc[r] = hi
         speculate = best_k > 0 and best_rate >= bar * o.min_gain
-        hopeless = not speculate and (hopeless or all(can))
+        # what planning earns at this batch size: the ms a plan saves over plain decoding (0 when
+        # it drafts nothing), against what a plan that drafts nothing costs (observe_plan_cost)
+        bucket = batch_bucket(b)
+        saved = plain_ms * (best_rate / bar - 1) if speculate else 0.0
+        earned = self._plan_value.get(bucket)
+        self._plan_value[bucket] = saved if earned is None else earned + o.ema * (saved - earned)
+        # held back by requests the drafter has nothing for (an n-gram lookup without a match), a
+        # batch still plans every step while planning pays its way: the next step may have matches
+        blocked = not speculate and not (hopeless or all(can))
+        hopeless = not speculate and (hopeless or all(can) or (blocked and self._plan_value[bucket] < self._plan_cost.get(bucket, 0.0)))
         backoff = min(2 * self._quiet[2], o.quiet_steps) if self._quiet[2] else min(1, o.quiet_steps)
         self._quiet = ((frozenset(request_ids), backoff, backoff, tuple(r for r, c in zip(request_ids, can) if c))
                        if hopeless else (frozenset(), 0, 0, ()))
@@ -396,8 +413,10 @@ class SpeculationController:
         a bound says nothing could if it could), so for a few steps (``quiet_steps``, the backoff
         doubling while such plans keep coming) the engine skips planning, drafting and
         verification. A drafter that had nothing for some requests (an n-gram lookup without a
-        match) but might pay when it has keeps planning every step. Counts the step when it says
-        so."""
+        match) but might pay when it has keeps planning every step while planning pays its way at
+        this batch size: while its plans' saved milliseconds (an EMA, 0 for a plan without
+        drafts) stay below what a plan without drafts costs (:meth:`observe_plan_cost`), such a
+        batch goes quiet too. Counts the step when it says so."""
         ids, left, backoff, could = self._quiet
         if left <= 0 or frozenset(request_ids) != ids:
             return False
@@ -595,6 +614,17 @@ class SpeculationController:
         # each factor is bounded on one side where it is read, and credit from steps on the other
         # side fades with the EMA (~1 / outcome_ema steps): it cannot hold off a later veto for long
         ratios[bucket] = (got0 + e * (tokens - got0), want0 + e * (want - want0))
+
+    def observe_plan_cost(self, rows: int, ms: float) -> None:
+        """A step of ``rows`` requests whose plan drafted nothing cost ``ms`` beside the forward
+        (planning, the drafter's lookups, verifying root-only trees), learned per batch size (EMA):
+        a batch that the drafter's missing drafts hold back goes quiet while its plans earn less
+        than that (:meth:`quiet`)."""
+        if not ms >= 0:
+            raise ValueError(f"observe_plan_cost({rows}, {ms}): ms >= 0 needed")
+        bucket, e = batch_bucket(rows), self.options.ema
+        spent = self._plan_cost.get(bucket)
+        self._plan_cost[bucket] = ms if spent is None else spent + e * (ms - spent)
 
     def observe_step(self, n_query_tokens: int, ms: float, kv: int | None = None, rows: int = 1) -> None:
         """Refine the cost model with one measured verify forward of ``rows`` requests (``kv``:

@@ -309,9 +309,14 @@ class Speculator:
                 (``observe_branching``), else with the drafting time.
         """
         t0 = time.perf_counter()
+        # a plan that drafted nothing: its cost (propose and this accept) is what planning costs
+        planned_ms = self._draft_ms[2] if self._draft_ms is not None and batch.num_drafts == 0 else None
         result = self._verify(batch, target, [self._params[rid] for rid in batch.request_ids], generator)
         self._learn(batch, result, forward_ms, overhead_ms)
-        self.stats.accept_s += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.stats.accept_s += spent
+        if planned_ms is not None and self.controller is not None:
+            self.controller.observe_plan_cost(batch.batch_size, planned_ms + spent * 1e3)
         return result
 
     def first_tokens(self, requests: Sequence[SpecRequest], target: torch.Tensor,

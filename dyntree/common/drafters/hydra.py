@@ -160,15 +160,24 @@ class HydraDrafter(Drafter):
         s.pending.append(states.to(self.device, self.dtype, copy=True))
         s.pending_rows += states.shape[0]
         if self.context and s.pending_rows > self.context:
-            # idle past the context: the layer starts over on the last ``context`` positions
-            rows = torch.cat(s.pending)[-self.context :]
-            s.kv, s.pending, s.pending_rows = None, [rows], rows.shape[0]
+            # idle past the context: the layer starts over on the last ``context`` positions (it
+            # reads no more when it starts); the rows before them are dropped once they are as
+            # many again, so an idle request costs one copy per ``context`` pushes, not per push
+            s.kv = None
+            if s.pending_rows > 2 * self.context:
+                rows = torch.cat(s.pending)[-self.context :]
+                s.pending, s.pending_rows = [rows], rows.shape[0]
 
     def catch_up(self, requests: Sequence[DraftRequest]) -> list[int]:
         if self.heads.prefix is None:
             return [0] * len(requests)
         states = [self._state.get(r.request_id) for r in requests]
-        return [s.pending_rows if s is not None and self._catching(s) else 0 for s in states]
+        return [self._to_run(s) if s is not None and self._catching(s) else 0 for s in states]
+
+    def _to_run(self, s: _State) -> int:
+        """The pending positions the prefix layer runs over (a layer that starts reads at most
+        the last ``context``)."""
+        return min(s.pending_rows, self.context) if self.context and s.kv is None else s.pending_rows
 
     def pop_catch_up(self) -> tuple[float, int]:
         (spent, positions), self._catch_up = self._catch_up, (0.0, 0)
@@ -204,7 +213,7 @@ class HydraDrafter(Drafter):
         (:meth:`_catching`) in one timed batch, the rest in another."""
         catching = [s for s in states if self._catching(s)]
         if catching:
-            positions = sum(s.pending_rows for s in catching)
+            positions = sum(self._to_run(s) for s in catching)
             started = time.perf_counter()
             self._forward_pending(catching)
             spent, done = self._catch_up
