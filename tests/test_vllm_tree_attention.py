@@ -43,9 +43,13 @@ def _step(tree, prefix: int, start: int, mask: torch.Tensor):
     return TreeStep(DraftBatch.from_trees(["r"], [tree]), rows=[0], starts=[start], prefix=[prefix], masks=[mask])
 
 
-def _run(isa: str, dtype: torch.dtype, skip_top_up: bool = False, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two steps of one request (prefix 45, then 50): the tree rows and the dense reference."""
+def _run(isa: str, dtype: torch.dtype, skip_top_up: bool = False, causal: bool = False,
+         form: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two steps of one request (prefix 45, then 50): the tree rows and the dense reference
+    (``form``: the attention form a dispatch picks; None: no dispatch)."""
     from vllm import _custom_ops as ops
+
+    from dyntree.kernels.cpu_attention import IMPLS, AttentionDispatch
 
     from dyntree.vllm_plugin.attention import plan_tree_rows, tree_rows_attention
     from dyntree.vllm_plugin.kv_layout import KVLayout
@@ -80,8 +84,9 @@ def _run(isa: str, dtype: torch.dtype, skip_top_up: bool = False, causal: bool =
         step_keys = torch.zeros(start + t + 2, HKV, D, dtype=dtype)
         step_values = torch.zeros_like(step_keys)
         step_keys[start : start + t], step_values[start : start + t] = node_keys, node_values
+        dispatch = None if form is None else AttentionDispatch({(1, 16, 64): {n: float(n != form) for n in IMPLS}})
         plan = plan_tree_rows(_step(tree, prefix, start, mask), [0], layout, mirror, {"layer": 0},
-                              block_row[None], dtype)
+                              block_row[None], dtype, dispatch)
         if skip_top_up and prefix == 50:
             assert plan.requests[0].sync_index.numel() > 0  # the second step tops up 5 positions
             plan.requests[0] = plan.requests[0].__class__(**{**plan.requests[0].__dict__,
@@ -100,9 +105,11 @@ def _run(isa: str, dtype: torch.dtype, skip_top_up: bool = False, causal: bool =
     return torch.cat(got), torch.cat(want)
 
 
+@pytest.mark.parametrize("form", [None, "gqa", "rows", "matmul"])
 @pytest.mark.parametrize("isa,dtype", _layouts())
-def test_tree_rows_equal_dense_attention(isa: str, dtype: torch.dtype) -> None:
-    got, want = _run(isa, dtype)
+def test_tree_rows_equal_dense_attention(isa: str, dtype: torch.dtype, form: str | None) -> None:
+    """Every attention form the builder's dispatch may pick (and none) gives the dense result."""
+    got, want = _run(isa, dtype, form=form)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
 

@@ -13,8 +13,10 @@ Each query row is computed once:
   whose nodes see exactly what causal attention shows them);
 * a branching tree's rows are given to that kernel with a sequence length equal to their query length
   (a few-token causal pass whose output is overwritten; the prefix is not read there) and are
-  computed here in one ``scaled_dot_product_attention`` over the request's committed prefix and
-  its in-step nodes, each node seeing the prefix and its own ancestors.
+  computed here in one attention call over the request's committed prefix and its in-step nodes,
+  each node seeing the prefix and its own ancestors: the form of
+  :func:`~dyntree.kernels.cpu_attention.attend` that this CPU runs fastest at that shape (timed once
+  per machine and head shape, as the standalone engine's, :func:`tree_attention_dispatch`).
 
 The prefix is read from a :class:`~dyntree.vllm_plugin.mirror.PrefixMirror`: a dense copy of each
 tree request's committed KV that the plan brings up to date with the positions it lacks (read from
@@ -29,7 +31,6 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -37,12 +38,17 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from dyntree import progress
+from dyntree.kernels import cpu_attention
+from dyntree.kernels.cpu_attention import AttentionDispatch, attend
+from dyntree.models import cache_root
 from dyntree.vllm_plugin.kv_layout import KVLayout
 from dyntree.vllm_plugin.mirror import PrefixMirror
 from dyntree.vllm_plugin.step import Move, TreeStep, refuse_attention_features
 
-__all__ = ["TreeRows", "TreeAttentionPlan", "plan_tree_rows", "tree_rows_attention", "TreeCPUAttentionMetadata",
-           "TreeCPUAttentionMetadataBuilder", "TreeCPUAttentionImpl", "TreeCPUAttentionBackend"]
+__all__ = ["TreeRows", "TreeAttentionPlan", "plan_tree_rows", "tree_rows_attention", "tree_attention_dispatch",
+           "TreeCPUAttentionMetadata", "TreeCPUAttentionMetadataBuilder", "TreeCPUAttentionImpl",
+           "TreeCPUAttentionBackend"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ class TreeAttentionPlan:
     requests: list[TreeRows]
     layers: dict[str, int]  # layer name -> index in the mirror
     mirror: PrefixMirror
+    dispatch: AttentionDispatch | None = None  # the attention form per shape (None: fused GQA)
     spent_ms: float = 0.0  # summed over layers, mirror fill included
     fill_ms: float = 0.0  # of which copying committed positions into the mirror
 
@@ -100,6 +107,7 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.layers = {name: i for i, name in enumerate(layer_names)}
         self.mirror = PrefixMirror(len(layer_names), self.num_kv_heads, self.head_dim, self.dtype)
+        self.dispatch = tree_attention_dispatch(self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
         self._pending: TreeStep | None = None
 
     def plan_trees(self, step: TreeStep | None) -> None:
@@ -137,16 +145,27 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             common_attn_metadata = replace(common_attn_metadata, seq_lens=seq_lens)
             layout = KVLayout.for_spec(self.isa, self.dtype, self.block_size, self.num_kv_heads, self.head_dim)
             plan = plan_tree_rows(step, branching, layout, self.mirror, self.layers,
-                                  common_attn_metadata.block_table_tensor, self.dtype)
+                                  common_attn_metadata.block_table_tensor, self.dtype, self.dispatch)
             step.attention.append(plan)
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
         return TreeCPUAttentionMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, tree=plan)
 
 
+def tree_attention_dispatch(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> AttentionDispatch:
+    """The attention form per (query rows, cached tokens) of one tree request's call on this CPU:
+    the three forms timed once per machine, torch, thread count, dtype and head shape (cached on
+    disk beside the standalone engine's timings)."""
+    return cpu_attention.calibrate(heads, kv_heads, head_dim, dtype, cache_dir=cache_root() / "attention",
+                                   grid=((1,), cpu_attention.GRID_QUERY, cpu_attention.GRID_KV),
+                                   announce=progress.step)
+
+
 def plan_tree_rows(step: TreeStep, branching: list[int], layout: KVLayout, mirror: PrefixMirror,
-                   layers: dict[str, int], block_table: torch.Tensor, dtype: torch.dtype) -> TreeAttentionPlan:
+                   layers: dict[str, int], block_table: torch.Tensor, dtype: torch.dtype,
+                   dispatch: AttentionDispatch | None = None) -> TreeAttentionPlan:
     """The rows of ``step``'s trees ``branching`` (indices into its batch) for every layer of one
-    KV-cache group (host only): mirror room and sync indices over ``layout``, masks in ``dtype``."""
+    KV-cache group (host only): mirror room and sync indices over ``layout``, masks in ``dtype``,
+    each request's attention by ``dispatch`` (fused GQA without one)."""
     requests = []
     for b in branching:
         rid, row, start, prefix, mask = (step.batch.request_ids[b], step.rows[b], step.starts[b], step.prefix[b],
@@ -161,7 +180,7 @@ def plan_tree_rows(step: TreeStep, branching: list[int], layout: KVLayout, mirro
         bias = torch.zeros(1, 1, size, prefix + size, dtype=dtype)
         bias[0, 0, :, prefix:].masked_fill_(~mask, float("-inf"))
         requests.append(TreeRows(rid, start, size, prefix, synced, sync_index, bias))
-    return TreeAttentionPlan(requests, layers, mirror)
+    return TreeAttentionPlan(requests, layers, mirror, dispatch)
 
 
 def tree_rows_attention(plan: TreeAttentionPlan, layer_name: str, query: torch.Tensor, key: torch.Tensor,
@@ -173,7 +192,6 @@ def tree_rows_attention(plan: TreeAttentionPlan, layer_name: str, query: torch.T
     if index is None:
         raise RuntimeError(f"dyntree: layer {layer_name!r} is not in the tree plan's KV-cache group")
     hkv, d = key.shape[1], key.shape[2]
-    gqa = query.shape[1] != hkv
     for r in plan.requests:
         buf = plan.mirror.buffer(r.request_id)[index]  # [2, Hkv, capacity, D]
         if r.sync_index.numel():
@@ -184,8 +202,7 @@ def tree_rows_attention(plan: TreeAttentionPlan, layer_name: str, query: torch.T
         rows, end = slice(r.start, r.start + r.size), r.prefix + r.size
         buf[:, :, r.prefix : end].copy_(torch.stack((key[rows], value[rows])).transpose(1, 2))  # the step's nodes
         kv = buf[:, :, :end].unsqueeze(1)  # [2, 1, Hkv, P + T, D]
-        res = F.scaled_dot_product_attention(query[rows].transpose(0, 1).unsqueeze(0), kv[0], kv[1], attn_mask=r.bias,
-                                             scale=scale, enable_gqa=gqa)  # [1, Hq, T, D]
+        res = attend(query[rows].transpose(0, 1).unsqueeze(0), kv[0], kv[1], r.bias, scale, plan.dispatch)  # [1, Hq, T, D]
         out[rows] = res[0].transpose(0, 1).reshape((r.size, *out.shape[1:]))
 
 
