@@ -16,7 +16,12 @@ Per config, set and batch: tokens/s per round (generated tokens over the wall ti
 vLLM's spec-decode counters), drafting steps, the median over rounds of the per-round speedup
 against no speculation and against vLLM ``ngram``, and the share of outputs identical to no
 speculation's (token for token; in bf16 a verify pass may flip a near-tied argmax, so only fp32
-promises identity). Writes JSON (and a PNG of the speedups when matplotlib is installed).
+promises identity). With ``--in-process`` also each call's time inside vLLM's model forward, and
+per config the median over rounds of the time it spends outside the forward per token beyond
+plain decoding's, as a share of plain decoding's time per token (``outside_forward_vs_none``):
+drafting, verification and hooks, less sensitive to a shared machine's slow spells than the
+speedups, which a slow forward moves by up to 2x. Writes JSON (and a PNG of the speedups when
+matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -30,8 +35,11 @@ import subprocess
 import sys
 import time
 from datetime import datetime, timezone
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+_FORWARD_S: dict[int, float] = defaultdict(float)  # seconds in vLLM's model forward, per model runner
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_BENCH = Path(os.environ.get("DYNTREE_SHARED", ROOT.parent / "shared")) / "data" / "spec_bench" / "question.jsonl"
@@ -105,19 +113,55 @@ def _engine(config: str, dtype: str, sets: dict[str, list[str]]) -> Any:
     return llm
 
 
+def _time_forwards() -> None:
+    """Sum each model runner's time in vLLM's model forward (``_FORWARD_S``; this process's
+    runners: an in-process engine's)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_bench_timed", False):
+        return
+    forward = GPUModelRunner._model_forward
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _FORWARD_S[id(self)] += time.perf_counter() - t
+
+    GPUModelRunner._model_forward = timed
+    GPUModelRunner._bench_timed = True
+
+
+def _runner_key(llm: Any) -> int | None:
+    """The key of an in-process engine's model runner in ``_FORWARD_S`` (None: another process's)."""
+    try:
+        return id(llm.llm_engine.model_executor.driver_worker.worker.model_runner)
+    except AttributeError:
+        return None
+
+
 class _Cell:
-    """One config's runs of one cell: generated tokens, wall time of ``LLM.generate``, outputs and
-    the engine's spec-decode counters over those calls."""
+    """One config's runs of one cell: generated tokens, wall time of ``LLM.generate`` (and of
+    vLLM's model forward inside it, for an in-process engine), outputs and the engine's
+    spec-decode counters over those calls."""
 
     def __init__(self) -> None:
         self.tokens, self.wall, self.drafts, self.accepted = 0, 0.0, 0.0, 0.0
+        self.forward: float | None = 0.0
         self.outputs: list[list[int]] = []
 
     def run(self, llm: Any, prompts: list[str], params: Any) -> None:
         before = _counters(llm)
+        key = _runner_key(llm)
+        forward = _FORWARD_S[key] if key is not None else 0.0
         t = time.perf_counter()
         res = llm.generate(prompts, params, use_tqdm=False)
         self.wall += time.perf_counter() - t
+        if key is None or self.forward is None:
+            self.forward = None
+        else:
+            self.forward += _FORWARD_S[key] - forward
         after = _counters(llm)
         self.outputs += [list(o.outputs[0].token_ids) for o in res]
         self.tokens += sum(len(o.outputs[0].token_ids) for o in res)
@@ -125,7 +169,7 @@ class _Cell:
         self.accepted += after.get("accepted", 0) - before.get("accepted", 0)
 
     def result(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "wall_s": self.wall, "tokens_per_s": self.tokens / self.wall,
+        return {"tokens": self.tokens, "wall_s": self.wall, "forward_s": self.forward, "tokens_per_s": self.tokens / self.wall,
                 "tau": 1 + self.accepted / self.drafts if self.drafts else 1.0, "drafting_steps": int(self.drafts),
                 "outputs": self.outputs}
 
@@ -158,6 +202,7 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import SamplingParams
 
+    _time_forwards()
     sets = _prompt_sets()
     build = sorted(configs, key=lambda c: (CONFIGS[c] is not None, c == "vllm_ngram"))
     engines = {}
@@ -184,6 +229,11 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     return out
 
 
+def _outside(run: dict[str, Any]) -> float:
+    """A run's seconds outside vLLM's model forward per generated token."""
+    return (run["wall_s"] - run["forward_s"]) / run["tokens"]
+
+
 def _median_ratio(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
@@ -204,6 +254,10 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], configs: list[str]) -> di
             for base in ("none", "none_sync", "vllm_ngram"):
                 if base in configs and base != c:
                     entry[f"speedup_vs_{base}"] = round(_median_ratio(tps, [r[base][cell]["tokens_per_s"] for r in rounds]), 4)
+            if "none" in configs and c != "none" and all(x.get("forward_s") for x in runs):
+                entry["outside_forward_vs_none"] = round(statistics.median(
+                    (_outside(x) - _outside(r["none"][cell])) * r["none"][cell]["tokens"] / r["none"][cell]["wall_s"]
+                    for x, r in zip(runs, rounds)), 4)
             if "none" in configs:
                 plain = rounds[0]["none"][cell]["outputs"]
                 entry["identical_to_none"] = round(sum(x == y for x, y in zip(runs[0]["outputs"], plain)) / len(plain), 4)
