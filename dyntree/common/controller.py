@@ -385,7 +385,8 @@ class SpeculationController:
         # held back by requests the drafter has nothing for (an n-gram lookup without a match), a
         # batch still plans every step while planning pays its way: the next step may have matches
         blocked = not speculate and not (hopeless or all(can))
-        hopeless = not speculate and (hopeless or all(can) or (blocked and self._plan_value[bucket] < self._plan_cost.get(bucket, 0.0)))
+        unpaid = blocked and self._plan_value[bucket] < self._plan_cost.get(bucket, 0.0)
+        hopeless = not speculate and (hopeless or all(can) or unpaid)
         backoff = min(2 * self._quiet[2], o.quiet_steps) if self._quiet[2] else min(1, o.quiet_steps)
         self._quiet = ((frozenset(request_ids), backoff, backoff, tuple(r for r, c in zip(request_ids, can) if c))
                        if hopeless else (frozenset(), 0, 0, ()))
