@@ -34,8 +34,8 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from collections import defaultdict
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 

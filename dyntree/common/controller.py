@@ -382,11 +382,11 @@ class SpeculationController:
         saved = plain_ms * (best_rate / bar - 1) if speculate else 0.0
         earned = self._plan_value.get(bucket)
         self._plan_value[bucket] = saved if earned is None else earned + o.ema * (saved - earned)
-        # held back by requests the drafter has nothing for (an n-gram lookup without a match), a
-        # batch still plans every step while planning pays its way: the next step may have matches
-        blocked = not speculate and not (hopeless or all(can))
-        unpaid = blocked and self._plan_value[bucket] < self._plan_cost.get(bucket, 0.0)
-        hopeless = not speculate and (hopeless or all(can) or unpaid)
+        hopeless = not speculate and (hopeless or all(can))
+        if not speculate and not hopeless:
+            # held back by requests the drafter has nothing for (an n-gram lookup without a
+            # match): the next step may have matches, so the batch plans on while planning pays
+            hopeless = self._plan_value[bucket] < self._plan_cost.get(bucket, 0.0)
         backoff = min(2 * self._quiet[2], o.quiet_steps) if self._quiet[2] else min(1, o.quiet_steps)
         self._quiet = ((frozenset(request_ids), backoff, backoff, tuple(r for r, c in zip(request_ids, can) if c))
                        if hopeless else (frozenset(), 0, 0, ()))

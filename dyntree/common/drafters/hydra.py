@@ -224,9 +224,7 @@ class HydraDrafter(Drafter):
         """Run the prefix layer over the pending positions of ``todo``, in one batch."""
         if not todo:
             return
-        rows = [torch.cat(s.pending) for s in todo]
-        if self.context:  # a layer that starts reads only the last ``context`` positions
-            rows = [x[-self.context :] if s.kv is None else x for s, x in zip(todo, rows)]
+        rows = [torch.cat(s.pending)[-self._to_run(s) :] for s in todo]
         width = max(x.shape[0] for x in rows)
         if all(x.shape[0] == width for x in rows):  # no padding (a lone request, every decoding step)
             hidden, valid = torch.stack(rows), None
