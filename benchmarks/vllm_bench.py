@@ -200,6 +200,11 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     vLLM's ``ngram`` last. Returns the rounds as :func:`worker` writes them."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM's ngram drafts with numba; numba's default threading layer is an OpenMP pool whose
+    # threads, once started, contend with torch's own OpenMP pool: every other engine in this
+    # process then ran torch's CPU attention kernel (SDPA: dyntree's branching trees) up to ~70x
+    # slower. vLLM's ngram drafts on one numba thread here, so its layer does not change its speed.
+    os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
     from vllm import SamplingParams
 
     _time_forwards()
