@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import statistics
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -41,6 +42,19 @@ def test_cost_model_interpolates_extrapolates_and_learns() -> None:
         CostModel({0: 1.0})
     with pytest.raises(ValueError, match="at least one"):
         CostModel({})
+
+
+def test_cost_model_prices_one_size_as_it_prices_an_array_of_sizes() -> None:
+    # one size (what engines ask every step) takes a plain-Python path; it must price exactly as
+    # the array path the planner uses, below, between and beyond the knots, with the attention terms
+    model = CostModel({1: 10.0, 2: 10.4, 4: 11.0, 8: 12.5, 16: 16.0, 64: 40.0}, attn_ms=0.001, kv_ref=100, row_ms=0.002)
+    model.observe(3, 11.0, 300)
+    model.observe(16, 30.0, 200, rows=16)
+    sizes = [0.5, 1, 1.5, 3, 8, 9, 40, 64, 300]
+    for kv, rows in [(None, 1), (300, 1), (50, 16), (500, 3)]:
+        assert [model(n, kv, rows) for n in sizes] == pytest.approx(list(model(np.array(sizes), kv, rows)), abs=1e-9)
+    one = CostModel({4: 10.0})
+    assert [one(n) for n in (2, 9)] == pytest.approx(list(one(np.array([2.0, 9.0]))), abs=1e-12)
 
 
 def test_one_spike_of_the_machine_is_not_learned_as_a_cost() -> None:

@@ -7,6 +7,7 @@ with them; engines seed a :class:`CostModel` from their own timed forwards
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from typing import Callable, Mapping, Sequence, overload
@@ -139,6 +140,8 @@ class CostModel:
         """Predicted ms of a forward of ``n_tokens`` query tokens (a number, or an array of them:
         one prediction each) from ``rows`` requests, each against ``kv`` cached tokens (``None``:
         ``kv_ref``, the knots' own)."""
+        if not isinstance(n_tokens, np.ndarray):
+            return self._scalar(float(n_tokens), kv, rows)
         n = np.asarray(n_tokens, dtype=np.float64)
         # a forward of more tokens never costs less: the knots as read are non-decreasing (the
         # stored ones are left as learned, so a knot pulled up by noise at a smaller size does
@@ -153,6 +156,21 @@ class CostModel:
             # the attention terms: ms beyond (or, with fewer cached tokens, short of) the knots'
             base = base + np.maximum((kv - self.kv_ref) * (self.attn_ms * n + self.row_ms * rows), -0.5 * base)
         return base if isinstance(n_tokens, np.ndarray) else float(base)
+
+    def _scalar(self, n: float, kv: int | None, rows: int) -> float:
+        """:meth:`__call__` for one size, in plain Python (engines call it every step; the same
+        arithmetic as the array path)."""
+        ys = _monotone(list(self.knots(rows)))
+        xs = self.xs
+        if len(xs) == 1:
+            base = ys[0] * max(n, xs[0]) / xs[0]
+        else:
+            i = min(max(bisect.bisect_right(xs, n) - 1, 0), len(xs) - 2)
+            w = 0.0 if n <= xs[0] else (n - xs[i]) / (xs[i + 1] - xs[i])
+            base = ys[i] + w * (ys[i + 1] - ys[i])
+        if kv is not None and (self.attn_ms or self.row_ms):
+            base = base + max((kv - self.kv_ref) * (self.attn_ms * n + self.row_ms * rows), -0.5 * base)
+        return base
 
     def observe(self, n_tokens: int, ms: float, kv: int | None = None, rows: int = 1) -> None:
         """Move the knots toward one measured forward (``ms`` for ``n_tokens`` query tokens of
@@ -183,8 +201,9 @@ class CostModel:
         level = 1 + self.lr / 2 * (ratio - 1)
         ys[:] = [y * level for y in ys]
         err = target - self(n_tokens, kv, rows)
-        at, weight = self._segment(np.asarray(float(n_tokens)))
-        i, w = int(at), float(weight)
+        xs, n = self.xs, float(n_tokens)
+        i = min(max(bisect.bisect_right(xs, n) - 1, 0), max(len(xs) - 2, 0))
+        w = 0.0 if len(xs) == 1 or n <= xs[0] else (n - xs[i]) / (xs[i + 1] - xs[i])
         if len(self.xs) == 1:
             ys[0] += self.lr * err * self.xs[0] / max(n_tokens, self.xs[0])
         else:

@@ -55,8 +55,14 @@ def _proposer(runner: Any) -> "DynTreeProposer | None":
 
 
 def _tree_builders(runner: Any) -> list[TreeAttentionBuilder]:
-    builders = [group.get_metadata_builder() for groups in runner.attn_groups for group in groups]
-    return [b for b in builders if isinstance(b, TreeAttentionBuilder)]
+    """The runner's tree attention builders, found once per set of attention groups (a protocol
+    ``isinstance`` check per builder is too slow for every step)."""
+    cached = getattr(runner, "_dyntree_builders", None)
+    if cached is None or cached[0] is not runner.attn_groups:
+        builders = [group.get_metadata_builder() for groups in runner.attn_groups for group in groups]
+        cached = (runner.attn_groups, [b for b in builders if isinstance(b, TreeAttentionBuilder)])
+        runner._dyntree_builders = cached
+    return cached[1]
 
 
 def _prepare_inputs(orig: Any) -> Any:
