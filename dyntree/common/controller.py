@@ -63,7 +63,8 @@
   power-of-two bucket) and apart for plans with branching trees and plans of chains only (an
   engine whose tree attention is a pass of its own can pay more for a tree than its models see,
   and trees then yield to chains where chains deliver; a chains-only step lets the trees' ratio
-  drift back toward 1 as a plain step does both); below 1 it scales speculative plans' predicted rates down
+  drift back toward 1 as a plain step does both); below 1 it scales speculative plans'
+  predicted rates down
   (:meth:`SpeculationController.outcome_factor`, bounded: a correction, not a second model, and
   never above 1). Whatever the models miss (a verify shape the cost model prices too cheaply, an
   optimistic acceptance) then shows up as speculative steps that deliver less than predicted, and
@@ -414,7 +415,7 @@ class SpeculationController:
         elif not best_branching:
             self._relax_outcome(b, branching_only=True)
         # the outcome check compares committed tokens with the tokens the plan predicted
-        used = factors[best_branching > 0]
+        used = factors[1] if best_branching else factors[0]
         self._pending = (best_tokens / used, b, True, best_branching > 0) if speculate else (plain, b, False, False)
         plans = []
         for r, (rid, n) in enumerate(zip(request_ids, alloc)):

@@ -155,18 +155,24 @@ class CostModel:
         if kv is not None and (self.attn_ms or self.row_ms):
             # the attention terms: ms beyond (or, with fewer cached tokens, short of) the knots'
             base = base + np.maximum((kv - self.kv_ref) * (self.attn_ms * n + self.row_ms * rows), -0.5 * base)
-        return base if isinstance(n_tokens, np.ndarray) else float(base)
+        return base
+
+    def _segment_of(self, n: float) -> tuple[int, float]:
+        """:meth:`_segment` of one size, in plain Python."""
+        xs = self.xs
+        if len(xs) == 1:
+            return 0, 0.0
+        i = min(max(bisect.bisect_right(xs, n) - 1, 0), len(xs) - 2)
+        return i, 0.0 if n <= xs[0] else (n - xs[i]) / (xs[i + 1] - xs[i])
 
     def _scalar(self, n: float, kv: int | None, rows: int) -> float:
         """:meth:`__call__` for one size, in plain Python (engines call it every step; the same
         arithmetic as the array path)."""
         ys = _monotone(list(self.knots(rows)))
-        xs = self.xs
-        if len(xs) == 1:
-            base = ys[0] * max(n, xs[0]) / xs[0]
+        if len(self.xs) == 1:
+            base = ys[0] * max(n, self.xs[0]) / self.xs[0]
         else:
-            i = min(max(bisect.bisect_right(xs, n) - 1, 0), len(xs) - 2)
-            w = 0.0 if n <= xs[0] else (n - xs[i]) / (xs[i + 1] - xs[i])
+            i, w = self._segment_of(n)
             base = ys[i] + w * (ys[i + 1] - ys[i])
         if kv is not None and (self.attn_ms or self.row_ms):
             base = base + max((kv - self.kv_ref) * (self.attn_ms * n + self.row_ms * rows), -0.5 * base)
@@ -201,9 +207,7 @@ class CostModel:
         level = 1 + self.lr / 2 * (ratio - 1)
         ys[:] = [y * level for y in ys]
         err = target - self(n_tokens, kv, rows)
-        xs, n = self.xs, float(n_tokens)
-        i = min(max(bisect.bisect_right(xs, n) - 1, 0), max(len(xs) - 2, 0))
-        w = 0.0 if len(xs) == 1 or n <= xs[0] else (n - xs[i]) / (xs[i + 1] - xs[i])
+        i, w = self._segment_of(float(n_tokens))
         if len(self.xs) == 1:
             ys[0] += self.lr * err * self.xs[0] / max(n_tokens, self.xs[0])
         else:
