@@ -60,7 +60,11 @@
   next step and pays, in a batch of 16 all matching at once is rare.
 * The outcome check: what each speculative step really committed per measured millisecond
   (drafting and verify) over what its plan predicted, as an EMA kept per batch size (a
-  power-of-two bucket); below 1 it scales speculative plans' predicted rates down
+  power-of-two bucket) and apart for plans with branching trees and plans of chains only (an
+  engine whose tree attention is a pass of its own can pay more for a tree than its models see,
+  and trees then yield to chains where chains deliver; a chains-only step lets the trees' ratio
+  drift back toward 1 as a plain step does both); below 1 it scales speculative plans'
+  predicted rates down
   (:meth:`SpeculationController.outcome_factor`, bounded: a correction, not a second model, and
   never above 1). Whatever the models miss (a verify shape the cost model prices too cheaply, an
   optimistic acceptance) then shows up as speculative steps that deliver less than predicted, and
@@ -158,11 +162,15 @@ class SpeculationController:
         # acceptance). A ratio of EMAs, not an EMA of per-step ratios: a step's tokens are random
         # (1 or 7 where 3 were expected), and an EMA of ratios kept at most 1 sat below 1 on
         # noise alone.
-        self._outcome: dict[int, tuple[float, float]] = {}  # bucket -> (got, predicted)
+        # Kept apart for plans with branching trees and plans of chains only: a tree's verify
+        # costs an engine more than the cost models see where its tree attention is a pass of its
+        # own (vLLM on a CPU), and one ratio for both would let the dearer shape veto the other.
+        self._outcome: dict[tuple[int, bool], tuple[float, float]] = {}  # (bucket, branching) -> (got, predicted)
         # The same for plain steps: a plain step faster than its prediction raises the bar that
         # speculation must clear (plain_factor).
         self._plain_outcome: dict[int, tuple[float, float]] = {}
-        self._pending: tuple[float, int, bool] | None = None  # the last plan: (predicted rate, rows, speculative)
+        # the last plan: (predicted rate, rows, speculative, with branching trees)
+        self._pending: tuple[float, int, bool, bool] | None = None
         # ms an engine spends per branching tree outside the target's forward (EMA; 0 until one
         # is reported): a chain costs none of it, so with it a chains-only plan is priced too
         self._branch_ms = 0.0
@@ -218,13 +226,22 @@ class SpeculationController:
             profile.append(above)
         return profile
 
-    def outcome_factor(self, rows: int = 1) -> float:
+    def outcome_factor(self, rows: int = 1, branching: bool = False) -> float:
         """At batches of ``rows`` requests, the measured over predicted throughput of speculative
-        steps (1.0 until observed): what a speculative plan's predicted rate is multiplied by,
-        within ``[1 / outcome_bound, 1]``. It only ever vetoes: a measured rate above the
-        prediction does not talk the planner into speculation its models say does not pay."""
-        got, want = self._outcome.get(batch_bucket(rows), (1.0, 1.0))
-        return min(max(got / want, 1 / self.options.outcome_bound), 1.0)
+        steps (1.0 until observed), of plans with ``branching`` trees or of chains only: what
+        such a plan's predicted rate is multiplied by, within ``[1 / outcome_bound, 1]``, except
+        that the shape that delivers less of its prediction is scaled by the other's factor times
+        the ratio of the two (below the bound if it must), so trees and chains stay ranked as
+        measured. It only ever vetoes: a measured rate above the prediction does not talk the
+        planner into speculation its models say does not pay."""
+        bucket, bound = batch_bucket(rows), self.options.outcome_bound
+        ratios = {k: got / want for (b, k), (got, want) in self._outcome.items() if b == bucket}
+        if branching not in ratios:
+            return 1.0
+        own, best = ratios[branching], max(ratios.values())
+        # the worse of the two shapes keeps its measured shortfall against the better one: with
+        # both below the bound, the bound alone would rank them alike
+        return min(max(own, 1 / bound), 1.0, min(max(best, 1 / bound), 1.0) * own / best)
 
     def plain_factor(self, rows: int = 1) -> float:
         """At batches of ``rows`` requests, the measured over predicted throughput of plain steps
@@ -346,8 +363,10 @@ class SpeculationController:
         raise_bar = self.plain_factor(b)
         bar = plain * raise_bar  # what plain decoding delivers, as measured
         # the two checks together move a plan by at most outcome_bound, as each does alone
-        factor = max(self.outcome_factor(b), raise_bar / o.outcome_bound)
-        best_rate, best_k, tables, segments, best_tokens = bar, 0, [], [], bar
+        factors = (max(self.outcome_factor(b), raise_bar / o.outcome_bound),
+                   max(self.outcome_factor(b, branching=True), raise_bar / o.outcome_bound))
+        factor = max(factors)  # for the bounds: no plan is scaled by more
+        best_rate, best_k, tables, segments, best_tokens, best_branching = bar, 0, [], [], bar, 0
         shape = self._shape()
         # no plan pays though the drafter could draft for every request, or could not pay if it could
         hopeless = False
@@ -367,9 +386,9 @@ class SpeculationController:
                 segs.sort(key=lambda s: (-s[0], s[1], s[2]))
             else:  # the batch's pace: water-filling, the slowest request's next step first
                 segs.sort(key=lambda s: (slack[s[1]] * (1 + tabs[s[1]][0][s[2]]), s[1], s[2]))
-            rate, k, branching, tokens_rate = self._scan(segs, tabs, keys, kv, plain_ms, factor, catch_ms, slack)
+            rate, k, branching, tokens_rate = self._scan(segs, tabs, keys, kv, plain_ms, factors, catch_ms, slack)
             if rate > best_rate:
-                best_rate, best_k, tables, segments, best_tokens = rate, k, tabs, segs, tokens_rate
+                best_rate, best_k, tables, segments, best_tokens, best_branching = rate, k, tabs, segs, tokens_rate, branching
             if not (branching and self._branch_ms > 0 and o.allow_trees):
                 break
         alloc = [0] * b
@@ -393,8 +412,11 @@ class SpeculationController:
         if not speculate:
             alloc = [0] * b
             self._relax_outcome(b)
+        elif not best_branching:
+            self._relax_outcome(b, branching_only=True)
         # the outcome check compares committed tokens with the tokens the plan predicted
-        self._pending = (best_tokens / factor, b, True) if speculate else (plain, b, False)
+        used = factors[1] if best_branching else factors[0]
+        self._pending = (best_tokens / used, b, True, best_branching > 0) if speculate else (plain, b, False, False)
         plans = []
         for r, (rid, n) in enumerate(zip(request_ids, alloc)):
             self._planned[rid] = n
@@ -436,14 +458,16 @@ class SpeculationController:
         s.hits += o.relax * (max(self.population_alpha, o.alpha_prior) * s.trials - s.hits)
         s.got += o.relax * (s.want - s.got)
 
-    def _relax_outcome(self, rows: int) -> None:
-        """A step without speculation at ``rows`` requests: the speculative outcome check drifts
-        back toward 1, so a bad spell (or a cost model that was wrong and has learned since) does
-        not end speculation at this batch size."""
+    def _relax_outcome(self, rows: int, branching_only: bool = False) -> None:
+        """A step without speculation at ``rows`` requests (or ``branching_only``: one whose plan
+        had no branching tree): the speculative outcome checks (or that of plans with branching
+        trees) drift back toward 1, so a bad spell (or a cost model that was wrong and has
+        learned since) does not end speculation, or trees, at this batch size."""
         bucket = batch_bucket(rows)
-        if bucket in self._outcome:
-            got, want = self._outcome[bucket]
-            self._outcome[bucket] = (got + self.options.outcome_relax * (want - got), want)
+        for key in ((bucket, True),) if branching_only else ((bucket, False), (bucket, True)):
+            if key in self._outcome:
+                got, want = self._outcome[key]
+                self._outcome[key] = (got + self.options.outcome_relax * (want - got), want)
 
     def _beyond_reach(self, tables: Sequence[tuple[list[float], list[int]]], hulls: Sequence[list[tuple[float, int, int]]],
                       slack: np.ndarray | None, plain_ms: float, factor: float, bar: float,
@@ -467,10 +491,12 @@ class SpeculationController:
 
     def _scan(self, segments: list[tuple[float, int, int, int]], tables: list[tuple[list[float], list[int]]],
               keys: list[tuple[float, float]], kv: int | None, plain_ms: float,
-              factor: float, catch_ms: list[float], slack: np.ndarray | None = None) -> tuple[float, int, int, float]:
+              factors: tuple[float, float], catch_ms: list[float],
+              slack: np.ndarray | None = None) -> tuple[float, int, int, float]:
         """The best prefix of ``segments`` (merged hull steps in the order they are taken): its
-        predicted rate (times ``factor``), length, branching trees, and predicted committed tokens
-        per ms (times ``factor``). The rate is committed tokens per ms, or with ``slack`` (each
+        predicted rate, length, branching trees, and predicted committed tokens per ms, the rates
+        times the outcome factor of chains-only plans or of plans with branching trees
+        (``factors``). The rate is committed tokens per ms, or with ``slack`` (each
         request's tokens left, the most over its own: the ``batch`` objective) the batch's pace:
         ``batch`` times the lowest ``slack x (1 + E)`` over its requests, per ms. A prefix pays its
         verify forward (plain with the chance that no planned tree arrives), its drafting, the
@@ -503,6 +529,7 @@ class SpeculationController:
         max_depth = np.maximum.accumulate(depth_hi)
         forward = (1.0 - no_tree) * self.cost(tokens, kv, b) + no_tree * plain_ms
         spent = forward + self.draft_cost(max_depth, nodes, drafting) + self._branch_ms * branching + catching
+        factor = np.where(branching > 0, factors[1], factors[0])
         committed = factor * np.cumsum(np.concatenate(([float(b)], gained)))[1:] / spent
         rate = committed if slack is None else factor * b * self._pace(r, lo, hi, tables, slack) / spent
         k = int(np.argmax(rate))  # the first of the best
@@ -598,23 +625,27 @@ class SpeculationController:
             self._pop_hits = keep * self._pop_hits + (1 - keep) * hits
             self._pop_trials = keep * self._pop_trials + (1 - keep) * trials
 
-    def observe_outcome(self, tokens: int, ms: float) -> None:
+    def observe_outcome(self, tokens: int, ms: float, branching: bool | None = None) -> None:
         """The last plan's outcome: ``tokens`` committed over all its requests in ``ms`` (drafting
         and the verify forward), compared with the rate the plan predicted: a speculative plan's
-        feeds :meth:`outcome_factor`, a plain one's :meth:`plain_factor`."""
+        feeds :meth:`outcome_factor` (that of steps with ``branching`` trees, or of chains only:
+        what the drafter built, which a drafter of chains may make of a plan for trees; ``None``:
+        the plan's shape), a plain one's :meth:`plain_factor`."""
         pending, self._pending = self._pending, None
         if pending is None or not ms > 0 or self.options.outcome_ema == 0:
             return
-        rate, rows, speculative = pending
+        rate, rows, speculative, planned = pending
+        branching = planned if branching is None else branching
         # what the plan predicted for the time the step took, within [1/4, 4] x what it got: a
         # first call's one-time costs (or one preempted step) must not outweigh the steps around it
         want = min(max(ms * rate, tokens / 4), tokens * 4)
         e, bucket = self.options.outcome_ema, batch_bucket(rows)
-        ratios = self._outcome if speculative else self._plain_outcome
-        got0, want0 = ratios.get(bucket, (want, want))  # starts at ratio 1
+        ratios: dict = self._outcome if speculative else self._plain_outcome
+        key = (bucket, branching) if speculative else bucket
+        got0, want0 = ratios.get(key, (want, want))  # starts at ratio 1
         # each factor is bounded on one side where it is read, and credit from steps on the other
         # side fades with the EMA (~1 / outcome_ema steps): it cannot hold off a later veto for long
-        ratios[bucket] = (got0 + e * (tokens - got0), want0 + e * (want - want0))
+        ratios[key] = (got0 + e * (tokens - got0), want0 + e * (want - want0))
 
     def observe_plan_cost(self, rows: int, ms: float) -> None:
         """A step of ``rows`` requests whose plan drafted nothing cost ``ms`` beside the forward

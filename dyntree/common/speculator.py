@@ -444,15 +444,18 @@ class Speculator:
         if self.controller is not None and self._draft_ms is not None:
             depth, nodes, draft_ms, drafting = self._draft_ms
             # a tree is branching when it has more draft nodes than levels (max_depth: a tensor op,
-            # so counted only when the engine reports extra time)
-            branching = sum(t.size > 2 and t.size - 1 > t.max_depth for t in batch.trees) if overhead_ms > 0 else 0
+            # so counted only when the engine reports extra time or the outcome is checked)
+            counted = overhead_ms > 0 or forward_ms is not None
+            built = sum(t.size > 2 and t.size - 1 > t.max_depth for t in batch.trees) if counted else 0
+            branching = built if overhead_ms > 0 else 0
             if branching:  # the engine's extra time for branching trees
                 self.controller.observe_branching(branching, overhead_ms)
                 self.controller.observe_draft(depth, nodes, draft_ms, drafting)
             else:
                 self.controller.observe_draft(depth, nodes, draft_ms + overhead_ms, drafting)
             if forward_ms is not None:
-                self.controller.observe_outcome(sum(len(t) for t in result.tokens), forward_ms + draft_ms + overhead_ms)
+                self.controller.observe_outcome(sum(len(t) for t in result.tokens), forward_ms + draft_ms + overhead_ms,
+                                                branching=built > 0)
         self._draft_ms = None
         st.steps += 1
         plain = batch.num_drafts == 0  # root-only trees: each accepted its root
