@@ -365,7 +365,7 @@ def test_branching_plans_that_deliver_less_than_predicted_give_way_to_chains() -
     for _ in range(150):
         plan = ctrl.plan([0])[0]
         rate = ctrl.predicted_rate([0], [plan])
-        ctrl.observe_outcome(3, 3 / (rate * (0.7 if plan.mode == "tree" else 1.0)))
+        ctrl.observe_outcome(3, 3 / (rate * (0.7 if plan.mode == "tree" else 1.0)), branching=plan.mode == "tree")
         modes.append(plan.mode)
     assert modes[0] == "tree" and modes[-50:] == ["chain"] * 50
     assert ctrl.outcome_factor() == 1.0 and 0.8 < ctrl.outcome_factor(branching=True) < 0.9

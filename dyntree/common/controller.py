@@ -60,11 +60,11 @@
   next step and pays, in a batch of 16 all matching at once is rare.
 * The outcome check: what each speculative step really committed per measured millisecond
   (drafting and verify) over what its plan predicted, as an EMA kept per batch size (a
-  power-of-two bucket) and apart for plans with branching trees and plans of chains only (an
-  engine whose tree attention is a pass of its own can pay more for a tree than its models see,
-  and trees then yield to chains where chains deliver; a chains-only step lets the trees' ratio
-  drift back toward 1 as a plain step does both); below 1 it scales speculative plans'
-  predicted rates down
+  power-of-two bucket) and apart for steps with branching trees and steps of chains only, as
+  the drafter built them (an engine whose tree attention is a pass of its own can pay more for a
+  tree than its models see, and trees then yield to chains where chains deliver; a chains-only
+  plan lets the trees' ratio drift back toward 1 as a plain step does both); below 1 it scales
+  speculative plans' predicted rates down
   (:meth:`SpeculationController.outcome_factor`, bounded: a correction, not a second model, and
   never above 1). Whatever the models miss (a verify shape the cost model prices too cheaply, an
   optimistic acceptance) then shows up as speculative steps that deliver less than predicted, and
@@ -162,15 +162,14 @@ class SpeculationController:
         # acceptance). A ratio of EMAs, not an EMA of per-step ratios: a step's tokens are random
         # (1 or 7 where 3 were expected), and an EMA of ratios kept at most 1 sat below 1 on
         # noise alone.
-        # Kept apart for plans with branching trees and plans of chains only: a tree's verify
+        # Kept apart for steps with branching trees and steps of chains only: a tree's verify
         # costs an engine more than the cost models see where its tree attention is a pass of its
         # own (vLLM on a CPU), and one ratio for both would let the dearer shape veto the other.
         self._outcome: dict[tuple[int, bool], tuple[float, float]] = {}  # (bucket, branching) -> (got, predicted)
         # The same for plain steps: a plain step faster than its prediction raises the bar that
         # speculation must clear (plain_factor).
         self._plain_outcome: dict[int, tuple[float, float]] = {}
-        # the last plan: (predicted rate, rows, speculative, with branching trees)
-        self._pending: tuple[float, int, bool, bool] | None = None
+        self._pending: tuple[float, int, bool] | None = None  # the last plan: (predicted rate, rows, speculative)
         # ms an engine spends per branching tree outside the target's forward (EMA; 0 until one
         # is reported): a chain costs none of it, so with it a chains-only plan is priced too
         self._branch_ms = 0.0
@@ -228,7 +227,7 @@ class SpeculationController:
 
     def outcome_factor(self, rows: int = 1, branching: bool = False) -> float:
         """At batches of ``rows`` requests, the measured over predicted throughput of speculative
-        steps (1.0 until observed), of plans with ``branching`` trees or of chains only: what
+        steps (1.0 until observed), of steps with ``branching`` trees or of chains only: what
         such a plan's predicted rate is multiplied by, within ``[1 / outcome_bound, 1]``, except
         that the shape that delivers less of its prediction is scaled by the other's factor times
         the ratio of the two (below the bound if it must), so trees and chains stay ranked as
@@ -416,7 +415,7 @@ class SpeculationController:
             self._relax_outcome(b, branching_only=True)
         # the outcome check compares committed tokens with the tokens the plan predicted
         used = factors[1] if best_branching else factors[0]
-        self._pending = (best_tokens / used, b, True, best_branching > 0) if speculate else (plain, b, False, False)
+        self._pending = (best_tokens / used, b, True) if speculate else (plain, b, False)
         plans = []
         for r, (rid, n) in enumerate(zip(request_ids, alloc)):
             self._planned[rid] = n
@@ -625,17 +624,16 @@ class SpeculationController:
             self._pop_hits = keep * self._pop_hits + (1 - keep) * hits
             self._pop_trials = keep * self._pop_trials + (1 - keep) * trials
 
-    def observe_outcome(self, tokens: int, ms: float, branching: bool | None = None) -> None:
+    def observe_outcome(self, tokens: int, ms: float, branching: bool = False) -> None:
         """The last plan's outcome: ``tokens`` committed over all its requests in ``ms`` (drafting
         and the verify forward), compared with the rate the plan predicted: a speculative plan's
         feeds :meth:`outcome_factor` (that of steps with ``branching`` trees, or of chains only:
-        what the drafter built, which a drafter of chains may make of a plan for trees; ``None``:
-        the plan's shape), a plain one's :meth:`plain_factor`."""
+        what the drafter built, which a drafter of chains makes of any plan), a plain one's
+        :meth:`plain_factor`."""
         pending, self._pending = self._pending, None
         if pending is None or not ms > 0 or self.options.outcome_ema == 0:
             return
-        rate, rows, speculative, planned = pending
-        branching = planned if branching is None else branching
+        rate, rows, speculative = pending
         # what the plan predicted for the time the step took, within [1/4, 4] x what it got: a
         # first call's one-time costs (or one preempted step) must not outweigh the steps around it
         want = min(max(ms * rate, tokens / 4), tokens * 4)
