@@ -35,7 +35,7 @@ from dyntree.common.drafter import Candidates, DraftRequest, Drafter
 from dyntree.common.options import TreeMode
 from dyntree.common.sampling import process_logits, sample_verify
 from dyntree.common.tree import DraftBatch, DraftTree
-from dyntree.common.verify import VerifyResult, argmax_rows, greedy_accept
+from dyntree.common.verify import VerifyResult, argmax_rows, greedy_path, pack_paths
 
 __all__ = ["SpecRequest", "AcceptResult", "RequestStats", "SpecStats", "Speculator"]
 
@@ -339,25 +339,25 @@ class Speculator:
             # root-only trees: plain decoding (greedy, or the engine sampled each next token itself)
             return AcceptResult(list(batch.request_ids), torch.zeros(n, 1, dtype=torch.int64),
                                 torch.ones(n, dtype=torch.int64), [[t] for t in argmax.tolist()])
-        padded = batch.padded()
-        top = torch.zeros(padded.tokens.shape, dtype=torch.int64)
-        top[padded.valid] = argmax.to(torch.int64).cpu()
-        index, length, bonus = greedy_accept(padded.tokens, padded.parents, top)
+        # greedy trees walked on host lists, segment by segment (no padded copy of the batch)
+        toks, pars, top = batch.tokens.tolist(), batch.parents.tolist(), argmax.tolist()
+        ptr = batch.qo_indptr.tolist()
+        paths: list[list[int]] = []
         tokens: list[list[int]] = []
         for b, (tree, p) in enumerate(zip(batch.trees, params)):
+            lo, hi = ptr[b], ptr[b + 1]
             if p.greedy:
-                path = index[b, : int(length[b])]
-                tokens.append(tree.tokens[path[1:]].tolist() + [int(bonus[b])])
+                path = greedy_path(toks[lo:hi], pars[lo:hi], top[lo:hi])
+                paths.append(path)
+                tokens.append([toks[lo + i] for i in path[1:]] + [top[lo + path[-1]]])
                 continue
             if target.dim() != 2:
                 raise ValueError(f"accept: request {batch.request_ids[b]!r} samples; pass logits, not argmax")
-            lo, hi = int(batch.qo_indptr[b]), int(batch.qo_indptr[b + 1])
             probs = process_logits(target[lo:hi].float().cpu(), p.temperature, p.top_k, p.top_p)
             res = sample_verify(tree, probs, generator, self.spec.tree_options.sampling_scheme)
-            index[b] = -1
-            index[b, : len(res.accepted_nodes)] = torch.tensor(res.accepted_nodes)
-            length[b] = len(res.accepted_nodes)
+            paths.append(list(res.accepted_nodes))
             tokens.append(res.tokens)
+        index, length = pack_paths(paths, max(t.size for t in batch.trees))
         return AcceptResult(list(batch.request_ids), index, length, tokens)
 
     def quiet(self, request_ids: Sequence[Hashable]) -> bool:

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from dyntree.common.tree import DraftTree
-from dyntree.kernels.accept_reference import check_tree_arrays, greedy_accept, sampling_accept
+from dyntree.kernels.accept_reference import check_tree_arrays, greedy_accept, greedy_path, pack_paths, sampling_accept
 
-__all__ = ["VerifyResult", "argmax_rows", "check_tree_arrays", "greedy_accept", "sampling_accept", "greedy_verify"]
+__all__ = ["VerifyResult", "argmax_rows", "check_tree_arrays", "greedy_accept", "greedy_path", "pack_paths", "sampling_accept",
+           "greedy_verify"]
 
 #: Block sizes :func:`argmax_rows` may split a vocabulary into (the first that divides it).
 ARGMAX_BLOCKS = (512, 256, 128)
@@ -58,10 +59,6 @@ class VerifyResult:
         return len(self.accepted_nodes) - 1
 
 
-
-
-
-
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)`` of CPU ``[N, V]`` logits, exactly (the first maximum of each row), found
     block by block: each block's maximum (``amax``, which vectorises where ``argmax`` does not),
@@ -75,10 +72,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     blocks = x.reshape(n, v // block, block)
     first = blocks.amax(-1).argmax(-1)  # the first block holding the maximum (or a NaN)
     return first * block + blocks[torch.arange(n), first].argmax(-1)
-
-
-
-
 
 
 def greedy_verify(tree: DraftTree, target_argmax: torch.Tensor) -> VerifyResult:

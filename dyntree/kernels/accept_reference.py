@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_tree_arrays", "greedy_accept", "sampling_accept"]
+__all__ = ["check_tree_arrays", "greedy_accept", "greedy_path", "pack_paths", "sampling_accept"]
 
 
 def check_tree_arrays(**arrays: torch.Tensor) -> tuple[int, int]:
@@ -32,12 +32,28 @@ def _path_to(parents: list[int], end: int) -> list[int]:
     return path[::-1]
 
 
-def _pack_paths(paths: list[list[int]], width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    index = torch.full((len(paths), width), -1, dtype=torch.int64)
-    for b, path in enumerate(paths):
-        index[b, : len(path)] = torch.tensor(path, dtype=torch.int64)
-    lens = torch.tensor([len(p) for p in paths], dtype=torch.int64)
-    return index.to(device), lens.to(device)
+def pack_paths(paths: list[list[int]], width: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, width]`` the lists (accepted paths' node indices) ``-1`` padded, ``[B]`` their lengths)."""
+    index = torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.int64, device=device)
+    return index, torch.tensor([len(p) for p in paths], dtype=torch.int64, device=device)
+
+
+def greedy_path(tokens: list[int], parents: list[int], target_argmax: list[int]) -> list[int]:
+    """One tree's greedy accepted path, root first (node ``i > 0`` with parent ``-1`` is padding);
+    the bonus token is ``target_argmax[path[-1]]``. Plain lists: the host walk behind
+    :func:`greedy_accept`, which an engine verifying a few small trees calls directly."""
+    t = len(tokens)
+    accepted = [True] + [False] * (t - 1)
+    depth = [0] * t
+    end = 0
+    for i in range(1, t):
+        p = parents[i]
+        if 0 <= p < i:  # padding (parent -1) is never accepted
+            accepted[i] = accepted[p] and tokens[i] == target_argmax[p]
+            depth[i] = depth[p] + 1
+            if accepted[i] and depth[i] > depth[end]:
+                end = i
+    return _path_to(parents, end)
 
 
 def greedy_accept(
@@ -46,20 +62,10 @@ def greedy_accept(
     """Greedy tree accept: ``(accept_index [B, T], accept_len [B] incl. root, bonus [B])``."""
     b, t = check_tree_arrays(tokens=tokens, parents=parents, target_argmax=target_argmax)
     paths, bonus = [], []
-    for r, (tok, par, top) in enumerate(zip(tokens.tolist(), parents.tolist(), target_argmax.tolist())):
-        accepted = [True] + [False] * (t - 1)
-        depth = [0] * t
-        end = 0
-        for i in range(1, t):
-            p = par[i]
-            if 0 <= p < i:  # padding (parent -1) is never accepted
-                accepted[i] = accepted[p] and tok[i] == top[p]
-                depth[i] = depth[p] + 1
-                if accepted[i] and depth[i] > depth[end]:
-                    end = i
-        paths.append(_path_to(par, end))
-        bonus.append(top[end])
-    index, lens = _pack_paths(paths, t, tokens.device)
+    for tok, par, top in zip(tokens.tolist(), parents.tolist(), target_argmax.tolist()):
+        paths.append(greedy_path(tok, par, top))
+        bonus.append(top[paths[-1][-1]])
+    index, lens = pack_paths(paths, t, tokens.device)
     return index, lens, torch.tensor(bonus, dtype=torch.int64, device=tokens.device)
 
 
@@ -81,4 +87,4 @@ def sampling_accept(
                 break
             end = nxt
         paths.append(_path_to(par, end))
-    return _pack_paths(paths, t, parents.device)
+    return pack_paths(paths, t, parents.device)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dyntree.common.verify import pack_paths
 from dyntree.vllm_plugin.scheduler import waiting
 from dyntree.vllm_plugin.step import StepRecord, TreeAttentionBuilder, TreeStep, ablations, plan_trees
 
@@ -131,11 +132,11 @@ def _sample(orig: Any) -> Any:
             tree.accept = proposer.speculator.accept(tree.batch, sampled.cpu().to(torch.int64), proposer.generator,
                                                      forward_ms=forward_ms if step.decode_tokens else None)
             return out
-        rows = torch.tensor(tree.rows)
-        sizes = tree.batch.qo_indptr.diff()
-        # each tree's logits: the last of its request's sampled rows (vLLM samples one row per scheduled token)
-        ends = spec_decode_metadata.cu_num_sampled_tokens.cpu()[rows].to(torch.int64)
-        flat = torch.repeat_interleave(ends - sizes - tree.batch.qo_indptr[:-1], sizes) + torch.arange(int(sizes.sum()))
+        # each tree's logits: the last of its request's sampled rows (vLLM samples one row per
+        # scheduled token); host lists, as a step holds a few small trees
+        ends = spec_decode_metadata.cu_num_sampled_tokens.cpu().tolist()
+        sizes = tree.batch.qo_indptr.diff().tolist()
+        flat = torch.tensor([i for r, size in zip(tree.rows, sizes) for i in range(ends[r] - size, ends[r])])
         width = spec_decode_metadata.max_spec_len + 1
         # verified first: vLLM's sampler may scale the logits in place. A whole step of decoding
         # rows is reported as such: the controller checks its outcome, as the standalone engine's
@@ -143,13 +144,15 @@ def _sample(orig: Any) -> Any:
             tree.batch, logits[flat.to(logits.device)], proposer.generator,
             forward_ms=forward_ms if whole and step.decode_tokens else None, overhead_ms=tree_ms - tree.fill_ms)
         committed = _padded_rows(res.tokens, width)
-        if whole:  # vLLM's sampler has nothing left to do
+        if whole and tree.rows == list(range(len(step.req_ids))):  # vLLM's sampler has nothing left to do
+            out = SamplerOutput(committed.to(logits.device), None)
+        elif whole:
             sampled = torch.full((len(step.req_ids), width), -1, dtype=torch.int32)
-            sampled[rows] = committed
+            sampled[torch.tensor(tree.rows)] = committed
             out = SamplerOutput(sampled.to(logits.device), None)
         else:
             out = orig(self, logits, spec_decode_metadata)
-            out.sampled_token_ids[rows.to(logits.device)] = committed.to(out.sampled_token_ids)
+            out.sampled_token_ids[torch.tensor(tree.rows, device=logits.device)] = committed.to(out.sampled_token_ids)
         if tree.batch.num_drafts and "compaction" not in ablations():
             _compact(self, tree)
         return out
@@ -160,12 +163,7 @@ def _sample(orig: Any) -> Any:
 def _padded_rows(tokens: list[list[int]], width: int) -> torch.Tensor:
     """``[len(tokens), width]`` int32: each request's committed tokens, ``-1`` after them (vLLM's
     sampled rows: the scheduler rolls back the slots of rejected drafts)."""
-    lens = torch.tensor([len(t) for t in tokens])
-    out = torch.full((len(tokens), width), -1, dtype=torch.int32)
-    starts = torch.repeat_interleave(lens.cumsum(0) - lens, lens)
-    flat = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int32)
-    out[torch.repeat_interleave(torch.arange(len(tokens)), lens), torch.arange(len(flat)) - starts] = flat
-    return out
+    return pack_paths(tokens, width)[0].to(torch.int32)
 
 
 def _compact(runner: Any, step: TreeStep) -> None:
