@@ -97,17 +97,13 @@ class DynTreeProposer:
 
     def _measure_cost(self) -> CostModel:
         """The adaptive controller's starting cost model: vLLM's own dummy forwards (attention
-        included) of 1 to 8 query tokens each, then 12, 16, 24, 32, 64, ..., timed once the KV
-        cache exists (first step). A knot per size up to 8: a batch-1 verify's cost can step
-        between two small sizes (on a CPU, ~21 ms up to 6 tokens and ~24 ms from 7 where the dummy
-        forwards saw no step), and the knots learn that from the steps only where each size has
-        its own knot."""
+        included) of 1, 2, 4, ... query tokens, timed once the KV cache exists (first step)."""
         runner = self.runner
         if runner is None:
             raise RuntimeError("dyntree: the adaptive controller needs the model runner; the runner patch did not run")
         limit = min(int(runner.max_num_tokens), self.spec.controller.max_batch_tokens,
                     int(self.vllm_config.scheduler_config.max_num_seqs) * (1 + self.spec.max_nodes))
-        sizes = [n for n in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 64, 128, 256, 512) if n <= limit]
+        sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= limit]
         def forward(n: int) -> None:
             runner._dummy_run(n, force_attention=True)
             if runner.device.type == "cuda":
