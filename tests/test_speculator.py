@@ -295,27 +295,6 @@ def test_engine_timings_reach_the_controller() -> None:
     assert sp.controller.outcome_factor(branching=built) < 1.0
 
 
-def test_a_chain_plan_verifies_a_chain_of_the_drafters_own_tree() -> None:
-    """A drafter with trees of its own (n-gram) drafts them whole; where the controller plans a
-    chain for a greedy request, the step verifies the tree's most probable path, so a chain plan
-    never costs the engine a branching tree."""
-    from dyntree.common.controller import Plan
-    from dyntree.common.cost_model import CostModel
-
-    branchy = [5, 1, 2, 9, 5, 1, 3, 9, 5, 1]  # "5 1" went on with 2 and with 3: siblings
-    trees = {}
-    for mode in ("tree", "chain"):
-        sp = Speculator(make_drafter("ngram"), SpecConfig(adaptive=True, max_nodes=4, max_depth=4), vocab_size=V,
-                        cost_model=CostModel({1: 10.0, 16: 10.5}, lr=1.0))
-        sp.prepare()
-        assert sp.controller is not None
-        sp.controller.plan = lambda ids, *a, mode=mode, **k: [Plan(mode, 6, 3) for _ in ids]
-        trees[mode] = sp.propose([SpecRequest("b", branchy)]).trees[0]
-    assert trees["tree"].size - 1 > trees["tree"].max_depth  # the drafter's own tree branches
-    assert trees["chain"].size > 1 and trees["chain"].size - 1 == trees["chain"].max_depth
-    assert trees["chain"].tokens.tolist() == trees["tree"].most_probable_chain().tokens.tolist()
-
-
 def test_a_drafters_catch_up_is_priced_per_position_not_as_drafting() -> None:
     """Time a drafter reports as catching up (``pop_catch_up``: a request's first draft, or a
     resume) is learned per position, not into the drafting cost; the same time unreported is

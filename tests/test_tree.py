@@ -64,17 +64,6 @@ def test_chain_and_root_only() -> None:
     assert r.size == 1 and r.root == 9 and r.max_depth == 0
 
 
-def test_most_probable_chain_follows_the_likeliest_child() -> None:
-    # root -> 1 (0.3) -> 3 (0.9); root -> 2 (0.6) -> 4 (0.5), 5 (0.5): the path 0, 2, 4 (ties: lower index)
-    t = DraftTree(torch.tensor([9, 11, 12, 13, 14, 15]), torch.tensor([-1, 0, 0, 1, 2, 2]),
-                  torch.tensor([1.0, 0.3, 0.6, 0.9, 0.5, 0.5]))
-    c = t.most_probable_chain()
-    assert c.tokens.tolist() == [9, 12, 14] and c.parents.tolist() == [-1, 0, 1]
-    assert c.draft_probs.tolist() == pytest.approx([1.0, 0.6, 0.5]) and c.size - 1 == c.max_depth
-    chain = DraftTree.chain(5, [6, 7])
-    assert chain.most_probable_chain() is chain
-
-
 @pytest.mark.parametrize(
     "tokens,parents,probs,msg",
     [

@@ -262,10 +262,6 @@ class Speculator:
                 expand_s += spent
             if len(built) != len(reqs):
                 raise RuntimeError(f"drafter {self.drafter.name!r} returned {len(built)} trees for {len(reqs)} requests")
-            if mode is None and plans is not None and requests[rows[0]].params.greedy:
-                # the drafter's own trees: a chain plan verifies their most probable path (a
-                # branching tree can cost the engine more than its nodes: vLLM on a CPU)
-                built = [tree.most_probable_chain() if plans[i].mode == "chain" else tree for i, tree in zip(rows, built)]
             built_trees.update(zip(rows, built))
         trees = [built_trees[i] if i in built_trees else DraftTree.root_only(d.root) for i, d in enumerate(drafts)]
         for d, tree in zip(drafts, trees):

@@ -132,24 +132,6 @@ class DraftTree:
             torch.tensor(p, dtype=torch.float32),
         )
 
-    def most_probable_chain(self) -> "DraftTree":
-        """The tree cut to one path: from the root, the child with the highest draft probability
-        at each level (ties: the lowest index); the tree itself when it is a chain already. What
-        a chain plan verifies of a drafter's own tree (greedy: any path of the tree verifies
-        exactly as the tree would along it)."""
-        if self.size - 1 == self.max_depth:
-            return self
-        probs = self.draft_probs.tolist()
-        children: dict[int, list[int]] = {}
-        for i, p in enumerate(self.parents.tolist()[1:], start=1):
-            children.setdefault(p, []).append(i)
-        path = [0]
-        while path[-1] in children:
-            path.append(max(children[path[-1]], key=lambda c: (probs[c], -c)))
-        index = torch.tensor(path)
-        return DraftTree(self.tokens[index], torch.arange(-1, len(path) - 1, dtype=torch.int64), self.draft_probs[index],
-                         None if self.draft_dists is None else self.draft_dists[index])
-
     # -- derived views -------------------------------------------------------------------------
     @property
     def size(self) -> int:
