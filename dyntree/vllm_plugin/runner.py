@@ -144,12 +144,8 @@ def _sample(orig: Any) -> Any:
             tree.batch, logits[flat.to(logits.device)], proposer.generator,
             forward_ms=forward_ms if whole and step.decode_tokens else None, overhead_ms=tree_ms - tree.fill_ms)
         committed = _padded_rows(res.tokens, width)
-        if whole and tree.rows == list(range(len(step.req_ids))):  # vLLM's sampler has nothing left to do
+        if whole:  # every row is a tree, in batch order (plan_trees): vLLM's sampler has nothing left to do
             out = SamplerOutput(committed.to(logits.device), None)
-        elif whole:
-            sampled = torch.full((len(step.req_ids), width), -1, dtype=torch.int32)
-            sampled[torch.tensor(tree.rows)] = committed
-            out = SamplerOutput(sampled.to(logits.device), None)
         else:
             out = orig(self, logits, spec_decode_metadata)
             out.sampled_token_ids[torch.tensor(tree.rows, device=logits.device)] = committed.to(out.sampled_token_ids)
