@@ -111,6 +111,16 @@ def test_cost_model_carries_a_forward_at_one_size_to_every_size() -> None:
     assert 12.0 < cm(1) < 24.0 and cm(32) >= cm(16)
 
 
+def test_a_wider_verify_is_priced_as_measured_but_never_below_the_plain_step() -> None:
+    """vLLM's CPU forward at batch 1 (bf16, one thread) runs 4-6 query tokens faster than 2 (dummy
+    forwards: 1: 20.8, 2: 21.8, 4: 20.1, 8: 22.3 ms). Read non-decreasing, the knots priced a
+    3-draft chain like the slower 1-draft one; they are read as measured, floored at the plain
+    step (the controller's bounds start there), in the scalar and the array path alike."""
+    cm = CostModel({1: 20.8, 2: 21.8, 4: 20.1, 8: 22.3}, lr=0.0)
+    assert [cm(n) for n in (1, 2, 3, 4, 6)] == pytest.approx([20.8, 21.8, 21.3, 20.8, 21.55])
+    assert cm(np.array([1.0, 2.0, 3.0, 4.0, 6.0])).tolist() == pytest.approx([20.8, 21.8, 21.3, 20.8, 21.55])
+
+
 def test_noise_at_one_size_does_not_walk_the_other_knots_away() -> None:
     """Hundreds of plain steps timed with the machine's noise (+-15%) and nothing else: the knots
     of wider verifies, never timed again, keep about their start-up ratio to the plain step. They
@@ -784,6 +794,26 @@ def test_a_batch_held_back_by_missing_drafts_goes_quiet_once_planning_does_not_p
     unmeasured = SpeculationController(cost, BUDGET, ControllerOptions(alpha_prior=0.8, outcome_ema=0))
     for _ in range(50):
         assert all(p.max_nodes == 0 for p in unmeasured.plan(ids, **held)) and not unmeasured.quiet(ids)
+
+
+def test_a_batch_whose_matches_come_every_other_step_plans_on_while_they_pay_for_the_misses() -> None:
+    """Planning that finds no match costs its engine every other step only: a batch whose plans
+    save less on average than one plan without drafts costs, but more than such plans cost as
+    often as they come, keeps planning every step (it would go quiet if each plan were priced as
+    a miss)."""
+    cost = CostModel({1: 10.0, 64: 11.0}, lr=0.0)
+    ids = [0, 1, 2]
+    full = dict(remaining=[10] * 3, waiting=0)
+    held = dict(available=[True, False, True], **full)
+    options = ControllerOptions(alpha_prior=0.8, outcome_ema=0, quiet_steps=4)
+    probe = SpeculationController(cost, BUDGET, options)
+    assert any(p.max_nodes for p in probe.plan(ids, **full))
+    saved = next(iter(probe._plan_value.values()))  # what one paying plan saves, in ms
+    ctrl = SpeculationController(cost, BUDGET, options)
+    ctrl.observe_plan_cost(3, 0.6 * saved)  # above the plans' mean saving (~saved / 2), below it at one in two
+    for _ in range(40):
+        assert any(p.max_nodes for p in ctrl.plan(ids, **full)) and not ctrl.quiet(ids)
+        assert all(p.max_nodes == 0 for p in ctrl.plan(ids, **held)) and not ctrl.quiet(ids)
 
 
 def test_a_batch_whose_plans_cannot_pay_goes_quiet_for_doubling_spells() -> None:

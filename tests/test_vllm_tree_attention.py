@@ -2,8 +2,9 @@
 paged CPU cache by vLLM's own cache writer (every layout this CPU has), the planned tree rows
 (:func:`~dyntree.vllm_plugin.attention.plan_tree_rows`, :func:`~dyntree.vllm_plugin.attention.tree_rows_attention`)
 against dense attention over the request's whole history with the ancestor mask, over two steps
-so the prefix mirror is filled once and then only topped up. Controls: a causal mask instead of the
-ancestor mask, and a mirror that skips its top-up, must each change the rows.
+so the prefix mirror is filled once and then only topped up. The tree's leading chain is vLLM's
+kernel's (its rows are left alone here); every other row is computed. Controls: a causal mask
+instead of the ancestor mask, and a mirror that skips its top-up, must each change the rows.
 """
 
 from __future__ import annotations
@@ -44,9 +45,12 @@ def _step(tree, prefix: int, start: int, mask: torch.Tensor):
 
 
 def _run(isa: str, dtype: torch.dtype, skip_top_up: bool = False, causal: bool = False,
-         form: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         form: str | None = None, commit: list[int] | None = None,
+         committed: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Two steps of one request (prefix 45, then 50): the tree rows and the dense reference
-    (``form``: the attention form a dispatch picks; None: no dispatch)."""
+    (``form``: the attention form a dispatch picks; None: no dispatch). With ``commit``, the
+    first step's tree accepts those nodes (root first) and the second step starts right after
+    them, nothing left to copy; the mirror is told ``committed`` (default: ``commit``)."""
     from vllm import _custom_ops as ops
 
     from dyntree.kernels.cpu_attention import IMPLS, AttentionDispatch
@@ -72,7 +76,7 @@ def _run(isa: str, dtype: torch.dtype, skip_top_up: bool = False, causal: bool =
     ancestors = tree.ancestor_mask()
     mask = torch.tril(torch.ones(t, t, dtype=torch.bool)) if causal else ancestors
     got, want = [], []
-    for prefix in (45, 50):
+    for prefix in (45, 50 if commit is None else 45 + len(commit)):
         # the committed prefix (after the last step's compaction) and this step's nodes are in the
         # cache: vLLM writes the nodes' K/V at their linear slots before attention runs
         node_keys = torch.randn(t, HKV, D, generator=g).to(dtype)
@@ -93,14 +97,23 @@ def _run(isa: str, dtype: torch.dtype, skip_top_up: bool = False, causal: bool =
                                                              "sync_index": torch.empty(0, dtype=torch.int64)})
         out = torch.zeros(start + t + 2, HQ * D, dtype=dtype)
         tree_rows_attention(plan, "layer", query, step_keys, step_values, cache, out, D**-0.5)
-        got.append(out[start : start + t].float())
+        lead = tree.lead_chain
+        assert lead == 4 and torch.all(out[start : start + lead] == 0)  # the leading chain is vLLM's kernel's
+        got.append(out[start + lead : start + t].float())
+        if commit is not None and prefix == 45:  # the verified tree's accepted nodes are the next positions
+            assert plan.requests[0].sync_index.numel() > 0  # the first tree fills the mirror
+            mirror.commit("r", prefix, committed if committed is not None else commit)
+            keys[prefix : prefix + len(commit)] = node_keys[commit]
+            values[prefix : prefix + len(commit)] = node_values[commit]
+        elif commit is not None:
+            assert plan.requests[0].sync_index.numel() == 0  # nothing to copy out of vLLM's cache
         bias = torch.zeros(t, prefix + t)
         bias[:, prefix:].masked_fill_(~ancestors, float("-inf"))
         q = query[start : start + t].float().transpose(0, 1)[None]
         k = all_keys.float().transpose(0, 1)[None]
         v = all_values.float().transpose(0, 1)[None]
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=D**-0.5, enable_gqa=True)
-        want.append(ref[0].transpose(0, 1).reshape(t, -1))
+        want.append(ref[0].transpose(0, 1).reshape(t, -1)[lead:])
         assert torch.all(out[:start] == 0) and torch.all(out[start + t :] == 0)  # other rows untouched
     return torch.cat(got), torch.cat(want)
 
@@ -114,10 +127,20 @@ def test_tree_rows_equal_dense_attention(isa: str, dtype: torch.dtype, form: str
     assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
 
 
-@pytest.mark.parametrize("control", ["causal", "no_top_up"])
+@pytest.mark.parametrize("control", ["causal", "no_top_up", "commit_unmoved"])
 def test_controls_change_the_rows(control: str) -> None:
-    got, want = _run("vec", torch.float32, skip_top_up=control == "no_top_up", causal=control == "causal")
+    got, want = _run("vec", torch.float32, skip_top_up=control == "no_top_up", causal=control == "causal",
+                     commit=[0, 1, 4] if control == "commit_unmoved" else None,
+                     committed=[0, 1, 2] if control == "commit_unmoved" else None)
     assert not torch.allclose(got, want, atol=1e-3)
+
+
+@pytest.mark.parametrize("accepted", [[0, 1, 4], [0, 5, 6], [0, 1, 2, 3], [0]])
+def test_a_committed_tree_is_the_next_steps_prefix(accepted: list[int]) -> None:
+    """The mirror moves a verified tree's accepted nodes into place as vLLM's compaction does (off
+    the leading chain, along it, root alone): the next step reads them there and copies nothing."""
+    got, want = _run("vec", torch.float32, commit=accepted)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
 
 
 def test_chains_are_left_to_vllms_kernel() -> None:
@@ -127,6 +150,10 @@ def test_chains_are_left_to_vllms_kernel() -> None:
     trees = [DraftTree.chain(1, [2, 3, 4]), _tree()]
     step = TreeStep(DraftBatch.from_trees(["a", "b"], trees), [0, 1], [0, 4], [9, 9], [t.ancestor_mask() for t in trees])
     assert step.branching == [1]
+    # a branching tree's leading chain too: root, first child, ... while each parent is the row before
+    assert [t.lead_chain for t in trees] == [4, 4]
+    bfs = DraftTree(torch.arange(5), torch.tensor([-1, 0, 0, 1, 1]), torch.ones(5))
+    assert bfs.lead_chain == 2 and DraftTree.root_only(7).lead_chain == 1
 
 
 def test_mirror_grows_keeps_and_releases() -> None:

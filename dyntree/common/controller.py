@@ -55,9 +55,9 @@
   (:meth:`SpeculationController.quiet`; 1, 2, 4, ... steps up to ``quiet_steps``), so an engine
   skips drafting and verification there too. A batch held back by requests the drafter has
   nothing for this step (an n-gram lookup without a match) goes quiet the same way once its
-  plans, at that batch size, save fewer milliseconds (an EMA) than a plan without drafts costs
-  the engine (:meth:`SpeculationController.observe_plan_cost`): at batch 1 a match often comes
-  next step and pays, in a batch of 16 all matching at once is rare.
+  plans, at that batch size, save fewer milliseconds (an EMA) than the plans without drafts cost
+  the engine as often as they come (:meth:`SpeculationController.observe_plan_cost`): at batch 1
+  a match often comes next step and pays, in a batch of 16 all matching at once is rare.
 * The outcome check: what each speculative step really committed per measured millisecond
   (drafting and verify) over what its plan predicted, as an EMA kept per batch size (a
   power-of-two bucket) and apart for steps with branching trees and steps of chains only, as
@@ -181,8 +181,10 @@ class SpeculationController:
         # skip planning, the backoff that granted them, and its requests the drafter could draft for
         self._quiet: tuple[frozenset, int, int, tuple] = (frozenset(), 0, 0, ())
         # per batch size (a power-of-two bucket): EMAs of the ms a plan saves over plain decoding
-        # (0 for a plan that drafts nothing) and of the ms a plan that drafts nothing costs the engine
+        # (0 for a plan that drafts nothing), of the share of plans that draft nothing, and of the
+        # ms such a plan costs the engine
         self._plan_value: dict[int, float] = {}
+        self._plan_idle: dict[int, float] = {}
         self._plan_cost: dict[int, float] = {}
 
     # -- estimates ------------------------------------------------------------------------------
@@ -398,13 +400,16 @@ class SpeculationController:
         # it drafts nothing), against what a plan that drafts nothing costs (observe_plan_cost)
         bucket = batch_bucket(b)
         saved = plain_ms * (best_rate / bar - 1) if speculate else 0.0
-        earned = self._plan_value.get(bucket)
+        earned, idle = self._plan_value.get(bucket), self._plan_idle.get(bucket)
         self._plan_value[bucket] = saved if earned is None else earned + o.ema * (saved - earned)
+        self._plan_idle[bucket] = (not speculate) if idle is None else idle + o.ema * ((not speculate) - idle)
         hopeless = not speculate and (hopeless or all(can))
         if not speculate and not hopeless:
             # held back by requests the drafter has nothing for (an n-gram lookup without a
-            # match): the next step may have matches, so the batch plans on while planning pays
-            hopeless = self._plan_value[bucket] < self._plan_cost.get(bucket, 0.0)
+            # match): the next step may have matches, so the batch plans on while planning pays:
+            # while a plan saves more on average than the plans that draft nothing cost, each
+            # as often as they come (a plan that drafts pays its own planning in its drafting time)
+            hopeless = self._plan_value[bucket] < self._plan_idle[bucket] * self._plan_cost.get(bucket, 0.0)
         backoff = min(2 * self._quiet[2], o.quiet_steps) if self._quiet[2] else min(1, o.quiet_steps)
         self._quiet = ((frozenset(request_ids), backoff, backoff, tuple(r for r, c in zip(request_ids, can) if c))
                        if hopeless else (frozenset(), 0, 0, ()))
@@ -437,8 +442,8 @@ class SpeculationController:
         verification. A drafter that had nothing for some requests (an n-gram lookup without a
         match) but might pay when it has keeps planning every step while planning pays its way at
         this batch size: while its plans' saved milliseconds (an EMA, 0 for a plan without
-        drafts) stay below what a plan without drafts costs (:meth:`observe_plan_cost`), such a
-        batch goes quiet too. Counts the step when it says so."""
+        drafts) stay below what the plans without drafts cost (:meth:`observe_plan_cost`, times
+        their share of the plans), such a batch goes quiet too. Counts the step when it says so."""
         ids, left, backoff, could = self._quiet
         if left <= 0 or frozenset(request_ids) != ids:
             return False

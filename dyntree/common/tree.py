@@ -145,6 +145,14 @@ class DraftTree:
     def max_depth(self) -> int:
         return int(self.depths.max())
 
+    @property
+    def lead_chain(self) -> int:
+        """How many leading nodes form a chain from the root (each one's parent is the node
+        before it): the rows a causal kernel computes as they are, a branching tree's other nodes
+        seeing nodes that are not their ancestors there."""
+        parents = self.parents.tolist()
+        return next((i for i in range(1, len(parents)) if parents[i] != i - 1), len(parents))
+
     def ancestor_mask(self) -> torch.Tensor:
         """``[N, N]`` bool; ``mask[i, j]`` iff ``j`` is ``i`` or an ancestor of ``i``.
 

@@ -10,11 +10,12 @@ metadata (:class:`TreeCPUAttentionMetadata`), through vLLM's forward context.
 Each query row is computed once:
 
 * rows without a tree go through vLLM's own CPU kernel, and so do chains (a tree without branches,
-  whose nodes see exactly what causal attention shows them);
-* a branching tree's rows are given to that kernel with a sequence length equal to their query length
-  (a few-token causal pass whose output is overwritten; the prefix is not read there) and are
-  computed here in one attention call over the request's committed prefix and its in-step nodes,
-  each node seeing the prefix and its own ancestors: the form of
+  whose nodes see exactly what causal attention shows them) and a branching tree's leading chain
+  (:attr:`~dyntree.common.tree.DraftTree.lead_chain`: the root, its first child, and so on while
+  each node's parent is the row before it, as a depth-first tree starts);
+* a branching tree's other rows, which that kernel also computes but with nodes that are not their
+  ancestors in view, are overwritten here by one attention call over the request's committed
+  prefix and its in-step nodes, each node seeing the prefix and its own ancestors: the form of
   :func:`~dyntree.kernels.cpu_attention.attend` that this CPU runs fastest at that shape (timed once
   per machine and head shape, as the standalone engine's, :func:`tree_attention_dispatch`).
 
@@ -27,7 +28,7 @@ copies only the tokens committed since the request's last tree, not its whole pr
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 import torch
@@ -59,17 +60,20 @@ class TreeRows:
         request_id: vLLM's request id (the mirror's key).
         start: its first query row (the root) in the step's flat query.
         size: its tree's nodes, root included (``T``).
+        first: the first node computed here (the tree's leading chain, served by vLLM's kernel,
+            comes before it).
         prefix: committed tokens before the root (``P``): the KV every node sees.
         synced: the mirror's length before this step; positions ``synced .. P - 1`` are copied in.
         sync_index: ``[2 * (P - synced) * Hkv * D]`` flat indices of their keys then values in a
             layer's paged cache (empty: nothing to copy).
-        bias: ``[1, 1, T, P + T]`` additive mask in the cache dtype: 0 where a node may attend
-            (the prefix, itself and its ancestors), ``-inf`` elsewhere.
+        bias: ``[1, 1, T - first, P + T]`` additive mask in the cache dtype of the nodes computed
+            here: 0 where a node may attend (the prefix, itself and its ancestors), ``-inf`` elsewhere.
     """
 
     request_id: str
     start: int
     size: int
+    first: int
     prefix: int
     synced: int
     sync_index: torch.Tensor
@@ -99,9 +103,9 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     """vLLM's CPU metadata builder that also plans the step's trees (see the module docstring).
 
     It owns the group's :class:`PrefixMirror`; the runner hooks call :meth:`plan_trees` before
-    each step's :meth:`build`, :meth:`compact` after verification and :meth:`release` when a
-    request ends or is recomputed (the :class:`~dyntree.vllm_plugin.step.TreeAttentionBuilder`
-    contract)."""
+    each step's :meth:`build`, :meth:`compact` and :meth:`commit` after verification and
+    :meth:`release` when a request ends or is recomputed (the
+    :class:`~dyntree.vllm_plugin.step.TreeAttentionBuilder` contract)."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -133,16 +137,20 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             flat = kv_caches[name].view(-1)
             flat[dst_index] = flat[src_index]  # every source is read before any write
 
+    def commit(self, step: TreeStep) -> None:
+        """The mirror keeps the accepted nodes of the trees this builder planned (:meth:`PrefixMirror.commit`)."""
+        assert step.accept is not None
+        index = {rid: b for b, rid in enumerate(step.batch.request_ids)}
+        for plan in step.attention:
+            if plan.mirror is self.mirror:
+                for r in plan.requests:
+                    self.mirror.commit(r.request_id, r.prefix, step.accept.accepted(index[r.request_id]))
+
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> TreeCPUAttentionMetadata:
         step, self._pending = self._pending, None
         branching = step.branching if step is not None else []
         plan = None
         if step is not None and branching:
-            rows = torch.tensor([step.rows[b] for b in branching])
-            seq_lens = common_attn_metadata.seq_lens.clone()
-            qsl = common_attn_metadata.query_start_loc_cpu
-            seq_lens[rows] = (qsl[rows + 1] - qsl[rows]).to(seq_lens)  # vLLM's kernel: no prefix for tree rows
-            common_attn_metadata = replace(common_attn_metadata, seq_lens=seq_lens)
             layout = KVLayout.for_spec(self.isa, self.dtype, self.block_size, self.num_kv_heads, self.head_dim)
             plan = plan_tree_rows(step, branching, layout, self.mirror, self.layers,
                                   common_attn_metadata.block_table_tensor, self.dtype, self.dispatch)
@@ -170,16 +178,16 @@ def plan_tree_rows(step: TreeStep, branching: list[int], layout: KVLayout, mirro
     for b in branching:
         rid, row, start, prefix, mask = (step.batch.request_ids[b], step.rows[b], step.starts[b], step.prefix[b],
                                          step.masks[b])
-        size = mask.shape[0]
+        size, first = mask.shape[0], step.batch.trees[b].lead_chain
         synced = mirror.reserve(rid, prefix, prefix + size)
         if synced < prefix:
             keys, values = layout.index(block_table[row].cpu(), torch.arange(synced, prefix))
             sync_index = torch.cat([keys.reshape(-1), values.reshape(-1)])
         else:
             sync_index = torch.empty(0, dtype=torch.int64)
-        bias = torch.zeros(1, 1, size, prefix + size, dtype=dtype)
-        bias[0, 0, :, prefix:].masked_fill_(~mask, float("-inf"))
-        requests.append(TreeRows(rid, start, size, prefix, synced, sync_index, bias))
+        bias = torch.zeros(1, 1, size - first, prefix + size, dtype=dtype)
+        bias[0, 0, :, prefix:].masked_fill_(~mask[first:], float("-inf"))
+        requests.append(TreeRows(rid, start, size, first, prefix, synced, sync_index, bias))
     return TreeAttentionPlan(requests, layers, mirror, dispatch)
 
 
@@ -199,15 +207,17 @@ def tree_rows_attention(plan: TreeAttentionPlan, layer_name: str, query: torch.T
             new = kv_cache.view(-1).index_select(0, r.sync_index).view(2, -1, hkv, d)
             buf[:, :, r.synced : r.prefix].copy_(new.transpose(1, 2))
             plan.fill_ms += (time.perf_counter() - started) * 1e3
-        rows, end = slice(r.start, r.start + r.size), r.prefix + r.size
-        buf[:, :, r.prefix : end].copy_(torch.stack((key[rows], value[rows])).transpose(1, 2))  # the step's nodes
+        nodes, end = slice(r.start, r.start + r.size), r.prefix + r.size
+        buf[:, :, r.prefix : end].copy_(torch.stack((key[nodes], value[nodes])).transpose(1, 2))  # the step's nodes
         kv = buf[:, :, :end].unsqueeze(1)  # [2, 1, Hkv, P + T, D]
-        res = attend(query[rows].transpose(0, 1).unsqueeze(0), kv[0], kv[1], r.bias, scale, plan.dispatch)  # [1, Hq, T, D]
-        out[rows] = res[0].transpose(0, 1).reshape((r.size, *out.shape[1:]))
+        rows = slice(r.start + r.first, r.start + r.size)
+        res = attend(query[rows].transpose(0, 1).unsqueeze(0), kv[0], kv[1], r.bias, scale, plan.dispatch)  # [1, Hq, T', D]
+        out[rows] = res[0].transpose(0, 1).reshape((r.size - r.first, *out.shape[1:]))
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
-    """vLLM's CPU attention; branching trees' rows are then computed under their ancestor masks."""
+    """vLLM's CPU attention; branching trees' rows past their leading chain are then computed under
+    their ancestor masks."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -7,7 +7,9 @@ paged, ISA-specific cache layout in every layer of every step would copy the pre
 committed since (the tree attention plan says which positions; each layer copies its own).
 Committed positions never change in vLLM's cache (a recomputed request starts again from an empty
 mirror: the runner hooks call :meth:`release`), so the copy stays exact. Positions from
-``synced`` on are scratch: a step writes its tree nodes' K/V there.
+``synced`` on are scratch: a step writes its tree nodes' K/V there, and once the tree is verified
+:meth:`commit` moves the accepted ones into place as vLLM's cache compaction does, so a request
+whose steps keep drafting branching trees copies nothing out of vLLM's cache after its first.
 
 Memory: ``2 * layers * Hkv * D`` elements per token of each live tree request, grown by doubling,
 freed when the request ends.
@@ -46,6 +48,19 @@ class PrefixMirror:
             self._buffers[request_id] = grown
         self._synced[request_id] = prefix
         return synced
+
+    def commit(self, request_id: str, prefix: int, nodes: list[int]) -> None:
+        """This step's tree (its nodes' K/V written at ``prefix ..`` by every layer) was verified
+        and ``nodes`` (tree indices, root first) accepted: they become positions ``prefix .. prefix
+        + len(nodes) - 1``, moved as vLLM's compaction moves them in its cache, and the mirror is
+        synced up to there."""
+        if self._synced.get(request_id) != prefix:
+            raise RuntimeError(f"dyntree: request {request_id!r} committed a tree at {prefix}, but the mirror was "
+                               f"planned at {self._synced.get(request_id)}")
+        if nodes != list(range(len(nodes))):  # a path off the leading chain: every layer's nodes move at once
+            buf = self._buffers[request_id]
+            buf[:, :, :, prefix : prefix + len(nodes)] = buf[:, :, :, [prefix + n for n in nodes]]
+        self._synced[request_id] = prefix + len(nodes)
 
     def buffer(self, request_id: str) -> torch.Tensor:
         """``[layers, 2, Hkv, capacity, D]``: the request's keys and values by position."""

@@ -164,20 +164,21 @@ def _padded_rows(tokens: list[list[int]], width: int) -> torch.Tensor:
 
 def _compact(runner: Any, step: TreeStep) -> None:
     """Move each request's accepted nodes to the positions right after its prefix, in every layer
-    (each tree attention builder over its own cache layout)."""
+    (each tree attention builder over its own cache layout), and commit them in each builder."""
     moves = step.moves()
-    if not moves:
-        return
-    caches = {}
-    for name, layer in runner.compilation_config.static_forward_context.items():
-        kv = getattr(layer, "kv_cache", None)
-        if isinstance(kv, (list, tuple)):
-            kv = kv[0] if kv else None
-        if isinstance(kv, torch.Tensor) and kv.numel():
-            caches[name] = kv
+    caches: dict[str, torch.Tensor] = {}
+    if moves:
+        for name, layer in runner.compilation_config.static_forward_context.items():
+            kv = getattr(layer, "kv_cache", None)
+            if isinstance(kv, (list, tuple)):
+                kv = kv[0] if kv else None
+            if isinstance(kv, torch.Tensor) and kv.numel():
+                caches[name] = kv
     block_table = runner.input_batch.block_table[0]
     for builder in _tree_builders(runner):
-        builder.compact(caches, block_table, moves)
+        if moves:
+            builder.compact(caches, block_table, moves)
+        builder.commit(step)
 
 
 def _propose_draft_token_ids(orig: Any) -> Any:

@@ -112,6 +112,10 @@ class TreeAttentionBuilder(Protocol):
         """Apply ``moves`` to every one of its layers' caches (``kv_caches`` by layer name;
         ``block_table``: vLLM's block table of the group, host and device rows)."""
 
+    def commit(self, step: TreeStep) -> None:
+        """After the step's verification and compaction: its accepted nodes are its requests'
+        next committed positions (whatever the builder keeps beside vLLM's cache follows)."""
+
 
 @dataclass
 class StepRecord:

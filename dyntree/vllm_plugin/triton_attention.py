@@ -158,6 +158,9 @@ class TreeTritonAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
     def compact(self, kv_caches: Mapping[str, torch.Tensor], block_table: Any, moves: list[Move]) -> None:
         compact_triton([kv_caches[name] for name in self.layers], block_table.block_table.gpu, moves)
 
+    def commit(self, step: TreeStep) -> None:
+        """Nothing is kept beside vLLM's cache."""
+
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> TreeTritonAttentionMetadata:
         step, self._pending = self._pending, None
         branching = step.branching if step is not None else []
