@@ -111,16 +111,6 @@ def test_cost_model_carries_a_forward_at_one_size_to_every_size() -> None:
     assert 12.0 < cm(1) < 24.0 and cm(32) >= cm(16)
 
 
-def test_a_wider_verify_is_priced_as_measured_but_never_below_the_plain_step() -> None:
-    """vLLM's CPU forward at batch 1 (bf16, one thread) runs 4-6 query tokens faster than 2 (dummy
-    forwards: 1: 20.8, 2: 21.8, 4: 20.1, 8: 22.3 ms). Read non-decreasing, the knots priced a
-    3-draft chain like the slower 1-draft one; they are read as measured, floored at the plain
-    step (the controller's bounds start there), in the scalar and the array path alike."""
-    cm = CostModel({1: 20.8, 2: 21.8, 4: 20.1, 8: 22.3}, lr=0.0)
-    assert [cm(n) for n in (1, 2, 3, 4, 6)] == pytest.approx([20.8, 21.8, 21.3, 20.8, 21.55])
-    assert cm(np.array([1.0, 2.0, 3.0, 4.0, 6.0])).tolist() == pytest.approx([20.8, 21.8, 21.3, 20.8, 21.55])
-
-
 def test_noise_at_one_size_does_not_walk_the_other_knots_away() -> None:
     """Hundreds of plain steps timed with the machine's noise (+-15%) and nothing else: the knots
     of wider verifies, never timed again, keep about their start-up ratio to the plain step. They

@@ -50,7 +50,7 @@ class CostModel:
             if n < 1 or not ms > 0:
                 raise ValueError(f"CostModel point ({n}, {ms}): n_tokens must be >= 1 and ms > 0")
         self.xs = [int(n) for n, _ in items]
-        self._start = _floored([float(ms) for _, ms in items])  # every batch size's starting knots
+        self._start = _monotone([float(ms) for _, ms in items])  # every batch size's starting knots
         self._ys: dict[int, list[float]] = {1: list(self._start)}
         if not attn_ms >= 0 or not row_ms >= 0 or kv_ref < 0:
             raise ValueError(f"CostModel: attn_ms ({attn_ms}), row_ms ({row_ms}) and kv_ref ({kv_ref}) must be >= 0")
@@ -143,9 +143,10 @@ class CostModel:
         if not isinstance(n_tokens, np.ndarray):
             return self._scalar(float(n_tokens), kv, rows)
         n = np.asarray(n_tokens, dtype=np.float64)
-        # no verify costs less than the first knot (the plain step), as read (the stored knots are
-        # left as learned); a wider one may cost less than a narrower one, as measured
-        ys = np.asarray(_floored(list(self.knots(rows))), dtype=np.float64)
+        # a forward of more tokens never costs less: the knots as read are non-decreasing (the
+        # stored ones are left as learned, so a knot pulled up by noise at a smaller size does
+        # not ratchet every larger one up with it)
+        ys = np.maximum.accumulate(np.asarray(self.knots(rows), dtype=np.float64))
         if len(self.xs) == 1:
             base = ys[0] * np.maximum(n, self.xs[0]) / self.xs[0]
         else:
@@ -167,7 +168,7 @@ class CostModel:
     def _scalar(self, n: float, kv: int | None, rows: int) -> float:
         """:meth:`__call__` for one size, in plain Python (engines call it every step; the same
         arithmetic as the array path)."""
-        ys = _floored(list(self.knots(rows)))
+        ys = _monotone(list(self.knots(rows)))
         if len(self.xs) == 1:
             base = ys[0] * max(n, self.xs[0]) / self.xs[0]
         else:
@@ -233,13 +234,10 @@ def batch_bucket(rows: int) -> int:
     return 1 << (max(int(rows), 1).bit_length() - 1)
 
 
-def _floored(ys: list[float]) -> list[float]:
-    """``ys`` raised in place to at least the first (a verify never costs less than the plain
-    step its bounds start from), otherwise as measured: a CPU GEMM may run 4-6 rows faster than 2
-    (vLLM's, ``docs/vllm.md``), and knots read non-decreasing priced 3-6-token verifies like the
-    slower 2-token one; returns it."""
+def _monotone(ys: list[float]) -> list[float]:
+    """``ys`` made non-decreasing in place (a forward of more tokens never costs less); returns it."""
     for i in range(1, len(ys)):
-        ys[i] = max(ys[i], ys[0])
+        ys[i] = max(ys[i], ys[i - 1])
     return ys
 
 
