@@ -402,7 +402,8 @@ class SpeculationController:
         saved = plain_ms * (best_rate / bar - 1) if speculate else 0.0
         earned, idle = self._plan_value.get(bucket), self._plan_idle.get(bucket)
         self._plan_value[bucket] = saved if earned is None else earned + o.ema * (saved - earned)
-        self._plan_idle[bucket] = (not speculate) if idle is None else idle + o.ema * ((not speculate) - idle)
+        missed = 0.0 if speculate else 1.0
+        self._plan_idle[bucket] = missed if idle is None else idle + o.ema * (missed - idle)
         hopeless = not speculate and (hopeless or all(can))
         if not speculate and not hopeless:
             # held back by requests the drafter has nothing for (an n-gram lookup without a
