@@ -583,7 +583,8 @@ def test_plain_steps_faster_than_predicted_raise_the_bar() -> None:
     # a while decodes plainly; while it does, plain steps show they run faster than predicted,
     # and speculation does not resume when its estimate recovers (it would without the check).
     cost = CostModel({1: 10.0, 2: 11.5, 64: 11.5}, lr=0.0)
-    opts = ControllerOptions(alpha_prior=0.9, outcome_bound=2.0)
+    # no probes: they would speculate once every probe_steps (test_probe_after_a_plain_run)
+    opts = ControllerOptions(alpha_prior=0.9, outcome_bound=2.0, probe_steps=0)
 
     def run(o: ControllerOptions) -> list[bool]:
         ctrl = SpeculationController(cost, Budget(1, 1), o)
@@ -636,7 +637,7 @@ def test_outcome_check_vetoes_marginal_speculation_that_does_not_deliver() -> No
     # never saw), so it loses; the acceptance estimate keeps asking for it, and only the
     # measured outcome can stop it.
     cost = CostModel({1: 10.0, 2: 16.0, 64: 16.0}, lr=0.0)
-    opts = ControllerOptions(alpha_prior=0.9)
+    opts = ControllerOptions(alpha_prior=0.9, probe_steps=0)  # the check alone (probes: test_probe_*)
     honest = SpeculationController(cost, Budget(1, 1), opts)
     assert all(_outcome_run(honest, 100, spec_ms=16.0, plain_ms=10.0, first_ms=5000.0))  # as predicted
     assert honest.outcome_factor() == pytest.approx(1.0, abs=0.05)  # one 5 s first step did not count
@@ -667,6 +668,51 @@ def test_outcome_check_vetoes_marginal_speculation_that_does_not_deliver() -> No
     mispriced = SpeculationController(dear, Budget(1, 1), opts)
     assert not any(_outcome_run(mispriced, 50, spec_ms=40.0, plain_ms=30.0))
     assert mispriced.outcome_factor() == 1.0
+
+
+def _engine_steps(ctrl: SpeculationController, steps: int, catch_up: int = 0,
+                  available: bool = True) -> list[bool]:
+    """Steps of one request as an engine runs them (quiet steps skip the plan): whether each
+    speculated. Every draft is accepted; the request's first draft pays ``catch_up`` positions."""
+    speculated = []
+    for _ in range(steps):
+        if ctrl.quiet([0]):
+            speculated.append(False)
+            continue
+        plan = ctrl.plan([0], catch_up=[catch_up], available=[available])[0]
+        if plan.max_nodes:
+            catch_up = 0
+            ctrl.observe(0, DraftTree.chain(0, [1] * plan.max_nodes), list(range(plan.max_nodes + 1)))
+        else:
+            ctrl.observe(0, DraftTree.root_only(0), [0])
+        speculated.append(plan.max_nodes > 0)
+    return speculated
+
+
+def test_probe_after_a_plain_run() -> None:
+    """A controller that judged from models it no longer re-times (a verify priced at 4x a plain
+    step: timed in a slow spell, say) speculates once every ``probe_steps`` steps, quiet steps
+    counted; with probes off, or with nothing to draft, never."""
+    dear = CostModel({1: 10.0, 2: 40.0, 64: 40.0}, lr=0.0)
+    opts = ControllerOptions(alpha_prior=0.9, probe_steps=64)
+    spec = _engine_steps(SpeculationController(dear, Budget(1, 1), opts), 200)
+    assert [i for i, s in enumerate(spec) if s] == [64, 129, 194]
+    assert not any(_engine_steps(SpeculationController(dear, Budget(1, 1), opts.model_copy(update={"probe_steps": 0})), 200))
+    assert not any(_engine_steps(SpeculationController(dear, Budget(1, 1), opts), 200, available=False))
+
+
+def test_probe_pays_a_catch_up_that_kept_speculation_off() -> None:
+    """A drafter's one-time catch-up (Hydra's prefix layer over a new request's context) priced
+    into one step makes every plan lose to plain decoding, so the request never drafts and the
+    catch-up stays due. The probe pays it; from then on every step speculates."""
+    cost = CostModel({1: 10.0, 2: 11.0, 64: 11.0}, lr=0.0)
+    ctrl = SpeculationController(cost, Budget(1, 1), ControllerOptions(alpha_prior=0.9, probe_steps=64))
+    ctrl.observe_catch_up(64, 32.0)  # 0.5 ms a position: 32 ms for a 64-position catch-up
+    spec = _engine_steps(ctrl, 100, catch_up=64)
+    assert not any(spec[:64]) and all(spec[64:])
+    never = SpeculationController(cost, Budget(1, 1), ControllerOptions(alpha_prior=0.9, probe_steps=0))
+    never.observe_catch_up(64, 32.0)
+    assert not any(_engine_steps(never, 100, catch_up=64))
 
 
 def _static_batch(objective: str = "auto") -> SpeculationController:

@@ -58,6 +58,11 @@
   plans, at that batch size, save fewer milliseconds (an EMA) than the plans without drafts cost
   the engine as often as they come (:meth:`SpeculationController.observe_plan_cost`): at batch 1
   a match often comes next step and pays, in a batch of 16 all matching at once is rare.
+* Probes: a batch size that has not speculated for ``probe_steps`` steps though the drafter could
+  draft for every request speculates its best plan at the next plan, paying or not. Everything
+  that kept it off was learned from steps it no longer takes (verify shapes timed in a slow spell
+  of a shared machine, an outcome check that drifts back slowly, a catch-up a drafter must pay
+  once): one step re-times them, and the plans after it decide on fresh evidence.
 * The outcome check: what each speculative step really committed per measured millisecond
   (drafting and verify) over what its plan predicted, as an EMA kept per batch size (a
   power-of-two bucket) and apart for steps with branching trees and steps of chains only, as
@@ -186,6 +191,10 @@ class SpeculationController:
         self._plan_value: dict[int, float] = {}
         self._plan_idle: dict[int, float] = {}
         self._plan_cost: dict[int, float] = {}
+        # per batch size (a power-of-two bucket): steps since a plan last speculated, counting the
+        # plans without drafts though the drafter could draft for every request and quiet steps
+        # (a probe is due at ``probe_steps``)
+        self._plain_run: dict[int, int] = {}
 
     # -- estimates ------------------------------------------------------------------------------
     def _state(self, rid: Hashable) -> _RequestState:
@@ -367,7 +376,11 @@ class SpeculationController:
         factors = (max(self.outcome_factor(b), raise_bar / o.outcome_bound),
                    max(self.outcome_factor(b, branching=True), raise_bar / o.outcome_bound))
         factor = max(factors)  # for the bounds: no plan is scaled by more
-        best_rate, best_k, tables, segments, best_tokens, best_branching = bar, 0, [], [], bar, 0
+        bucket = batch_bucket(b)
+        # a probe: after probe_steps without speculation, the best plan is taken even below the bar
+        # (the models it was judged by were learned while it paid less, or with catch-up to pay)
+        probe = bool(o.probe_steps) and all(can) and self._plain_run.get(bucket, 0) >= o.probe_steps
+        best_rate, best_k, tables, segments, best_tokens, best_branching = 0.0 if probe else bar, 0, [], [], bar, 0
         shape = self._shape()
         # no plan pays though the drafter could draft for every request, or could not pay if it could
         hopeless = False
@@ -375,7 +388,7 @@ class SpeculationController:
         for chains in (False, True):
             cache = {key: self._table(*key, chains, shape) for key in set(keys)}
             tabs = [cache[k][0] for k in keys]
-            if self._beyond_reach(tabs, [cache[k][1] for k in keys], slack, plain_ms, factor, bar, catch_ms):
+            if not probe and self._beyond_reach(tabs, [cache[k][1] for k in keys], slack, plain_ms, factor, bar, catch_ms):
                 if not chains and not all(can):
                     every = [self._table(self.alpha(r), self.delivery(r), False, shape) for r in request_ids]
                     hopeless = self._beyond_reach([t[0] for t in every], [t[1] for t in every], slack,
@@ -395,11 +408,12 @@ class SpeculationController:
         alloc = [0] * b
         for _, r, lo, hi in segments[:best_k]:
             alloc[r] = hi
-        speculate = best_k > 0 and best_rate >= bar * o.min_gain
+        speculate = best_k > 0 and (probe or best_rate >= bar * o.min_gain)
+        self._plain_run[bucket] = 0 if speculate else self._plain_run.get(bucket, 0) + int(all(can))
         # what planning earns at this batch size: the ms a plan saves over plain decoding (0 when
-        # it drafts nothing), against what a plan that drafts nothing costs (observe_plan_cost)
-        bucket = batch_bucket(b)
-        saved = plain_ms * (best_rate / bar - 1) if speculate else 0.0
+        # it drafts nothing, or a probe's predicted loss), against what a plan that drafts nothing
+        # costs (observe_plan_cost)
+        saved = plain_ms * max(best_rate / bar - 1, 0.0) if speculate else 0.0
         earned, idle = self._plan_value.get(bucket), self._plan_idle.get(bucket)
         self._plan_value[bucket] = saved if earned is None else earned + o.ema * (saved - earned)
         missed = 0.0 if speculate else 1.0
@@ -449,6 +463,8 @@ class SpeculationController:
         if left <= 0 or frozenset(request_ids) != ids:
             return False
         self._quiet = (ids, left - 1, backoff, could)
+        bucket = batch_bucket(len(request_ids))
+        self._plain_run[bucket] = self._plain_run.get(bucket, 0) + 1
         for rid in could:  # an idle step, as a plan without drafts would count it
             self._relax(rid)
         self._relax_outcome(len(request_ids))

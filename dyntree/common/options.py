@@ -175,6 +175,13 @@ class ControllerOptions(BaseModel):
         "(or, by a bound, could not pay if it could), the same batch decodes this many steps at most without "
         "planning (1 after the first such plan, doubling while they keep coming; 0: plan every step)",
     )
+    probe_steps: int = Field(
+        64, ge=0,
+        description="after this many steps at a batch size without speculation though the drafter could draft "
+        "for every request, the next plan speculates its best plan even below the bar: a probe that times the "
+        "verify, the drafting and the outcome again, so a controller that learned in a slow spell of the machine "
+        "(or catch-up it has since paid) does not stay off for the rest of the run (0: never probe)",
+    )
     min_gain: float = Field(
         1.03,
         ge=1,
