@@ -171,6 +171,15 @@ def test_draft_cost_starts_at_the_prior_and_learns_the_drafter() -> None:
     assert dc(8, 32) == pytest.approx(2 + 24 + 16 + 32, rel=0.03)
     assert dc(1, 4, 8) == pytest.approx(2 + 3 + 2 + 32, rel=0.05)
     assert all(c >= 0 for c in dc.coef)
+    # Chains of 2-3 nodes at one request (an n-gram drafter at batch 1): the step costs ~1 ms
+    # whatever its depth. The fixed cost explains them; a chain of 8 is not priced at twice that
+    # (an even pull on all four terms priced it at 2.3 ms).
+    rng = random.Random(0)
+    chains = DraftCost((0.0, 0.0, 0.0, 0.0))
+    for _ in range(200):
+        d = rng.choice((2, 2, 3))
+        chains.observe(d, d, 1.0 + 0.05 * d + rng.gauss(0, 0.2))
+    assert chains(2, 2) == pytest.approx(1.1, abs=0.1) and chains(8, 8) < 1.4 * 1.15
     with pytest.raises(ValueError, match="non-negative"):
         DraftCost((1.0, -1.0, 0.0, 0.0))
     with pytest.raises(ValueError, match="4 non-negative"):
