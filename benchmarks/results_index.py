@@ -348,7 +348,10 @@ def config_rows(doc: dict[str, Any], what: str, to: str) -> list[str]:
         sync = configs.get("none_sync", {}).get(cell_name)
         # the default, where its drafter's column holds that drafter's own config
         default = configs.get("dyntree", {}).get(cell_name) if ENGINE_CONFIGS.get(auto) in configs else None
+        mode = doc.get("mode", "")
         label = (f"{cell_name.replace('/b', ', batch ')}, {doc.get('rounds', 1)} rounds"
+                 + ("; engines in one process" if mode.startswith("in-process")
+                    else "; a process per config and round" if mode else "")
                  + (f"; default (`auto`) {_x(default['speedup_vs_none'])} (tau {default['tau']:.2f})" if default else "")
                  + (f"; vLLM ngram {_x(own['speedup_vs_none'])}" if own else "")
                  + (f"; none again (A/A) {_x(sync['speedup_vs_none'])}" if sync else ""))
