@@ -700,13 +700,17 @@ def _engine_steps(ctrl: SpeculationController, steps: int, catch_up: int = 0,
 
 def test_probe_after_a_plain_run() -> None:
     """A controller that judged from models it no longer re-times (a verify priced at 4x a plain
-    step: timed in a slow spell, say) speculates once every ``probe_steps`` steps, quiet steps
-    counted; with probes off, or with nothing to draft, never."""
+    step: timed in a slow spell, say) speculates after ``probe_steps`` steps, quiet steps
+    counted, then after twice as many while the probes find nothing paying; with probes off, or
+    with nothing to draft, never."""
     dear = CostModel({1: 10.0, 2: 40.0, 64: 40.0}, lr=0.0)
     opts = ControllerOptions(alpha_prior=0.9, probe_steps=64)
-    spec = _engine_steps(SpeculationController(dear, Budget(1, 1), opts), 200)
-    assert [i for i, s in enumerate(spec) if s] == [64, 129, 194]
-    assert not any(_engine_steps(SpeculationController(dear, Budget(1, 1), opts.model_copy(update={"probe_steps": 0})), 200))
+    spec = _engine_steps(SpeculationController(dear, Budget(1, 1), opts), 500)
+    probes = [i for i, s in enumerate(spec) if s]
+    # each at the first plan once it is due (a quiet spell of up to quiet_steps may be under way)
+    waits = [b - a - 1 for a, b in zip([-1] + probes, probes)]
+    assert len(probes) == 3 and all(due <= w <= due + opts.quiet_steps for w, due in zip(waits, (64, 128, 256)))
+    assert not any(_engine_steps(SpeculationController(dear, Budget(1, 1), opts.model_copy(update={"probe_steps": 0})), 500))
     assert not any(_engine_steps(SpeculationController(dear, Budget(1, 1), opts), 200, available=False))
 
 

@@ -62,7 +62,9 @@
   draft for every request speculates its best plan at the next plan, paying or not. Everything
   that kept it off was learned from steps it no longer takes (verify shapes timed in a slow spell
   of a shared machine, an outcome check that drifts back slowly, a catch-up a drafter must pay
-  once): one step re-times them, and the plans after it decide on fresh evidence.
+  once): one step re-times them, and the plans after it decide on fresh evidence. While probes
+  find nothing that pays after them the wait doubles (up to 1024 steps), so where speculation
+  never pays (batch 16 on a CPU) they cost next to nothing; a plan that pays resets it.
 * The outcome check: what each speculative step really committed per measured millisecond
   (drafting and verify) over what its plan predicted, as an EMA kept per batch size (a
   power-of-two bucket) and apart for steps with branching trees and steps of chains only, as
@@ -192,9 +194,11 @@ class SpeculationController:
         self._plan_idle: dict[int, float] = {}
         self._plan_cost: dict[int, float] = {}
         # per batch size (a power-of-two bucket): steps since a plan last speculated, counting the
-        # plans without drafts though the drafter could draft for every request and quiet steps
-        # (a probe is due at ``probe_steps``)
+        # plans without drafts though the drafter could draft for every request and quiet steps,
+        # and the run at which the next probe is due (``probe_steps``, doubling while probes
+        # find nothing that pays after them)
         self._plain_run: dict[int, int] = {}
+        self._probe_due: dict[int, int] = {}
 
     # -- estimates ------------------------------------------------------------------------------
     def _state(self, rid: Hashable) -> _RequestState:
@@ -379,7 +383,8 @@ class SpeculationController:
         bucket = batch_bucket(b)
         # a probe: after probe_steps without speculation, the best plan is taken even below the bar
         # (the models it was judged by were learned while it paid less, or with catch-up to pay)
-        probe = bool(o.probe_steps) and all(can) and self._plain_run.get(bucket, 0) >= o.probe_steps
+        due = self._probe_due.get(bucket, o.probe_steps)
+        probe = bool(o.probe_steps) and all(can) and self._plain_run.get(bucket, 0) >= due
         best_rate, best_k, tables, segments, best_tokens, best_branching = 0.0 if probe else bar, 0, [], [], bar, 0
         shape = self._shape()
         # no plan pays though the drafter could draft for every request, or could not pay if it could
@@ -410,6 +415,8 @@ class SpeculationController:
             alloc[r] = hi
         speculate = best_k > 0 and (probe or best_rate >= bar * o.min_gain)
         self._plain_run[bucket] = 0 if speculate else self._plain_run.get(bucket, 0) + int(all(can))
+        if speculate:  # a probe doubles the wait for the next; a plan that pays on its own resets it
+            self._probe_due[bucket] = min(2 * due, _PROBE_MAX) if probe else o.probe_steps
         # what planning earns at this batch size: the ms a plan saves over plain decoding (0 when
         # it drafts nothing, or a probe's predicted loss), against what a plan that drafts nothing
         # costs (observe_plan_cost)
@@ -740,6 +747,10 @@ class SpeculationController:
         b = len(plans)
         forward = (1.0 - no_tree) * self.cost(tokens, kv, b) + no_tree * self.cost(b, kv, b)
         return expected / (forward + self.draft_cost(depth, nodes, drafting) + self._branch_ms * branching)
+
+
+#: the longest wait between probes (steps without speculation), however many found nothing
+_PROBE_MAX = 1024
 
 
 def _slack(remaining: Sequence[int | None] | None, batch: int) -> np.ndarray:

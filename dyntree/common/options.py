@@ -180,7 +180,8 @@ class ControllerOptions(BaseModel):
         description="after this many steps at a batch size without speculation though the drafter could draft "
         "for every request, the next plan speculates its best plan even below the bar: a probe that times the "
         "verify, the drafting and the outcome again, so a controller that learned in a slow spell of the machine "
-        "(or catch-up it has since paid) does not stay off for the rest of the run (0: never probe)",
+        "(or catch-up it has since paid) does not stay off for the rest of the run; the wait doubles after each "
+        "probe that nothing paying follows, up to 1024 steps (0: never probe)",
     )
     min_gain: float = Field(
         1.03,
