@@ -116,3 +116,17 @@ def test_union_specs_are_checked_without_a_model() -> None:
         make_drafter("ngram+hydra")
     with pytest.raises(ValueError, match="at least two"):
         UnionDrafter([NgramDrafter()])
+
+
+def test_merge_with_one_part_offering_matches_the_general_merge() -> None:
+    """When only one part offers candidates (the shortcut), the result is what merging them all
+    gives: its top k in order, empty slots as token 0, the next part's entropy where the first had none."""
+    lead = _cands([[5, 9, 2], [0, 0, 0]], [[0.5, 0.3, 0.1], [0.0, 0.0, 0.0]], [1.0, 2.0])
+    dead = _cands([[0, 0], [0, 0]], [[0.0, 0.0], [0.0, 0.0]], [0.25, 0.5])
+    m = merge_candidates([lead, dead], 2)
+    assert m.ids.tolist() == [[5, 9], [0, 0]]
+    assert torch.allclose(m.probs, torch.tensor([[0.5, 0.3], [0.0, 0.0]]))
+    assert m.entropy is not None and m.entropy.tolist() == [1.0, 0.5]
+    live = _cands([[7, 1], [0, 0]], [[0.2, 0.1], [0.0, 0.0]], [0.25, 0.5])
+    general = merge_candidates([lead, live], 2)  # two parts offer: the general merge
+    assert general.ids.tolist() == [[5, 9], [0, 0]] and general.entropy.tolist() == [1.0, 0.5]

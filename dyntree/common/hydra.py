@@ -341,10 +341,10 @@ class PrefixAttention(nn.Module):
         (q, k), v = self._rotate(qkv[:2], cos, sin), qkv[2]
         kv = past.extend(k, v, valid)
         if t == 1 and kv.mask is None:
-            # one new position that sees every slot (a decoding step): no mask, and plain products
-            # (torch's CPU flash kernel is slower for one query: docs/measurements.md)
-            scores = (q @ kv.keys.transpose(-1, -2)).float() * self.head_dim**-0.5
-            attn = torch.softmax(scores, dim=-1).to(kv.values.dtype) @ kv.values
+            # one new position that sees every slot (a decoding step): no mask. Torch's fused kernel,
+            # not plain products: a half-precision matmul of a new shape (the cache grows every step)
+            # builds a new oneDNN primitive, ~1 ms on a CPU (docs/measurements.md)
+            attn = F.scaled_dot_product_attention(q, kv.keys, kv.values)
         else:
             causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
             see = torch.cat([past.slots()[:, None, :].expand(b, t, past.length), causal.expand(b, t, t)], dim=-1)

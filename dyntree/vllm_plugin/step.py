@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Hashable, Mapping, Protocol, runtime_checkable
 
 import numpy as np
@@ -67,13 +68,15 @@ class TreeStep:
         per tree)."""
         return sum(p.fill_ms for p in self.attention)
 
-    @property
+    @cached_property
     def branching(self) -> list[int]:
-        """The trees (indices into ``batch``) whose rows need tree attention: every tree that is not a
-        chain (a chain's nodes see exactly what causal attention shows them, so vLLM's kernel serves it)."""
+        """The trees (indices into ``batch``) whose rows need tree attention: every tree whose mask is
+        not causal (a chain's nodes see exactly what causal attention shows them, so vLLM's kernel
+        serves it). Computed once per step."""
         if not self.batch.num_drafts:
             return []
-        return [b for b, m in enumerate(self.masks) if not bool(torch.equal(m, torch.tril(torch.ones_like(m))))]
+        return [b for b, (t, m) in enumerate(zip(self.batch.trees, self.masks))
+                if t.lead_chain < t.size and not bool(torch.equal(m, torch.tril(torch.ones_like(m))))]
 
     def moves(self) -> "list[Move]":
         """After :attr:`accept`: the requests whose accepted nodes are not already in place (KV compaction)."""
