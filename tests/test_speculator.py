@@ -295,6 +295,26 @@ def test_engine_timings_reach_the_controller() -> None:
     assert sp.controller.outcome_factor(branching=built) < 1.0
 
 
+def test_a_chain_planned_for_a_drafter_with_its_own_trees_is_drafted_as_a_chain() -> None:
+    """The n-gram drafter grows its own trie ("5 1" went on with 3 twice and with 2 once: two
+    children, each likelier than what follows 3). Where the controller plans a chain (trees
+    disallowed here), the speculator drafts the trie's likeliest path, not the branching trie the
+    plan did not price."""
+    from dyntree.common.cost_model import CostModel
+
+    tokens = [5, 1, 3, 9, 7, 5, 1, 3, 8, 7, 5, 1, 2, 7, 5, 1]
+    for allow_trees, chain in ((False, True), (True, False)):  # the control: a tree plan keeps the trie
+        sp = Speculator(make_drafter("ngram"), SpecConfig(adaptive=True, max_nodes=6, max_depth=4,
+                                                          controller={"allow_trees": allow_trees}),
+                        vocab_size=V, cost_model=CostModel({1: 10.0, 16: 10.1}, lr=0.0))
+        tree = sp.propose([SpecRequest("a", tokens)]).trees[0]
+        assert tree.size > 2 and (tree.lead_chain == tree.size) == chain
+        if chain:
+            assert tree.tokens[1:3].tolist() == [3, 8]  # the likelier continuation, then its own likeliest
+        else:
+            assert sorted(tree.tokens[tree.parents == 0].tolist()) == [2, 3]
+
+
 def test_a_drafters_catch_up_is_priced_per_position_not_as_drafting() -> None:
     """Time a drafter reports as catching up (``pop_catch_up``: a request's first draft, or a
     resume) is learned per position, not into the drafting cost; the same time unreported is

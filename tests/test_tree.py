@@ -89,3 +89,14 @@ def test_wrong_dtypes_and_dists_shape() -> None:
         DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0]), torch.ones(2), torch.ones(3, 5))
     with pytest.raises(TreeError, match="outside"):
         DraftTree.chain(1, [2]).path(5)
+
+
+def test_best_chain_follows_the_likeliest_child() -> None:
+    # 0 -> 1 (0.3), 0 -> 2 (0.6) -> 3 (0.5), 2 -> 4 (0.5): ties keep the first child
+    tree = DraftTree(torch.tensor([7, 8, 9, 10, 11]), torch.tensor([-1, 0, 0, 2, 2]),
+                     torch.tensor([1.0, 0.3, 0.6, 0.5, 0.5]), torch.rand(5, 12))
+    chain = tree.best_chain()
+    assert chain.tokens.tolist() == [7, 9, 10] and chain.parents.tolist() == [-1, 0, 1]
+    assert chain.draft_probs.tolist() == pytest.approx([1.0, 0.6, 0.5])
+    assert torch.equal(chain.draft_dists, tree.draft_dists[[0, 2, 3]])
+    assert chain.lead_chain == chain.size and chain.best_chain() is chain

@@ -20,6 +20,7 @@ per-depth counts and the time spent.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
@@ -243,6 +244,10 @@ class Speculator:
             plans = self.controller.plan(ids, self._kv, can, self.drafter.catch_up(full),
                                          [r.remaining for r in requests], waiting)
         drafts = [self._draft_request(r, plans[i] if plans else None) for i, r in enumerate(requests)]
+        # a chain planned for a drafter that grows its own trees (no builder): its tree within the
+        # full node budget, then the likeliest path (the plan priced a chain, not a branching tree)
+        own_chains = set() if plans is None or self.builder is not None else {
+            i for i, p in enumerate(plans) if p.mode == "chain"}
         built_trees: dict[int, DraftTree] = {}
         # one builder run per tree mode and draft shaping (greedy, or temperature / top-k / top-p)
         groups: dict[tuple[TreeMode | None, tuple[float, int, float] | None], list[int]] = {}
@@ -255,14 +260,16 @@ class Speculator:
             reqs = [drafts[i] for i in rows]
             if mode is None:
                 t = time.perf_counter()
-                built = self.drafter.propose(reqs)
+                wide = [dataclasses.replace(d, max_nodes=self._draft_request(requests[i], None).max_nodes)
+                        if i in own_chains else d for i, d in zip(rows, reqs)]
+                built = self.drafter.propose(wide)
                 expand_s += time.perf_counter() - t
             else:
                 built, spent = self._build(reqs, mode, requests[rows[0]].params, generator)
                 expand_s += spent
             if len(built) != len(reqs):
                 raise RuntimeError(f"drafter {self.drafter.name!r} returned {len(built)} trees for {len(reqs)} requests")
-            built_trees.update(zip(rows, built))
+            built_trees.update((i, tree.best_chain() if i in own_chains else tree) for i, tree in zip(rows, built))
         trees = [built_trees[i] if i in built_trees else DraftTree.root_only(d.root) for i, d in enumerate(drafts)]
         for d, tree in zip(drafts, trees):
             if tree.root != d.root or (tree.size > 1 and (tree.size - 1 > d.max_nodes or tree.max_depth > d.max_depth)):

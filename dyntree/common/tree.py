@@ -175,6 +175,26 @@ class DraftTree:
                if f.init and isinstance(getattr(self, f.name), torch.Tensor)}
         return dataclasses.replace(self, **cut)
 
+    def best_chain(self) -> "DraftTree":
+        """The chain from the root through each node's likeliest child (the first of equals): a
+        drafter's own tree where a chain was planned (an engine's causal attention verifies a chain
+        as it is). Per-node fields of subclasses are cut alike; ``self`` when already a chain."""
+        parents, probs = self.parents.tolist(), self.draft_probs.tolist()
+        best: dict[int, int] = {}
+        for i in range(1, len(parents)):
+            if parents[i] not in best or probs[i] > probs[best[parents[i]]]:
+                best[parents[i]] = i
+        path = [0]
+        while path[-1] in best:
+            path.append(best[path[-1]])
+        if len(path) == self.size:
+            return self
+        index = torch.tensor(path)
+        cut = {f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)
+               if f.init and isinstance(getattr(self, f.name), torch.Tensor)}
+        cut["parents"] = torch.arange(-1, len(path) - 1, dtype=torch.int64)
+        return dataclasses.replace(self, **cut)
+
     def path(self, i: int) -> list[int]:
         """Node indices from the root to node ``i`` (inclusive)."""
         if not 0 <= i < self.size:

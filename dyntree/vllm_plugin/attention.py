@@ -89,7 +89,6 @@ class TreeAttentionPlan:
     mirror: PrefixMirror
     dispatch: AttentionDispatch | None = None  # the attention form per shape (None: fused GQA)
     spent_ms: float = 0.0  # summed over layers, mirror fill included
-    fill_ms: float = 0.0  # of which copying committed positions into the mirror
 
 
 @dataclass
@@ -203,10 +202,8 @@ def tree_rows_attention(plan: TreeAttentionPlan, layer_name: str, query: torch.T
     for r in plan.requests:
         buf = plan.mirror.buffer(r.request_id)[index]  # [2, Hkv, capacity, D]
         if r.sync_index.numel():
-            started = time.perf_counter()
             new = kv_cache.view(-1).index_select(0, r.sync_index).view(2, -1, hkv, d)
             buf[:, :, r.synced : r.prefix].copy_(new.transpose(1, 2))
-            plan.fill_ms += (time.perf_counter() - started) * 1e3
         nodes, end = slice(r.start, r.start + r.size), r.prefix + r.size
         buf[:, :, r.prefix : end].copy_(torch.stack((key[nodes], value[nodes])).transpose(1, 2))  # the step's nodes
         kv = buf[:, :, :end].unsqueeze(1)  # [2, 1, Hkv, P + T, D]

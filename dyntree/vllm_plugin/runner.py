@@ -142,7 +142,7 @@ def _sample(orig: Any) -> Any:
         # rows is reported as such: the controller checks its outcome, as the standalone engine's
         tree.accept = res = proposer.speculator.accept(
             tree.batch, logits[flat.to(logits.device)], proposer.generator,
-            forward_ms=forward_ms if whole and step.decode_tokens else None, overhead_ms=tree_ms - tree.fill_ms)
+            forward_ms=forward_ms if whole and step.decode_tokens else None, overhead_ms=tree_ms)
         committed = _padded_rows(res.tokens, width)
         if whole:  # every row is a tree, in batch order (plan_trees): vLLM's sampler has nothing left to do
             out = SamplerOutput(committed.to(logits.device), None)

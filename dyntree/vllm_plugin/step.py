@@ -61,13 +61,6 @@ class TreeStep:
         part of the forward's time)."""
         return sum(p.spent_ms for p in self.attention)
 
-    @property
-    def fill_ms(self) -> float:
-        """Of :attr:`attention_ms`, the time spent filling the CPU mirror with committed positions
-        (a request's whole prefix at its first branching tree: paid once per committed token, not
-        per tree)."""
-        return sum(p.fill_ms for p in self.attention)
-
     @cached_property
     def branching(self) -> list[int]:
         """The trees (indices into ``batch``) whose rows need tree attention: every tree whose mask is
