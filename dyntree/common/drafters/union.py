@@ -35,9 +35,8 @@ def merge_candidates(parts: Sequence[Candidates], k: int) -> Candidates:
     (``None`` if the first part carries none). A part's own candidates are distinct tokens."""
     offering = [p for p in parts if bool((p.probs > 0).any())] or list(parts[:1])
     if len(offering) == 1 and offering[0].probs.shape[1] >= k:
-        # one part offers anything (text no n-gram matches): its own top k, nothing to merge
-        top, at = offering[0].probs.topk(k, dim=1)
-        ids = offering[0].ids
+        # one part offers anything (text no n-gram matches): its own candidates, nothing to merge
+        ids, probs = offering[0].ids, offering[0].probs
     else:
         ids = torch.cat([p.ids for p in parts], dim=1)
         probs, order = torch.cat([p.probs for p in parts], dim=1).sort(dim=1, descending=True, stable=True)
@@ -46,7 +45,7 @@ def merge_candidates(parts: Sequence[Candidates], k: int) -> Candidates:
         same = (ids[:, :, None] == ids[:, None, :]) & live[:, None, :]
         earlier = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril(-1)  # [i, j]: j before i
         probs.masked_fill_((same & earlier).any(-1), 0.0)  # a repeat of a likelier slot
-        top, at = probs.topk(min(k, probs.shape[1]), dim=1)
+    top, at = probs.topk(min(k, probs.shape[1]), dim=1)
     entropy = None
     if parts[0].entropy is not None:
         entropy = parts[0].entropy.clone()
