@@ -177,6 +177,11 @@ def runs(tmp_path_factory) -> dict:
         {"name": "qspec", "prompts": prompts, "sampling": GREEDY, "speculative_config": {**SPEC, "drafter": "qspec"}},
         *[{"name": f"ablate_{a}", "ablate": a, "prompts": prompts, "sampling": GREEDY,
            "speculative_config": {**SPEC, "drafter": "ngram"}} for a in ("mask", "positions", "compaction")],
+        # one request at a time: a step of a branching tree alone runs dyntree's tree attention
+        # for every row and not vLLM's kernel
+        *[{"name": name, "ablate": ablate, "prompts": mixed, "sampling": GREEDY, "llm": {"max_num_seqs": 1},
+           "speculative_config": {**SPEC, "drafter": "hydra", "tree": "dyntree"}}
+          for name, ablate in (("hydra_one", ""), ("ablate_lead", "lead"))],
         {"name": "plain_shared", "prompts": shared, "sampling": GREEDY, "llm": {"enable_prefix_caching": True}},
         {"name": "auto_shared", "prompts": shared + shared, "sampling": GREEDY, "llm": {"enable_prefix_caching": True},
          "speculative_config": {"method": "dyntree", "num_speculative_tokens": 12}},  # defaults: adaptive
@@ -211,7 +216,16 @@ def test_greedy_trees_equal_vllm_without_speculation(runs, drafter: str) -> None
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("ablation", ["mask", "positions", "compaction"])
+def test_one_request_at_a_time_skips_vllms_kernel_exactly(runs) -> None:
+    """Batch 1: steps whose only rows are a branching tree's are computed by dyntree alone (the
+    ``lead`` control, which leaves those steps' leading chains uncomputed, must diverge)."""
+    assert runs["hydra_one"]["tokens"] == runs["plain"]["tokens"][:6]
+    assert runs["hydra_one"]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("ablation", ["mask", "positions", "compaction", "lead"])
 def test_ablations_diverge(runs, ablation: str) -> None:
     got, want = runs[f"ablate_{ablation}"]["tokens"], runs["plain"]["tokens"]
     assert sum(g != w for g, w in zip(got, want)) >= 2

@@ -46,9 +46,10 @@ def _step(tree, prefix: int, start: int, mask: torch.Tensor):
 
 def _run(isa: str, dtype: torch.dtype, skip_top_up: bool = False, causal: bool = False,
          form: str | None = None, commit: list[int] | None = None,
-         committed: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         committed: list[int] | None = None, whole: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Two steps of one request (prefix 45, then 50): the tree rows and the dense reference
-    (``form``: the attention form a dispatch picks; None: no dispatch). With ``commit``, the
+    (``form``: the attention form a dispatch picks; None: no dispatch; ``whole``: the plan computes
+    the leading chain's rows too, as when vLLM's kernel is skipped). With ``commit``, the
     first step's tree accepts those nodes (root first) and the second step starts right after
     them, nothing left to copy; the mirror is told ``committed`` (default: ``commit``)."""
     from vllm import _custom_ops as ops
@@ -90,15 +91,15 @@ def _run(isa: str, dtype: torch.dtype, skip_top_up: bool = False, causal: bool =
         step_keys[start : start + t], step_values[start : start + t] = node_keys, node_values
         dispatch = None if form is None else AttentionDispatch({(1, 16, 64): {n: float(n != form) for n in IMPLS}})
         plan = plan_tree_rows(_step(tree, prefix, start, mask), [0], layout, mirror, {"layer": 0},
-                              block_row[None], dtype, dispatch)
+                              block_row[None], dtype, dispatch, whole)
         if skip_top_up and prefix == 50:
             assert plan.requests[0].sync_index.numel() > 0  # the second step tops up 5 positions
             plan.requests[0] = plan.requests[0].__class__(**{**plan.requests[0].__dict__,
                                                              "sync_index": torch.empty(0, dtype=torch.int64)})
         out = torch.zeros(start + t + 2, HQ * D, dtype=dtype)
         tree_rows_attention(plan, "layer", query, step_keys, step_values, cache, out, D**-0.5)
-        lead = tree.lead_chain
-        assert lead == 4 and torch.all(out[start : start + lead] == 0)  # the leading chain is vLLM's kernel's
+        lead = 0 if whole else tree.lead_chain
+        assert whole or (lead == 4 and torch.all(out[start : start + lead] == 0))  # the leading chain is vLLM's kernel's
         got.append(out[start + lead : start + t].float())
         if commit is not None and prefix == 45:  # the verified tree's accepted nodes are the next positions
             assert plan.requests[0].sync_index.numel() > 0  # the first tree fills the mirror
@@ -123,6 +124,15 @@ def _run(isa: str, dtype: torch.dtype, skip_top_up: bool = False, causal: bool =
 def test_tree_rows_equal_dense_attention(isa: str, dtype: torch.dtype, form: str | None) -> None:
     """Every attention form the builder's dispatch may pick (and none) gives the dense result."""
     got, want = _run(isa, dtype, form=form)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("isa,dtype", _layouts())
+def test_whole_step_rows_equal_dense_attention(isa: str, dtype: torch.dtype) -> None:
+    """A plan that serves every row of the step (vLLM's kernel skipped) computes the leading chain too."""
+    got, want = _run(isa, dtype, whole=True, form="gqa")
+    assert got.shape[0] == 2 * _tree().size
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
 

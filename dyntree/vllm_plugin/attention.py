@@ -17,7 +17,10 @@ Each query row is computed once:
   ancestors in view, are overwritten here by one attention call over the request's committed
   prefix and its in-step nodes, each node seeing the prefix and its own ancestors: the form of
   :func:`~dyntree.kernels.cpu_attention.attend` that this CPU runs fastest at that shape (timed once
-  per machine and head shape, as the standalone engine's, :func:`tree_attention_dispatch`).
+  per machine and head shape, as the standalone engine's, :func:`tree_attention_dispatch`);
+* a step whose every query row is a branching tree's (batch 1 with a tree) does not run vLLM's
+  kernel at all: each tree's rows, leading chain included, are computed here only, so the
+  prefix's KV is read once per layer, not twice.
 
 The prefix is read from a :class:`~dyntree.vllm_plugin.mirror.PrefixMirror`: a dense copy of each
 tree request's committed KV that the plan brings up to date with the positions it lacks (read from
@@ -45,7 +48,7 @@ from dyntree.kernels.cpu_attention import AttentionDispatch, attend
 from dyntree.models import cache_root
 from dyntree.vllm_plugin.kv_layout import KVLayout
 from dyntree.vllm_plugin.mirror import PrefixMirror
-from dyntree.vllm_plugin.step import Move, TreeStep, refuse_attention_features
+from dyntree.vllm_plugin.step import Move, TreeStep, ablations, refuse_attention_features
 
 __all__ = ["TreeRows", "TreeAttentionPlan", "plan_tree_rows", "tree_rows_attention", "tree_attention_dispatch",
            "TreeCPUAttentionMetadata", "TreeCPUAttentionMetadataBuilder", "TreeCPUAttentionImpl",
@@ -89,6 +92,7 @@ class TreeAttentionPlan:
     mirror: PrefixMirror
     dispatch: AttentionDispatch | None = None  # the attention form per shape (None: fused GQA)
     spent_ms: float = 0.0  # summed over layers, mirror fill included
+    whole: bool = False  # its requests' rows are every query row of the step: vLLM's kernel is skipped
 
 
 @dataclass
@@ -151,8 +155,11 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         plan = None
         if step is not None and branching:
             layout = KVLayout.for_spec(self.isa, self.dtype, self.block_size, self.num_kv_heads, self.head_dim)
+            # every query row is a branching tree's: computed here, vLLM's kernel not run at all
+            whole = sum(step.batch.trees[b].size for b in branching) == common_attn_metadata.num_actual_tokens
             plan = plan_tree_rows(step, branching, layout, self.mirror, self.layers,
-                                  common_attn_metadata.block_table_tensor, self.dtype, self.dispatch)
+                                  common_attn_metadata.block_table_tensor, self.dtype, self.dispatch,
+                                  whole)
             step.attention.append(plan)
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
         return TreeCPUAttentionMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, tree=plan)
@@ -169,15 +176,18 @@ def tree_attention_dispatch(heads: int, kv_heads: int, head_dim: int, dtype: tor
 
 def plan_tree_rows(step: TreeStep, branching: list[int], layout: KVLayout, mirror: PrefixMirror,
                    layers: dict[str, int], block_table: torch.Tensor, dtype: torch.dtype,
-                   dispatch: AttentionDispatch | None = None) -> TreeAttentionPlan:
+                   dispatch: AttentionDispatch | None = None, whole: bool = False) -> TreeAttentionPlan:
     """The rows of ``step``'s trees ``branching`` (indices into its batch) for every layer of one
     KV-cache group (host only): mirror room and sync indices over ``layout``, masks in ``dtype``,
-    each request's attention by ``dispatch`` (fused GQA without one)."""
+    each request's attention by ``dispatch`` (fused GQA without one). ``whole``: they are every
+    query row of the step, so each tree's leading chain is computed here too (vLLM's kernel
+    does not run), else from after it."""
     requests = []
     for b in branching:
         rid, row, start, prefix, mask = (step.batch.request_ids[b], step.rows[b], step.starts[b], step.prefix[b],
                                          step.masks[b])
-        size, first = mask.shape[0], step.batch.trees[b].lead_chain
+        # the ``lead`` ablation (a test control) leaves a whole step's leading chains uncomputed
+        size, first = mask.shape[0], 0 if whole and "lead" not in ablations() else step.batch.trees[b].lead_chain
         synced = mirror.reserve(rid, prefix, prefix + size)
         if synced < prefix:
             keys, values = layout.index(block_table[row].cpu(), torch.arange(synced, prefix))
@@ -187,7 +197,7 @@ def plan_tree_rows(step: TreeStep, branching: list[int], layout: KVLayout, mirro
         bias = torch.zeros(1, 1, size - first, prefix + size, dtype=dtype)
         bias[0, 0, :, prefix:].masked_fill_(~mask[first:], float("-inf"))
         requests.append(TreeRows(rid, start, size, first, prefix, synced, sync_index, bias))
-    return TreeAttentionPlan(requests, layers, mirror, dispatch)
+    return TreeAttentionPlan(requests, layers, mirror, dispatch, whole=whole)
 
 
 def tree_rows_attention(plan: TreeAttentionPlan, layer_name: str, query: torch.Tensor, key: torch.Tensor,
@@ -207,6 +217,8 @@ def tree_rows_attention(plan: TreeAttentionPlan, layer_name: str, query: torch.T
         nodes, end = slice(r.start, r.start + r.size), r.prefix + r.size
         buf[:, :, r.prefix : end].copy_(torch.stack((key[nodes], value[nodes])).transpose(1, 2))  # the step's nodes
         kv = buf[:, :, :end].unsqueeze(1)  # [2, 1, Hkv, P + T, D]
+        if plan.whole and r.first:  # the ``lead`` control: rows nobody computes are zero
+            out[r.start : r.start + r.first] = 0
         rows = slice(r.start + r.first, r.start + r.size)
         res = attend(query[rows].transpose(0, 1).unsqueeze(0), kv[0], kv[1], r.bias, scale, plan.dispatch)  # [1, Hq, T', D]
         out[rows] = res[0].transpose(0, 1).reshape((r.size - r.first, *out.shape[1:]))
@@ -214,7 +226,8 @@ def tree_rows_attention(plan: TreeAttentionPlan, layer_name: str, query: torch.T
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention; branching trees' rows past their leading chain are then computed under
-    their ancestor masks."""
+    their ancestor masks (in a step of branching trees only, every row is, and vLLM's kernel does
+    not run)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -222,10 +235,13 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         plan = getattr(attn_metadata, "tree", None)
-        if plan is None:
-            return out
+        if plan is None or not plan.whole:
+            out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            if plan is None:
+                return out
+        else:
+            out = output
         started = time.perf_counter()
         tree_rows_attention(plan, layer.layer_name, query, key, value, kv_cache, out, self.scale)
         plan.spent_ms += (time.perf_counter() - started) * 1e3

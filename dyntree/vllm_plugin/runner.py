@@ -26,8 +26,9 @@ linear KV slots. Each step the hooks build one explicit
 * ``propose_draft_token_ids`` (before vLLM's own): drafters that read hidden states get the
   committed tokens' states, then vLLM calls the proposer, which reads the batch from the record.
 
-``DYNTREE_VLLM_ABLATE`` (``mask``, ``positions``, ``compaction``; comma separated) switches one
-piece off: a test control whose outputs must then differ from plain decoding.
+``DYNTREE_VLLM_ABLATE`` (``mask``, ``positions``, ``compaction``, ``lead``: a step of branching
+trees only skips vLLM's kernel but leaves the trees' leading chains uncomputed; comma separated)
+switches one piece off: a test control whose outputs must then differ from plain decoding.
 """
 
 from __future__ import annotations

@@ -58,7 +58,9 @@ class TreeStep:
     @property
     def attention_ms(self) -> float:
         """Time the layers spent on tree rows beside vLLM's kernel this step (CPU; on a GPU it is
-        part of the forward's time)."""
+        part of the forward's time). In a step of branching trees only it is spent instead of
+        that kernel, so a branching tree's learned price errs high by the kernel's time, leaning
+        plans toward chains."""
         return sum(p.spent_ms for p in self.attention)
 
     @cached_property
