@@ -380,6 +380,37 @@ def test_branching_plans_that_deliver_less_than_predicted_give_way_to_chains() -
     assert ctrl.outcome_factor() == 1.0 and 0.8 < ctrl.outcome_factor(branching=True) < 0.9
 
 
+def test_large_plans_that_deliver_less_than_predicted_give_way_to_small_ones() -> None:
+    # Chains of up to 8 nodes, each level accepted with probability 0.6, on a nearly flat verify
+    # cost: the models put a 7-node chain first. Plans of 4 nodes and more deliver 0.6x their
+    # predicted rate (their deep drafts are worse than the acceptance model says), plans of 1-3
+    # nodes as predicted. The outcome check, kept per plan size, scales the large plans down and a
+    # 3-node chain takes over. Control: when every size delivers 0.6x, the ranking stands.
+    def run(small: float) -> tuple[SpeculationController, list[int]]:
+        ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}, lr=0.0), Budget(8, 8),
+                                     ControllerOptions(allow_trees=False))
+        gen = random.Random(0)
+        for _ in range(200):
+            path = [0]
+            while len(path) < 9 and gen.random() < 0.6:
+                path.append(len(path))
+            ctrl.observe(0, DraftTree.chain(0, list(range(1, 9))), path)
+        sizes = []
+        for _ in range(300):
+            plan = ctrl.plan([0])[0]
+            rate = ctrl.predicted_rate([0], [plan])
+            ctrl.observe_outcome(3, 3 / (rate * (0.6 if plan.max_nodes >= 4 else small)))
+            sizes.append(plan.max_nodes)
+        return ctrl, sizes
+
+    ctrl, sizes = run(small=1.0)
+    assert sizes[0] == 7 and all(n == 3 for n in sizes[-50:])
+    assert ctrl.outcome_factor(nodes=3) == 1.0 and ctrl.outcome_factor(nodes=7) < 0.9
+    assert 0.6 < ctrl.outcome_factor() < 1.0  # every size pooled
+    _, uniform = run(small=0.6)
+    assert all(n == 7 for n in uniform[-50:])
+
+
 def test_a_request_with_positions_to_catch_up_pays_for_them_in_its_plan() -> None:
     # Two requests alike but for the positions their drafter must first catch up (Hydra's prefix
     # layer at a first draft or a resume): priced at the learned ms per position, the one with 64
@@ -614,7 +645,7 @@ def test_plain_steps_faster_than_predicted_raise_the_bar() -> None:
     # both checks at their bounds together still let a plan predicted to pay 1.25 x min_gain through
     both = SpeculationController(CostModel({1: 10.0, 2: 13.5, 64: 13.5}, lr=0.0), Budget(1, 1),
                                  opts.model_copy(update={"outcome_bound": 1.25}))
-    both._outcome[(1, False)], both._plain_outcome[1] = (1.0, 2.0), (2.0, 1.0)
+    both._outcome[(1, False, 1)], both._plain_outcome[1] = (1.0, 2.0), (2.0, 1.0)
     assert both.outcome_factor() == 0.8 and both.plain_factor() == 1.25
     assert both.plan([0])[0].max_nodes  # predicted 1.41x; the two bounds multiplied would veto it
     # plain steps slower than predicted leave the bar where the cost model puts it

@@ -70,7 +70,10 @@
   power-of-two bucket) and apart for steps with branching trees and steps of chains only, as
   the drafter built them (an engine whose tree attention is a pass of its own can pay more for a
   tree than its models see, and trees then yield to chains where chains deliver; a chains-only
-  plan lets the trees' ratio drift back toward 1 as a plain step does both); below 1 it scales
+  plan lets the trees' ratio drift back toward 1 as a plain step does both), and by the size of
+  the plan's largest tree (:func:`size_class`: 1, 2-3, 4-7, 8-15, ... draft nodes: the acceptance
+  model's errors grow with a plan's depth and width, and one ratio for every size would scale
+  small plans down for what large ones miss, and large ones too little); below 1 it scales
   speculative plans' predicted rates down
   (:meth:`SpeculationController.outcome_factor`, bounded: a correction, not a second model, and
   never above 1). Whatever the models miss (a verify shape the cost model prices too cheaply, an
@@ -92,7 +95,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Hashable, Literal, Sequence
+from typing import Hashable, Iterable, Literal, Sequence
 
 import numpy as np
 
@@ -172,11 +175,14 @@ class SpeculationController:
         # Kept apart for steps with branching trees and steps of chains only: a tree's verify
         # costs an engine more than the cost models see where its tree attention is a pass of its
         # own (vLLM on a CPU), and one ratio for both would let the dearer shape veto the other.
-        self._outcome: dict[tuple[int, bool], tuple[float, float]] = {}  # (bucket, branching) -> (got, predicted)
+        # And by plan size (size_class of the largest tree): small plans must not pay for what
+        # large ones miss.
+        self._outcome: dict[tuple[int, bool, int], tuple[float, float]] = {}  # (bucket, branching, size) -> (got, predicted)
         # The same for plain steps: a plain step faster than its prediction raises the bar that
         # speculation must clear (plain_factor).
         self._plain_outcome: dict[int, tuple[float, float]] = {}
-        self._pending: tuple[float, int, bool] | None = None  # the last plan: (predicted rate, rows, speculative)
+        # the last plan: (predicted rate, rows, speculative, size class of its largest tree)
+        self._pending: tuple[float, int, bool, int] | None = None
         # ms an engine spends per branching tree outside the target's forward (EMA; 0 until one
         # is reported): a chain costs none of it, so with it a chains-only plan is priced too
         self._branch_ms = 0.0
@@ -240,22 +246,54 @@ class SpeculationController:
             profile.append(above)
         return profile
 
-    def outcome_factor(self, rows: int = 1, branching: bool = False) -> float:
+    def outcome_factor(self, rows: int = 1, branching: bool = False, nodes: int | None = None) -> float:
         """At batches of ``rows`` requests, the measured over predicted throughput of speculative
-        steps (1.0 until observed), of steps with ``branching`` trees or of chains only: what
-        such a plan's predicted rate is multiplied by, within ``[1 / outcome_bound, 1]``, except
-        that the shape that delivers less of its prediction is scaled by the other's factor times
-        the ratio of the two (below the bound if it must), so trees and chains stay ranked as
-        measured. It only ever vetoes: a measured rate above the prediction does not talk the
-        planner into speculation its models say does not pay."""
-        bucket, bound = batch_bucket(rows), self.options.outcome_bound
-        ratios = {k: got / want for (b, k), (got, want) in self._outcome.items() if b == bucket}
-        if branching not in ratios:
-            return 1.0
-        own, best = ratios[branching], max(ratios.values())
-        # the worse of the two shapes keeps its measured shortfall against the better one: with
-        # both below the bound, the bound alone would rank them alike
-        return min(max(own, 1 / bound), 1.0, min(max(best, 1 / bound), 1.0) * own / best)
+        steps (1.0 until that class is observed), of steps with ``branching`` trees or of chains only, whose
+        largest tree has ``nodes`` draft nodes (its :func:`size_class`; ``None``: every size of
+        that shape pooled): what such a plan's predicted rate is multiplied by, within
+        ``[1 / outcome_bound, 1]``, except that a plan class that delivers less of its prediction
+        than the best class is scaled by that class's factor times the ratio of the two (below the
+        bound if it must), so classes stay ranked as measured. It only ever vetoes: a measured rate
+        above the prediction does not talk the planner into speculation its models say does not pay."""
+        if nodes is None:
+            pooled = self._outcome_ratios(rows, pooled=True)
+            return _factor(pooled.get(branching), pooled.values(), self.options.outcome_bound)
+        ratios = self._outcome_ratios(rows)
+        return _factor(ratios.get((branching, self._size(nodes))), ratios.values(), self.options.outcome_bound)
+
+    def _size(self, nodes: int) -> int:
+        """The outcome check's class of a plan whose largest tree has ``nodes`` draft nodes:
+        :func:`size_class`, the budget's largest plans in the class below theirs (a budget of 16
+        or 32 nodes would otherwise make its full trees a class of their own, beside those one
+        node smaller)."""
+        return min(size_class(nodes), size_class(max(self.budget.max_nodes - 1, 1)))
+
+    def _outcome_ratios(self, rows: int, pooled: bool = False) -> dict:
+        """The bucket's measured over predicted ratios by ``(branching, size class)``, or with
+        ``pooled`` by ``branching`` (ratios of the summed EMAs)."""
+        bucket = batch_bucket(rows)
+        if not pooled:
+            return {(k, c): got / want for (b, k, c), (got, want) in self._outcome.items() if b == bucket}
+        sums: dict[bool, list[float]] = {}
+        for (b, k, _), (got, want) in self._outcome.items():
+            if b == bucket:
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0] += got
+                acc[1] += want
+        return {k: got / want for k, (got, want) in sums.items()}
+
+    def _outcome_factors(self, rows: int, floor: float) -> np.ndarray:
+        """``[2, classes]``: :meth:`outcome_factor` of chains-only plans (row 0) and of plans
+        with branching trees (row 1) for each size class up to the budget's (index: the class,
+        :meth:`_size`),
+        at least ``floor``; one pass over the bucket's ratios."""
+        ratios = self._outcome_ratios(rows)
+        out = np.ones((2, self._size(self.budget.max_nodes) + 1))
+        bound = self.options.outcome_bound
+        for (k, c), own in ratios.items():
+            if c < out.shape[1]:
+                out[int(k), c] = _factor(own, ratios.values(), bound)
+        return np.maximum(out, floor)
 
     def plain_factor(self, rows: int = 1) -> float:
         """At batches of ``rows`` requests, the measured over predicted throughput of plain steps
@@ -377,15 +415,15 @@ class SpeculationController:
         raise_bar = self.plain_factor(b)
         bar = plain * raise_bar  # what plain decoding delivers, as measured
         # the two checks together move a plan by at most outcome_bound, as each does alone
-        factors = (max(self.outcome_factor(b), raise_bar / o.outcome_bound),
-                   max(self.outcome_factor(b, branching=True), raise_bar / o.outcome_bound))
-        factor = max(factors)  # for the bounds: no plan is scaled by more
+        factors = self._outcome_factors(b, raise_bar / o.outcome_bound)
+        factor = float(factors.max())  # for the bounds: no plan is scaled by more
         bucket = batch_bucket(b)
         # a probe: after probe_steps without speculation, the best plan is taken even below the bar
         # (the models it was judged by were learned while it paid less, or with catch-up to pay)
         due = self._probe_due.get(bucket, o.probe_steps)
         probe = bool(o.probe_steps) and all(can) and self._plain_run.get(bucket, 0) >= due
         best_rate, best_k, tables, segments, best_tokens, best_branching = 0.0 if probe else bar, 0, [], [], bar, 0
+        used, widest = 1.0, 0  # the best plan's outcome factor and largest tree
         shape = self._shape()
         # no plan pays though the drafter could draft for every request, or could not pay if it could
         hopeless = False
@@ -405,9 +443,10 @@ class SpeculationController:
                 segs.sort(key=lambda s: (-s[0], s[1], s[2]))
             else:  # the batch's pace: water-filling, the slowest request's next step first
                 segs.sort(key=lambda s: (slack[s[1]] * (1 + tabs[s[1]][0][s[2]]), s[1], s[2]))
-            rate, k, branching, tokens_rate = self._scan(segs, tabs, keys, kv, plain_ms, factors, catch_ms, slack)
+            rate, k, branching, tokens_rate, f, w = self._scan(segs, tabs, keys, kv, plain_ms, factors, catch_ms, slack)
             if rate > best_rate:
                 best_rate, best_k, tables, segments, best_tokens, best_branching = rate, k, tabs, segs, tokens_rate, branching
+                used, widest = f, w
             if not (branching and self._branch_ms > 0 and o.allow_trees):
                 break
         alloc = [0] * b
@@ -441,8 +480,7 @@ class SpeculationController:
         elif not best_branching:
             self._relax_outcome(b, branching_only=True)
         # the outcome check compares committed tokens with the tokens the plan predicted
-        used = factors[1] if best_branching else factors[0]
-        self._pending = (best_tokens / used, b, True) if speculate else (plain, b, False)
+        self._pending = (best_tokens / used, b, True, self._size(widest)) if speculate else (plain, b, False, 0)
         plans = []
         for r, (rid, n) in enumerate(zip(request_ids, alloc)):
             self._planned[rid] = n
@@ -492,9 +530,8 @@ class SpeculationController:
         trees) drift back toward 1, so a bad spell (or a cost model that was wrong and has
         learned since) does not end speculation, or trees, at this batch size."""
         bucket = batch_bucket(rows)
-        for key in ((bucket, True),) if branching_only else ((bucket, False), (bucket, True)):
-            if key in self._outcome:
-                got, want = self._outcome[key]
+        for key, (got, want) in self._outcome.items():
+            if key[0] == bucket and (key[1] or not branching_only):
                 self._outcome[key] = (got + self.options.outcome_relax * (want - got), want)
 
     def _beyond_reach(self, tables: Sequence[tuple[list[float], list[int]]], hulls: Sequence[list[tuple[float, int, int]]],
@@ -519,19 +556,20 @@ class SpeculationController:
 
     def _scan(self, segments: list[tuple[float, int, int, int]], tables: list[tuple[list[float], list[int]]],
               keys: list[tuple[float, float]], kv: int | None, plain_ms: float,
-              factors: tuple[float, float], catch_ms: list[float],
-              slack: np.ndarray | None = None) -> tuple[float, int, int, float]:
+              factors: np.ndarray, catch_ms: list[float],
+              slack: np.ndarray | None = None) -> tuple[float, int, int, float, float, int]:
         """The best prefix of ``segments`` (merged hull steps in the order they are taken): its
-        predicted rate, length, branching trees, and predicted committed tokens per ms, the rates
-        times the outcome factor of chains-only plans or of plans with branching trees
-        (``factors``). The rate is committed tokens per ms, or with ``slack`` (each
+        predicted rate, length, branching trees, predicted committed tokens per ms, outcome
+        factor and largest tree's nodes, the rates times the outcome factor of chains-only plans
+        or of plans with branching trees at the size class of the prefix's largest tree
+        (``factors``, from :meth:`_outcome_factors`). The rate is committed tokens per ms, or with ``slack`` (each
         request's tokens left, the most over its own: the ``batch`` objective) the batch's pace:
         ``batch`` times the lowest ``slack x (1 + E)`` over its requests, per ms. A prefix pays its
         verify forward (plain with the chance that no planned tree arrives), its drafting, the
         catch-up of each request it drafts for (``catch_ms``) and, per branching tree in it, the
         engine's extra time for one (:meth:`observe_branching`)."""
         if not segments:
-            return 0.0, 0, 0, 0.0
+            return 0.0, 0, 0, 0.0, 1.0, 0
         b, n = len(keys), len(segments)
         r = np.fromiter((s[1] for s in segments), np.int64, n)
         lo = np.fromiter((s[2] for s in segments), np.int64, n)
@@ -542,7 +580,7 @@ class SpeculationController:
         tokens = self._verify_tokens(b, nodes, np.maximum.accumulate(hi))
         n = int(np.searchsorted(tokens, self.options.max_batch_tokens, side="right"))
         if n == 0:
-            return 0.0, 0, 0, 0.0
+            return 0.0, 0, 0, 0.0, 1.0, 0
         r, lo, hi, nodes, tokens = r[:n], lo[:n], hi[:n], nodes[:n], tokens[:n]
         gained = np.fromiter((tables[q][0][h] - tables[q][0][l] for q, l, h in zip(r.tolist(), lo.tolist(), hi.tolist())),
                              np.float64, n)
@@ -557,11 +595,13 @@ class SpeculationController:
         max_depth = np.maximum.accumulate(depth_hi)
         forward = (1.0 - no_tree) * self.cost(tokens, kv, b) + no_tree * plain_ms
         spent = forward + self.draft_cost(max_depth, nodes, drafting) + self._branch_ms * branching + catching
-        factor = np.where(branching > 0, factors[1], factors[0])
+        widest = np.maximum.accumulate(hi)
+        classes = np.minimum(np.floor(np.log2(np.maximum(widest, 1))).astype(np.int64) + 1, factors.shape[1] - 1)
+        factor = factors[(branching > 0).astype(np.int64), classes]
         committed = factor * np.cumsum(np.concatenate(([float(b)], gained)))[1:] / spent
         rate = committed if slack is None else factor * b * self._pace(r, lo, hi, tables, slack) / spent
         k = int(np.argmax(rate))  # the first of the best
-        return float(rate[k]), k + 1, int(branching[k]), float(committed[k])
+        return float(rate[k]), k + 1, int(branching[k]), float(committed[k]), float(factor[k]), int(widest[k])
 
     @staticmethod
     def _pace(r: np.ndarray, lo: np.ndarray, hi: np.ndarray, tables: list[tuple[list[float], list[int]]],
@@ -662,13 +702,13 @@ class SpeculationController:
         pending, self._pending = self._pending, None
         if pending is None or not ms > 0 or self.options.outcome_ema == 0:
             return
-        rate, rows, speculative = pending
+        rate, rows, speculative, size = pending
         # what the plan predicted for the time the step took, within [1/4, 4] x what it got: a
         # first call's one-time costs (or one preempted step) must not outweigh the steps around it
         want = min(max(ms * rate, tokens / 4), tokens * 4)
         e, bucket = self.options.outcome_ema, batch_bucket(rows)
         ratios: dict = self._outcome if speculative else self._plain_outcome
-        key = (bucket, branching) if speculative else bucket
+        key = (bucket, branching, size) if speculative else bucket
         got0, want0 = ratios.get(key, (want, want))  # starts at ratio 1
         # each factor is bounded on one side where it is read, and credit from steps on the other
         # side fades with the EMA (~1 / outcome_ema steps): it cannot hold off a later veto for long
@@ -751,6 +791,24 @@ class SpeculationController:
 
 #: the longest wait between probes (steps without speculation), however many found nothing
 _PROBE_MAX = 1024
+
+
+def size_class(nodes: int) -> int:
+    """A plan's size class for the outcome check: 0 without drafts, then 1, 2-3, 4-7, 8-15, ...
+    draft nodes in its largest tree (``nodes.bit_length()``)."""
+    return max(int(nodes), 0).bit_length()
+
+
+def _factor(own: float | None, ratios: Iterable[float], bound: float) -> float:
+    """The outcome factor of a class measured at ``own`` (``None``: not yet, 1.0) among the
+    bucket's ``ratios``: ``own`` within ``[1 / bound, 1]``, and never above the best class's
+    factor times ``own`` over the best ratio (the worse class keeps its measured shortfall
+    against the better one: with both below the bound, the bound alone would rank them alike)."""
+    if own is None:
+        return 1.0
+    best = max(ratios, default=own)
+    best = max(best, own)
+    return min(max(own, 1 / bound), 1.0, min(max(best, 1 / bound), 1.0) * own / best)
 
 
 def _slack(remaining: Sequence[int | None] | None, batch: int) -> np.ndarray:
