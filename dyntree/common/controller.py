@@ -131,6 +131,11 @@ class SpeculationController:
                  padded: bool = False) -> None:
         self.cost = cost
         self.budget = budget
+        # the outcome check's class of a plan by its largest tree's draft nodes: size_class, the
+        # budget's largest plans in the class below theirs (a budget of 16 or 32 nodes would
+        # otherwise make its full trees a class of their own, beside those one node smaller)
+        top = size_class(max(budget.max_nodes - 1, 1))
+        self._classes = np.array([min(size_class(n), top) for n in range(budget.max_nodes + 1)])
         self.padded = padded
         self.options = options or ControllerOptions()
         o = self.options
@@ -248,9 +253,9 @@ class SpeculationController:
 
     def outcome_factor(self, rows: int = 1, branching: bool = False, nodes: int | None = None) -> float:
         """At batches of ``rows`` requests, the measured over predicted throughput of speculative
-        steps (1.0 until that class is observed), of steps with ``branching`` trees or of chains only, whose
-        largest tree has ``nodes`` draft nodes (its :func:`size_class`; ``None``: every size of
-        that shape pooled): what such a plan's predicted rate is multiplied by, within
+        steps (1.0 until that class is observed), of steps with ``branching`` trees or of chains
+        only, whose largest tree has ``nodes`` draft nodes (its :func:`size_class`; ``None``:
+        every size of that shape pooled): what such a plan's predicted rate is multiplied by, within
         ``[1 / outcome_bound, 1]``, except that a plan class that delivers less of its prediction
         than the best class is scaled by that class's factor times the ratio of the two (below the
         bound if it must), so classes stay ranked as measured. It only ever vetoes: a measured rate
@@ -258,15 +263,7 @@ class SpeculationController:
         if nodes is None:
             pooled = self._outcome_ratios(rows, pooled=True)
             return _factor(pooled.get(branching), pooled.values(), self.options.outcome_bound)
-        ratios = self._outcome_ratios(rows)
-        return _factor(ratios.get((branching, self._size(nodes))), ratios.values(), self.options.outcome_bound)
-
-    def _size(self, nodes: int) -> int:
-        """The outcome check's class of a plan whose largest tree has ``nodes`` draft nodes:
-        :func:`size_class`, the budget's largest plans in the class below theirs (a budget of 16
-        or 32 nodes would otherwise make its full trees a class of their own, beside those one
-        node smaller)."""
-        return min(size_class(nodes), size_class(max(self.budget.max_nodes - 1, 1)))
+        return float(self._outcome_factors(rows, 0.0)[int(branching), self._classes[nodes]])
 
     def _outcome_ratios(self, rows: int, pooled: bool = False) -> dict:
         """The bucket's measured over predicted ratios by ``(branching, size class)``, or with
@@ -285,14 +282,12 @@ class SpeculationController:
     def _outcome_factors(self, rows: int, floor: float) -> np.ndarray:
         """``[2, classes]``: :meth:`outcome_factor` of chains-only plans (row 0) and of plans
         with branching trees (row 1) for each size class up to the budget's (index: the class,
-        :meth:`_size`),
-        at least ``floor``; one pass over the bucket's ratios."""
+        ``_classes``), at least ``floor``; one pass over the bucket's ratios."""
         ratios = self._outcome_ratios(rows)
-        out = np.ones((2, self._size(self.budget.max_nodes) + 1))
+        out = np.ones((2, int(self._classes[-1]) + 1))
         bound = self.options.outcome_bound
         for (k, c), own in ratios.items():
-            if c < out.shape[1]:
-                out[int(k), c] = _factor(own, ratios.values(), bound)
+            out[int(k), c] = _factor(own, ratios.values(), bound)
         return np.maximum(out, floor)
 
     def plain_factor(self, rows: int = 1) -> float:
@@ -480,7 +475,7 @@ class SpeculationController:
         elif not best_branching:
             self._relax_outcome(b, branching_only=True)
         # the outcome check compares committed tokens with the tokens the plan predicted
-        self._pending = (best_tokens / used, b, True, self._size(widest)) if speculate else (plain, b, False, 0)
+        self._pending = (best_tokens / used, b, True, int(self._classes[widest])) if speculate else (plain, b, False, 0)
         plans = []
         for r, (rid, n) in enumerate(zip(request_ids, alloc)):
             self._planned[rid] = n
@@ -596,8 +591,7 @@ class SpeculationController:
         forward = (1.0 - no_tree) * self.cost(tokens, kv, b) + no_tree * plain_ms
         spent = forward + self.draft_cost(max_depth, nodes, drafting) + self._branch_ms * branching + catching
         widest = np.maximum.accumulate(hi)
-        classes = np.minimum(np.floor(np.log2(np.maximum(widest, 1))).astype(np.int64) + 1, factors.shape[1] - 1)
-        factor = factors[(branching > 0).astype(np.int64), classes]
+        factor = factors[(branching > 0).astype(np.int64), self._classes[widest]]
         committed = factor * np.cumsum(np.concatenate(([float(b)], gained)))[1:] / spent
         rate = committed if slack is None else factor * b * self._pace(r, lo, hi, tables, slack) / spent
         k = int(np.argmax(rate))  # the first of the best

@@ -183,11 +183,12 @@ def plan_tree_rows(step: TreeStep, branching: list[int], layout: KVLayout, mirro
     query row of the step, so each tree's leading chain is computed here too (vLLM's kernel
     does not run), else from after it."""
     requests = []
+    # the ``lead`` ablation (a test control) leaves a whole step's leading chains uncomputed
+    whole_rows = whole and "lead" not in ablations()
     for b in branching:
         rid, row, start, prefix, mask = (step.batch.request_ids[b], step.rows[b], step.starts[b], step.prefix[b],
                                          step.masks[b])
-        # the ``lead`` ablation (a test control) leaves a whole step's leading chains uncomputed
-        size, first = mask.shape[0], 0 if whole and "lead" not in ablations() else step.batch.trees[b].lead_chain
+        size, first = mask.shape[0], 0 if whole_rows else step.batch.trees[b].lead_chain
         synced = mirror.reserve(rid, prefix, prefix + size)
         if synced < prefix:
             keys, values = layout.index(block_table[row].cpu(), torch.arange(synced, prefix))
