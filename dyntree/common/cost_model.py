@@ -14,7 +14,7 @@ from typing import Callable, Mapping, Sequence, overload
 
 import numpy as np
 
-__all__ = ["CostModel", "DraftCost", "batch_bucket"]
+__all__ = ["CostModel", "DraftCost", "batch_bucket", "knot_sizes"]
 
 
 class CostModel:
@@ -23,6 +23,10 @@ class CostModel:
 
     Between measured sizes the cost is interpolated; below the smallest it is that size's cost;
     above the largest the last segment is extended (with one point: proportional to tokens). The
+    knots are read as measured and learned, not made non-decreasing: a CPU forward can cost more
+    at 2 query tokens than at 3-5 (vLLM's CPU backend at batch 1), and a non-decreasing read
+    priced every verify from 2 to 8 tokens at the 2-token knot, while the knots below that
+    envelope, whose reads no observation could move, fell step after step. The
     knots hold one request's forwards against ``kv_ref`` cached tokens; a forward of ``rows``
     requests against ``kv`` cached tokens each adds ``(kv - kv_ref) * (attn_ms * tokens + row_ms *
     rows)``. Attention computes with every cached token for every query token (``attn_ms``), and
@@ -50,7 +54,7 @@ class CostModel:
             if n < 1 or not ms > 0:
                 raise ValueError(f"CostModel point ({n}, {ms}): n_tokens must be >= 1 and ms > 0")
         self.xs = [int(n) for n, _ in items]
-        self._start = _monotone([float(ms) for _, ms in items])  # every batch size's starting knots
+        self._start = [float(ms) for _, ms in items]  # every batch size's starting knots
         self._ys: dict[int, list[float]] = {1: list(self._start)}
         if not attn_ms >= 0 or not row_ms >= 0 or kv_ref < 0:
             raise ValueError(f"CostModel: attn_ms ({attn_ms}), row_ms ({row_ms}) and kv_ref ({kv_ref}) must be >= 0")
@@ -143,10 +147,7 @@ class CostModel:
         if not isinstance(n_tokens, np.ndarray):
             return self._scalar(float(n_tokens), kv, rows)
         n = np.asarray(n_tokens, dtype=np.float64)
-        # a forward of more tokens never costs less: the knots as read are non-decreasing (the
-        # stored ones are left as learned, so a knot pulled up by noise at a smaller size does
-        # not ratchet every larger one up with it)
-        ys = np.maximum.accumulate(np.asarray(self.knots(rows), dtype=np.float64))
+        ys = np.asarray(self.knots(rows), dtype=np.float64)
         if len(self.xs) == 1:
             base = ys[0] * np.maximum(n, self.xs[0]) / self.xs[0]
         else:
@@ -168,7 +169,7 @@ class CostModel:
     def _scalar(self, n: float, kv: int | None, rows: int) -> float:
         """:meth:`__call__` for one size, in plain Python (engines call it every step; the same
         arithmetic as the array path)."""
-        ys = _monotone(list(self.knots(rows)))
+        ys = self.knots(rows)
         if len(self.xs) == 1:
             base = ys[0] * max(n, self.xs[0]) / self.xs[0]
         else:
@@ -216,8 +217,8 @@ class CostModel:
             ys[i + 1] += self.lr * w * err
             # the shape's anchor: every other knot drifts back (at lr / 20) toward the start-up
             # shape at the level just observed. Knots that are not timed again only ever moved
-            # with the level, which the observed knot's noise walks up and down (and, made
-            # monotone, only up); they now follow it back. The observed segment keeps its own.
+            # with the level, which the observed knot's noise walks up and down; they now follow
+            # it back. The observed segment keeps its own.
             at_start = self._start[i] + w * (self._start[i + 1] - self._start[i])
             scale = (ys[i] + w * (ys[i + 1] - ys[i])) / max(at_start, 1e-6)
             pull = self.lr / 20 if self._anchored else 0.0
@@ -229,16 +230,17 @@ class CostModel:
 _CLIP_LOW, _CLIP_HIGH = 0.8, 1.25  # CostModel.observe: how far one measurement may pull
 
 
+def knot_sizes(limit: int, dense: int = 16) -> list[int]:
+    """Sizes to time a forward at, up to ``limit`` query tokens: every size up to ``dense`` (the
+    verifies of one request's trees, whose cost need not grow with their tokens there), then
+    powers of two."""
+    return [n for n in range(1, dense + 1) if n <= limit] + [1 << i for i in range(dense.bit_length(), 31)
+                                                              if (1 << i) <= limit and (1 << i) > dense]
+
+
 def batch_bucket(rows: int) -> int:
     """A forward's batch size rounded down to a power of two (the knots' key)."""
     return 1 << (max(int(rows), 1).bit_length() - 1)
-
-
-def _monotone(ys: list[float]) -> list[float]:
-    """``ys`` made non-decreasing in place (a forward of more tokens never costs less); returns it."""
-    for i in range(1, len(ys)):
-        ys[i] = max(ys[i], ys[i - 1])
-    return ys
 
 
 def _fastest_ms(calls: Sequence[Callable[[], object]], repeats: int) -> list[float]:

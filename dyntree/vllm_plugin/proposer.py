@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dyntree.common.config import SamplingParams, SpecConfig
-from dyntree.common.cost_model import CostModel
+from dyntree.common.cost_model import CostModel, knot_sizes
 from dyntree.common.drafter import TargetInfo
 from dyntree.common.drafters import make_engine_drafter
 from dyntree.common.speculator import SpecRequest, Speculator
@@ -97,13 +97,14 @@ class DynTreeProposer:
 
     def _measure_cost(self) -> CostModel:
         """The adaptive controller's starting cost model: vLLM's own dummy forwards (attention
-        included) of 1, 2, 4, ... query tokens, timed once the KV cache exists (first step)."""
+        included) of every size of one request's verify (1 to 16 query tokens: vLLM's CPU forward
+        costs more at 2 than at 3-5), then 32, 64, ..., timed once the KV cache exists (first step)."""
         runner = self.runner
         if runner is None:
             raise RuntimeError("dyntree: the adaptive controller needs the model runner; the runner patch did not run")
         limit = min(int(runner.max_num_tokens), self.spec.controller.max_batch_tokens,
                     int(self.vllm_config.scheduler_config.max_num_seqs) * (1 + self.spec.max_nodes))
-        sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= limit]
+        sizes = knot_sizes(min(limit, 512))
         def forward(n: int) -> None:
             runner._dummy_run(n, force_attention=True)
             if runner.device.type == "cuda":
