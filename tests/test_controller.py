@@ -124,6 +124,18 @@ def test_knots_are_read_as_learned_where_more_tokens_cost_less() -> None:
     assert cm.ys[3] == pytest.approx(cm(4))  # the knot as stored is the cost as read
 
 
+def test_a_verify_cheaper_than_a_plain_step_is_not_ruled_out_by_the_bound() -> None:
+    # Drafts accepted 0.5% of the time, a 4-token verify at 20 ms against a 30 ms plain step: 3
+    # draft nodes commit ~1.01 tokens per 20 ms, faster than plain decoding. The bound that
+    # skips the scan once priced every verify at a plain step's cost at least, and went quiet.
+    # Control: with the verify as dear as a plain step, nothing pays.
+    opts = ControllerOptions(alpha_prior=0.005, min_node_value=0.0, probe_steps=0)
+    cheap = SpeculationController(CostModel({1: 30.0, 2: 30.0, 4: 20.0, 8: 30.0}, lr=0.0), Budget(3, 3), opts)
+    assert cheap.plan([0])[0].max_nodes == 3
+    flat = SpeculationController(CostModel({1: 30.0, 2: 30.0, 4: 30.0, 8: 30.0}, lr=0.0), Budget(3, 3), opts)
+    assert flat.plan([0])[0].max_nodes == 0 and flat.quiet([0])
+
+
 def test_noise_at_one_size_does_not_walk_the_other_knots_away() -> None:
     """Hundreds of plain steps timed with the machine's noise (+-15%) and nothing else: the knots
     of wider verifies, never timed again, keep about their start-up ratio to the plain step. They

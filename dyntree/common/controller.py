@@ -48,7 +48,7 @@
   batch over the request's own, 1 for the request that sets the pace) and hull steps are merged
   by water-filling, the lowest request's next step first: drafts for some requests while the
   others (an n-gram drafter without a match) cannot keep up only make every step dearer.
-* Quiet spells: before searching, a bound (every request's best tree at a plain step's cost,
+* Quiet spells: before searching, a bound (every request's best tree at the cheapest forward's cost,
   plus the least drafting and catch-up a paying plan needs) says whether any plan could pay.
   When no plan pays though the drafter could draft for every request (or none could by the
   bound if it could), the same batch may decode the next steps without a plan
@@ -422,15 +422,16 @@ class SpeculationController:
         shape = self._shape()
         # no plan pays though the drafter could draft for every request, or could not pay if it could
         hopeless = False
+        floor_ms = self._least_forward(b, kv, plain_ms)  # for the bound: no verify costs less
         # trees; then, where the best plan holds branching trees that cost the engine extra, chains only
         for chains in (False, True):
             cache = {key: self._table(*key, chains, shape) for key in set(keys)}
             tabs = [cache[k][0] for k in keys]
-            if not probe and self._beyond_reach(tabs, [cache[k][1] for k in keys], slack, plain_ms, factor, bar, catch_ms):
+            if not probe and self._beyond_reach(tabs, [cache[k][1] for k in keys], slack, floor_ms, factor, bar, catch_ms):
                 if not chains and not all(can):
                     every = [self._table(self.alpha(r), self.delivery(r), False, shape) for r in request_ids]
                     hopeless = self._beyond_reach([t[0] for t in every], [t[1] for t in every], slack,
-                                                  plain_ms, factor, bar, catch_ms)
+                                                  floor_ms, factor, bar, catch_ms)
                 break  # nor with chains
             # Segments of each request's upper concave hull: (gain per token, request, n_from, n_to).
             segs = [(gain, r, lo, hi) for r, k in enumerate(keys) for gain, lo, hi in cache[k][1]]
@@ -529,24 +530,39 @@ class SpeculationController:
             if key[0] == bucket and (key[1] or not branching_only):
                 self._outcome[key] = (got + self.options.outcome_relax * (want - got), want)
 
+    def _least_forward(self, b: int, kv: int | None, plain_ms: float) -> float:
+        """The cheapest forward a plan for ``b`` requests can take, a plain step's included: a
+        verify may cost less than a plain step (vLLM's CPU forward at batch 1 costs more at 1-2
+        query tokens than at 3-5). The cost is piecewise linear in tokens, so its least over the
+        verify sizes is at one of their ends or at a knot between them."""
+        n_max = self.budget.max_nodes
+        if self.padded:
+            tokens = b * (1 + np.arange(1, n_max + 1, dtype=np.float64))
+        else:
+            hi = min(b * (1 + n_max), self.options.max_batch_tokens)
+            if hi <= b:
+                return plain_ms
+            tokens = np.array([b + 1, hi] + [x for x in self.cost.xs if b + 1 < x < hi], dtype=np.float64)
+        return min(plain_ms, float(np.min(self.cost(tokens, kv, b))))
+
     def _beyond_reach(self, tables: Sequence[tuple[list[float], list[int]]], hulls: Sequence[list[tuple[float, int, int]]],
-                      slack: np.ndarray | None, plain_ms: float, factor: float, bar: float,
+                      slack: np.ndarray | None, floor_ms: float, factor: float, bar: float,
                       catch_ms: list[float]) -> bool:
         """Whether no plan can clear the bar, by a bound that is cheaper than the scan: every
-        request's best tree, for a verify at a plain step's cost (no verify costs less), plus the
-        least drafting a plan that pays must do. For throughput that is one request's one node;
+        request's best tree, for a verify at the cheapest forward's cost (``floor_ms``,
+        :meth:`_least_forward`), plus the least drafting a plan that pays must do. For throughput that is one request's one node;
         for the batch's pace every request whose slack is below ``min_gain`` must draft (the
         pace of one that does not stays at its slack), and catch up first."""
         o = self.options
         top = np.array([t[0][h[-1][2]] if h else 0.0 for t, h in zip(tables, hulls)])
         b = len(tables)
         if slack is None:
-            best, least = b + float(top.sum()), plain_ms + self.draft_cost(1, 1, 1)
+            best, least = b + float(top.sum()), floor_ms + self.draft_cost(1, 1, 1)
         else:
             must = slack < o.min_gain
             k = max(int(must.sum()), 1)
             best = b * float((slack * (1 + top)).min())
-            least = plain_ms + self.draft_cost(1, k, k) + float(np.asarray(catch_ms)[must].sum())
+            least = floor_ms + self.draft_cost(1, k, k) + float(np.asarray(catch_ms)[must].sum())
         return factor * best / least < bar * o.min_gain
 
     def _scan(self, segments: list[tuple[float, int, int, int]], tables: list[tuple[list[float], list[int]]],
