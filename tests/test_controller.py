@@ -122,6 +122,9 @@ def test_knots_are_read_as_learned_where_more_tokens_cost_less() -> None:
         cm.observe(4, 22.0)
     assert cm(4) == pytest.approx(22.0, rel=0.02)
     assert cm.ys[3] == pytest.approx(cm(4))  # the knot as stored is the cost as read
+    # vLLM times every size of one request's verify at start-up, then powers of two
+    assert cost_module.knot_sizes(512) == [*range(1, 17), 32, 64, 128, 256, 512]
+    assert cost_module.knot_sizes(10) == [*range(1, 11)] and cost_module.knot_sizes(40) == [*range(1, 17), 32]
 
 
 def test_a_verify_cheaper_than_a_plain_step_is_not_ruled_out_by_the_bound() -> None:
