@@ -439,6 +439,18 @@ def test_large_plans_that_deliver_less_than_predicted_give_way_to_small_ones() -
     assert all(n == 7 for n in uniform[-50:])
 
 
+def test_a_class_above_its_prediction_does_not_scale_the_others_down() -> None:
+    # Observed in vLLM: 2-3-node trees, planned now and then, read 1.15x their prediction on
+    # noise, and every other class was scaled against them (2-3-node chains at 0.93 to 0.81).
+    # A class above its prediction counts as 1; below the bound (0.8) classes stay ranked.
+    ctrl = SpeculationController(CostModel({1: 10.0, 64: 11.0}), Budget(8, 8))
+    ctrl._outcome[(1, True, 2)], ctrl._outcome[(1, False, 2)] = (1.15, 1.0), (0.93, 1.0)
+    assert ctrl.outcome_factor(branching=True, nodes=3) == 1.0
+    assert ctrl.outcome_factor(nodes=3) == pytest.approx(0.93)
+    ctrl._outcome[(1, True, 2)], ctrl._outcome[(1, False, 2)] = (0.7, 1.0), (0.6, 1.0)
+    assert ctrl.outcome_factor(nodes=3) == pytest.approx(0.8 * 0.6 / 0.7)
+
+
 def test_a_request_with_positions_to_catch_up_pays_for_them_in_its_plan() -> None:
     # Two requests alike but for the positions their drafter must first catch up (Hydra's prefix
     # layer at a first draft or a resume): priced at the learned ms per position, the one with 64

@@ -813,11 +813,12 @@ def _factor(own: float | None, ratios: Iterable[float], bound: float) -> float:
     """The outcome factor of a class measured at ``own`` (``None``: not yet, 1.0) among the
     bucket's ``ratios``: ``own`` within ``[1 / bound, 1]``, and never above the best class's
     factor times ``own`` over the best ratio (the worse class keeps its measured shortfall
-    against the better one: with both below the bound, the bound alone would rank them alike)."""
+    against the better one: with both below the bound, the bound alone would rank them alike).
+    The best ratio counts at most 1: a class measured above its prediction vetoes nothing (a
+    rarely planned class's noise once read 1.15 and scaled every other class down by that)."""
     if own is None:
         return 1.0
-    best = max(ratios, default=own)
-    best = max(best, own)
+    best = min(max(max(ratios, default=own), own), 1.0)
     return min(max(own, 1 / bound), 1.0, min(max(best, 1 / bound), 1.0) * own / best)
 
 
