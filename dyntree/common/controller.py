@@ -550,8 +550,8 @@ class SpeculationController:
                       catch_ms: list[float]) -> bool:
         """Whether no plan can clear the bar, by a bound that is cheaper than the scan: every
         request's best tree, for a verify at the cheapest forward's cost (``floor_ms``,
-        :meth:`_least_forward`), plus the least drafting a plan that pays must do. For throughput that is one request's one node;
-        for the batch's pace every request whose slack is below ``min_gain`` must draft (the
+        :meth:`_least_forward`), plus the least drafting a plan that pays must do. For throughput
+        that is one request's one node; for the batch's pace every request whose slack is below ``min_gain`` must draft (the
         pace of one that does not stays at its slack), and catch up first."""
         o = self.options
         top = np.array([t[0][h[-1][2]] if h else 0.0 for t, h in zip(tables, hulls)])
