@@ -422,7 +422,8 @@ class SpeculationController:
         shape = self._shape()
         # no plan pays though the drafter could draft for every request, or could not pay if it could
         hopeless = False
-        floor_ms = self._least_forward(b, kv, plain_ms)  # for the bound: no verify costs less
+        # the bound's least forward (a probe does not consult the bound)
+        floor_ms = plain_ms if probe else self._least_forward(b, kv, plain_ms)
         # trees; then, where the best plan holds branching trees that cost the engine extra, chains only
         for chains in (False, True):
             cache = {key: self._table(*key, chains, shape) for key in set(keys)}
@@ -551,8 +552,9 @@ class SpeculationController:
         """Whether no plan can clear the bar, by a bound that is cheaper than the scan: every
         request's best tree, for a verify at the cheapest forward's cost (``floor_ms``,
         :meth:`_least_forward`), plus the least drafting a plan that pays must do. For throughput
-        that is one request's one node; for the batch's pace every request whose slack is below ``min_gain`` must draft (the
-        pace of one that does not stays at its slack), and catch up first."""
+        that is one request's one node; for the batch's pace every request whose slack is below
+        ``min_gain`` must draft (the pace of one that does not stays at its slack), and catch up
+        first."""
         o = self.options
         top = np.array([t[0][h[-1][2]] if h else 0.0 for t, h in zip(tables, hulls)])
         b = len(tables)
