@@ -936,6 +936,28 @@ def test_a_batch_whose_matches_come_every_other_step_plans_on_while_they_pay_for
         assert all(p.max_nodes == 0 for p in ctrl.plan(ids, **held)) and not ctrl.quiet(ids)
 
 
+def test_what_is_left_of_a_quiet_batch_stays_quiet_at_its_batch_size() -> None:
+    """Requests that finish leave the rest of a quiet batch quiet while the batch keeps its size
+    class (a batch of 16 whose requests end one by one must not plan at every ending); a smaller
+    size class, or a request that joins, plans at once. The quiet steps relax only the requests
+    still there (a finished one's state is not brought back)."""
+    cost = CostModel({1: 10.0, 64: 11.0}, lr=0.0)
+    dear = SpeculationController(cost, BUDGET, ControllerOptions(draft_ms_fixed=50.0, quiet_steps=8, outcome_ema=0))
+    ids = list(range(7))
+    for _ in range(3):  # the backoff grows to 4 steps
+        assert all(p.max_nodes == 0 for p in dear.plan(ids))
+        while dear.quiet(ids):
+            pass
+    assert all(p.max_nodes == 0 for p in dear.plan(ids))  # a spell of 8
+    for left in (6, 5, 4):  # 7 -> 6 -> 5 -> 4 requests: one batch size (4-7), the spell goes on
+        dear.release(left)
+        assert dear.quiet(ids[:left])
+    assert not {4, 5, 6} & set(dear._requests)
+    assert not dear.quiet(ids[:3])  # 3 requests: another batch size
+    assert not dear.quiet(ids[:4] + [9])  # a request joined
+    assert dear.quiet(ids[:4])  # the spell is the same batch's still
+
+
 def test_a_batch_whose_plans_cannot_pay_goes_quiet_for_doubling_spells() -> None:
     """Drafting that costs more than any tree could save (a bound: no scan), or a search that finds
     nothing paying though every request could draft, lets the same batch skip planning for 1,
@@ -954,7 +976,7 @@ def test_a_batch_whose_plans_cannot_pay_goes_quiet_for_doubling_spells() -> None
         spells.append(n)
     assert spells == [1, 2, 4, 4, 4]
     dear.plan(ids)
-    assert not dear.quiet([0, 1]) and dear.quiet(ids)  # only the batch that was planned
+    assert not dear.quiet([0, 1, 3]) and not dear.quiet([0]) and dear.quiet(ids)  # only the batch that was planned
     cheap = SpeculationController(cost, BUDGET, ControllerOptions(alpha_prior=0.8, outcome_ema=0))
     assert all(p.max_nodes == 0 for p in cheap.plan(ids, available=[False] * 3)) and not cheap.quiet(ids)
     assert any(p.max_nodes for p in cheap.plan(ids)) and not cheap.quiet(ids)

@@ -51,7 +51,8 @@
 * Quiet spells: before searching, a bound (every request's best tree at the cheapest forward's cost,
   plus the least drafting and catch-up a paying plan needs) says whether any plan could pay.
   When no plan pays though the drafter could draft for every request (or none could by the
-  bound if it could), the same batch may decode the next steps without a plan
+  bound if it could), the same batch (or what is left of it as requests finish, at the same
+  batch size) may decode the next steps without a plan
   (:meth:`SpeculationController.quiet`; 1, 2, 4, ... steps up to ``quiet_steps``), so an engine
   skips drafting and verification there too. A batch held back by requests the drafter has
   nothing for this step (an n-gram lookup without a match) goes quiet the same way once its
@@ -500,15 +501,21 @@ class SpeculationController:
         match) but might pay when it has keeps planning every step while planning pays its way at
         this batch size: while its plans' saved milliseconds (an EMA, 0 for a plan without
         drafts) stay below what the plans without drafts cost (:meth:`observe_plan_cost`, times
-        their share of the plans), such a batch goes quiet too. Counts the step when it says so."""
+        their share of the plans), such a batch goes quiet too. What is left of that batch when
+        some of its requests finish stays quiet while it keeps its batch size (rounded down to a
+        power of two, as plans are priced): the rest were planned in it and found wanting, and a
+        batch of 16 whose requests end one by one would otherwise plan at every ending. A request
+        that joins ends the spell. Counts the step when it says so."""
         ids, left, backoff, could = self._quiet
-        if left <= 0 or frozenset(request_ids) != ids:
+        now = frozenset(request_ids)
+        if left <= 0 or not now or not (now == ids or (now < ids and batch_bucket(len(now)) == batch_bucket(len(ids)))):
             return False
         self._quiet = (ids, left - 1, backoff, could)
         bucket = batch_bucket(len(request_ids))
         self._plain_run[bucket] = self._plain_run.get(bucket, 0) + 1
         for rid in could:  # an idle step, as a plan without drafts would count it
-            self._relax(rid)
+            if rid in now:
+                self._relax(rid)
         self._relax_outcome(len(request_ids))
         return True
 
