@@ -958,6 +958,34 @@ def test_what_is_left_of_a_quiet_batch_stays_quiet_at_its_batch_size() -> None:
     assert dear.quiet(ids[:4])  # the spell is the same batch's still
 
 
+def test_a_quiet_spell_grows_until_the_plan_ending_it_costs_a_small_share_of_it() -> None:
+    """Where a plan that drafts nothing costs more than ``quiet_share`` of a spell of plain steps
+    (a big batch on a CPU), the spells keep doubling past ``quiet_steps``, up to the length at
+    which it costs that share (at most 64 steps); ``quiet_share`` 0 stops them at ``quiet_steps``,
+    and so does a plan that costs little."""
+    cost = CostModel({1: 10.0, 64: 11.0}, lr=0.0)
+    ids = [0, 1, 2]
+
+    def spells(share: float, plan_ms: float) -> list[int]:
+        ctl = SpeculationController(cost, BUDGET, ControllerOptions(draft_ms_fixed=50.0, quiet_steps=4, quiet_share=share,
+                                                                   probe_steps=0, outcome_ema=0))
+        ctl.observe_plan_cost(len(ids), plan_ms)
+        out = []
+        for _ in range(9):
+            assert all(p.max_nodes == 0 for p in ctl.plan(ids))
+            n = 0
+            while ctl.quiet(ids):
+                n += 1
+            out.append(n)
+        return out
+
+    assert spells(0.0, 2.0) == [1, 2, 4, 4, 4, 4, 4, 4, 4]
+    # 2 ms against 0.5% of ~10 ms plain steps: a spell of ceil(2 / 0.0502) - 1 = 39 steps
+    assert spells(0.005, 2.0) == [1, 2, 4, 8, 16, 32, 39, 39, 39]
+    assert spells(0.005, 20.0) == [1, 2, 4, 8, 16, 32, 64, 64, 64]
+    assert spells(0.005, 0.1) == [1, 2, 4, 4, 4, 4, 4, 4, 4]
+
+
 def test_a_batch_whose_plans_cannot_pay_goes_quiet_for_doubling_spells() -> None:
     """Drafting that costs more than any tree could save (a bound: no scan), or a search that finds
     nothing paying though every request could draft, lets the same batch skip planning for 1,

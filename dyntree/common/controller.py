@@ -53,7 +53,8 @@
   When no plan pays though the drafter could draft for every request (or none could by the
   bound if it could), the same batch (or what is left of it as requests finish, at the same
   batch size) may decode the next steps without a plan
-  (:meth:`SpeculationController.quiet`; 1, 2, 4, ... steps up to ``quiet_steps``), so an engine
+  (:meth:`SpeculationController.quiet`; 1, 2, 4, ... steps up to ``quiet_steps``, or up to 64 where a
+  plan costs more than ``quiet_share`` of the spell's plain steps), so an engine
   skips drafting and verification there too. A batch held back by requests the drafter has
   nothing for this step (an n-gram lookup without a match) goes quiet the same way once its
   plans, at that batch size, save fewer milliseconds (an EMA) than the plans without drafts cost
@@ -469,7 +470,7 @@ class SpeculationController:
             # while a plan saves more on average than the plans that draft nothing cost, each
             # as often as they come (a plan that drafts pays its own planning in its drafting time)
             hopeless = self._plan_value[bucket] < self._plan_idle[bucket] * self._plan_cost.get(bucket, 0.0)
-        backoff = min(2 * self._quiet[2], o.quiet_steps) if self._quiet[2] else min(1, o.quiet_steps)
+        backoff = min(2 * self._quiet[2], self._spell_cap(bucket, plain_ms)) if self._quiet[2] else min(1, o.quiet_steps)
         self._quiet = ((frozenset(request_ids), backoff, backoff, tuple(r for r, c in zip(request_ids, can) if c))
                        if hopeless else (frozenset(), 0, 0, ()))
         if not speculate:
@@ -492,11 +493,22 @@ class SpeculationController:
                 plans.append(Plan("chain" if d == n else "tree", n, d))
         return plans
 
+    def _spell_cap(self, bucket: int, plain_ms: float) -> int:
+        """The longest quiet spell at this batch size: ``quiet_steps``, or as many steps (up to
+        ``_QUIET_MAX``) as it takes for the plan that ends the spell, which drafts nothing and
+        costs what such plans cost here (:meth:`observe_plan_cost`), to cost at most
+        ``quiet_share`` of the spell's plain steps (``plain_ms`` each)."""
+        o = self.options
+        if o.quiet_steps == 0 or o.quiet_share == 0 or not plain_ms > 0:
+            return o.quiet_steps
+        need = math.ceil(self._plan_cost.get(bucket, 0.0) / (o.quiet_share * plain_ms)) - 1
+        return max(o.quiet_steps, min(need, _QUIET_MAX))
+
     def quiet(self, request_ids: Sequence[Hashable]) -> bool:
         """Whether this step of ``request_ids`` may decode plainly without a plan: the same batch's
         recent plans found nothing that pays though the drafter could draft for every request (or
-        a bound says nothing could if it could), so for a few steps (``quiet_steps``, the backoff
-        doubling while such plans keep coming) the engine skips planning, drafting and
+        a bound says nothing could if it could), so for a few steps (the backoff doubling while
+        such plans keep coming, up to :meth:`_spell_cap`) the engine skips planning, drafting and
         verification. A drafter that had nothing for some requests (an n-gram lookup without a
         match) but might pay when it has keeps planning every step while planning pays its way at
         this batch size: while its plans' saved milliseconds (an EMA, 0 for a plan without
@@ -810,6 +822,7 @@ class SpeculationController:
 
 #: the longest wait between probes (steps without speculation), however many found nothing
 _PROBE_MAX = 1024
+_QUIET_MAX = 64  # the longest quiet spell (steps)
 
 
 def size_class(nodes: int) -> int:

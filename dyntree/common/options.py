@@ -175,6 +175,12 @@ class ControllerOptions(BaseModel):
         "(or, by a bound, could not pay if it could), the same batch decodes this many steps at most without "
         "planning (1 after the first such plan, doubling while they keep coming; 0: plan every step)",
     )
+    quiet_share: float = Field(
+        0.005, ge=0, lt=1,
+        description="a quiet spell may also grow past quiet_steps (doubling, up to 64 steps) until the plan that "
+        "ends it costs at most this share of the spell's plain decoding: in a big batch a plan that drafts nothing "
+        "costs milliseconds (0: spells stop at quiet_steps)",
+    )
     probe_steps: int = Field(
         64, ge=0,
         description="after this many steps at a batch size without speculation though the drafter could draft "

@@ -135,6 +135,10 @@ def plan_trees(req_ids: list[str], scheduled_drafts: dict[str, list[int]], num_s
                computed: np.ndarray, trees: dict[Hashable, DraftTree]) -> TreeStep | None:
     """The step's trees: every decoding request the proposer drafted for, with its scheduled drafts
     (a prefix of its proposed tree; none: a root-only tree, verified as plain decoding)."""
+    if not trees:  # nobody drafted (a quiet step)
+        if any(scheduled_drafts.values()):
+            raise RuntimeError("dyntree: drafts were scheduled that are not a proposed tree's")
+        return None
     ends = num_scheduled.cumsum()
     ids, kept, rows, starts, prefix = [], [], [], [], []
     for i, rid in enumerate(req_ids):
