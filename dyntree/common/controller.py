@@ -470,7 +470,8 @@ class SpeculationController:
             # while a plan saves more on average than the plans that draft nothing cost, each
             # as often as they come (a plan that drafts pays its own planning in its drafting time)
             hopeless = self._plan_value[bucket] < self._plan_idle[bucket] * self._plan_cost.get(bucket, 0.0)
-        backoff = min(2 * self._quiet[2], self._spell_cap(bucket, plain_ms)) if self._quiet[2] else min(1, o.quiet_steps)
+        last = self._quiet[2]
+        backoff = min(2 * last, self._spell_cap(bucket, plain_ms)) if last else min(1, o.quiet_steps)
         self._quiet = ((frozenset(request_ids), backoff, backoff, tuple(r for r, c in zip(request_ids, can) if c))
                        if hopeless else (frozenset(), 0, 0, ()))
         if not speculate:

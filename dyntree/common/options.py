@@ -173,7 +173,8 @@ class ControllerOptions(BaseModel):
         8, ge=0, le=64,
         description="after a plan that found nothing paying though the drafter could draft for every request "
         "(or, by a bound, could not pay if it could), the same batch decodes this many steps at most without "
-        "planning (1 after the first such plan, doubling while they keep coming; 0: plan every step)",
+        "planning (1 after the first such plan, doubling while they keep coming; more where a plan is dear: "
+        "quiet_share; 0: plan every step)",
     )
     quiet_share: float = Field(
         0.005, ge=0, lt=1,
