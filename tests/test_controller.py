@@ -936,6 +936,18 @@ def test_a_batch_whose_matches_come_every_other_step_plans_on_while_they_pay_for
         assert all(p.max_nodes == 0 for p in ctrl.plan(ids, **held)) and not ctrl.quiet(ids)
 
 
+def _quiet_spells(ctl: SpeculationController, ids: list[int], plans: int) -> list[int]:
+    """The quiet steps after each of ``plans`` plans of ``ids`` that find nothing paying."""
+    spells = []
+    for _ in range(plans):
+        assert all(p.max_nodes == 0 for p in ctl.plan(ids))
+        n = 0
+        while ctl.quiet(ids):
+            n += 1
+        spells.append(n)
+    return spells
+
+
 def test_what_is_left_of_a_quiet_batch_stays_quiet_at_its_batch_size() -> None:
     """Requests that finish leave the rest of a quiet batch quiet while the batch keeps its size
     class (a batch of 16 whose requests end one by one must not plan at every ending); a smaller
@@ -944,10 +956,7 @@ def test_what_is_left_of_a_quiet_batch_stays_quiet_at_its_batch_size() -> None:
     cost = CostModel({1: 10.0, 64: 11.0}, lr=0.0)
     dear = SpeculationController(cost, BUDGET, ControllerOptions(draft_ms_fixed=50.0, quiet_steps=8, outcome_ema=0))
     ids = list(range(7))
-    for _ in range(3):  # the backoff grows to 4 steps
-        assert all(p.max_nodes == 0 for p in dear.plan(ids))
-        while dear.quiet(ids):
-            pass
+    assert _quiet_spells(dear, ids, 3) == [1, 2, 4]
     assert all(p.max_nodes == 0 for p in dear.plan(ids))  # a spell of 8
     for left in (6, 5, 4):  # 7 -> 6 -> 5 -> 4 requests: one batch size (4-7), the spell goes on
         dear.release(left)
@@ -970,14 +979,7 @@ def test_a_quiet_spell_grows_until_the_plan_ending_it_costs_a_small_share_of_it(
         ctl = SpeculationController(cost, BUDGET, ControllerOptions(draft_ms_fixed=50.0, quiet_steps=4, quiet_share=share,
                                                                    probe_steps=0, outcome_ema=0))
         ctl.observe_plan_cost(len(ids), plan_ms)
-        out = []
-        for _ in range(9):
-            assert all(p.max_nodes == 0 for p in ctl.plan(ids))
-            n = 0
-            while ctl.quiet(ids):
-                n += 1
-            out.append(n)
-        return out
+        return _quiet_spells(ctl, ids, 9)
 
     assert spells(0.0, 2.0) == [1, 2, 4, 4, 4, 4, 4, 4, 4]
     # 2 ms against 0.5% of ~10 ms plain steps: a spell of ceil(2 / 0.0502) - 1 = 39 steps
@@ -995,14 +997,7 @@ def test_a_batch_whose_plans_cannot_pay_goes_quiet_for_doubling_spells() -> None
     cost = CostModel({1: 10.0, 64: 11.0}, lr=0.0)
     dear = SpeculationController(cost, BUDGET, ControllerOptions(draft_ms_fixed=50.0, quiet_steps=4, outcome_ema=0))
     ids = [0, 1, 2]
-    spells = []
-    for _ in range(5):
-        assert all(p.max_nodes == 0 for p in dear.plan(ids))
-        n = 0
-        while dear.quiet(ids):
-            n += 1
-        spells.append(n)
-    assert spells == [1, 2, 4, 4, 4]
+    assert _quiet_spells(dear, ids, 5) == [1, 2, 4, 4, 4]
     dear.plan(ids)
     assert not dear.quiet([0, 1, 3]) and not dear.quiet([0]) and dear.quiet(ids)  # only the batch that was planned
     cheap = SpeculationController(cost, BUDGET, ControllerOptions(alpha_prior=0.8, outcome_ema=0))
