@@ -74,6 +74,27 @@ def test_packed_weights_are_read_back_exactly() -> None:
         _dense(SimpleNamespace(weight=torch.empty(0)))
 
 
+def test_a_step_nobody_drafted_for_has_no_trees_and_stray_drafts_are_refused() -> None:
+    """``plan_trees``: a quiet step (no proposed tree, nothing scheduled) has no tree step; drafts
+    scheduled for a request the proposer drafted nothing for are refused by request id, with or
+    without other requests' trees."""
+    import numpy as np
+
+    from dyntree.common.tree import DraftTree
+    from dyntree.vllm_plugin.step import plan_trees
+
+    ones, computed = np.array([1, 1]), np.array([5, 7])
+    assert plan_trees(["a", "b"], {}, ones, computed, {}) is None
+    assert plan_trees(["a", "b"], {"a": []}, ones, computed, {}) is None
+    with pytest.raises(RuntimeError, match="request 'b' was scheduled drafts"):
+        plan_trees(["a", "b"], {"b": [4]}, np.array([1, 2]), computed, {})
+    tree = DraftTree.chain(3, [4])
+    step = plan_trees(["a", "b"], {"b": [4]}, np.array([1, 2]), computed, {"b": tree})
+    assert step is not None and step.rows == [1] and step.starts == [1] and step.prefix == [7]
+    with pytest.raises(RuntimeError, match="request 'a' was scheduled drafts"):
+        plan_trees(["a", "b"], {"a": [9], "b": [4]}, np.array([2, 2]), computed, {"b": tree})
+
+
 def test_unsupported_vllm_versions_are_refused() -> None:
     from dyntree.vllm_plugin import check_version
 

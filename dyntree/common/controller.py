@@ -521,10 +521,10 @@ class SpeculationController:
         that joins ends the spell. Counts the step when it says so."""
         ids, left, backoff, could = self._quiet
         now = frozenset(request_ids)
-        if left <= 0 or not now or not (now == ids or (now < ids and batch_bucket(len(now)) == batch_bucket(len(ids)))):
+        bucket = batch_bucket(len(now))
+        if left <= 0 or not now or not (now == ids or (now < ids and bucket == batch_bucket(len(ids)))):
             return False
         self._quiet = (ids, left - 1, backoff, could)
-        bucket = batch_bucket(len(request_ids))
         self._plain_run[bucket] = self._plain_run.get(bucket, 0) + 1
         for rid in could:  # an idle step, as a plan without drafts would count it
             if rid in now:
@@ -842,7 +842,7 @@ def _factor(own: float | None, ratios: Iterable[float], bound: float) -> float:
     if own is None:
         return 1.0
     best = min(max(max(ratios, default=own), own), 1.0)
-    return min(max(own, 1 / bound), 1.0, min(max(best, 1 / bound), 1.0) * own / best)
+    return min(max(own, 1 / bound), 1.0, max(best, 1 / bound) * own / best)
 
 
 def _slack(remaining: Sequence[int | None] | None, batch: int) -> np.ndarray:
