@@ -410,7 +410,7 @@ def test_branching_plans_that_deliver_less_than_predicted_give_way_to_chains() -
 
 def test_large_plans_that_deliver_less_than_predicted_give_way_to_small_ones() -> None:
     # Chains of up to 8 nodes, each level accepted with probability 0.6, on a nearly flat verify
-    # cost: the models put a 7-node chain first. Plans of 4 nodes and more deliver 0.6x their
+    # cost: the models put a 6- or 7-node chain first. Plans of 4 nodes and more deliver 0.6x their
     # predicted rate (their deep drafts are worse than the acceptance model says), plans of 1-3
     # nodes as predicted. The outcome check, kept per plan size, scales the large plans down and a
     # 3-node chain takes over. Control: when every size delivers 0.6x, the ranking stands.
@@ -432,11 +432,11 @@ def test_large_plans_that_deliver_less_than_predicted_give_way_to_small_ones() -
         return ctrl, sizes
 
     ctrl, sizes = run(small=1.0)
-    assert sizes[0] == 7 and all(n == 3 for n in sizes[-50:])
-    assert ctrl.outcome_factor(nodes=3) == 1.0 and ctrl.outcome_factor(nodes=7) < 0.9
+    assert sizes[0] >= 6 and all(n == 3 for n in sizes[-50:])
+    assert ctrl.outcome_factor(nodes=3) == 1.0 and ctrl.outcome_factor(nodes=sizes[0]) < 0.9
     assert 0.6 < ctrl.outcome_factor() < 1.0  # every size pooled
     _, uniform = run(small=0.6)
-    assert all(n == 7 for n in uniform[-50:])
+    assert uniform[0] >= 6 and all(n == uniform[0] for n in uniform[-50:])
 
 
 def test_a_class_above_its_prediction_does_not_scale_the_others_down() -> None:
@@ -594,10 +594,10 @@ def test_expected_tables_are_shared_at_a_grain_of_one_hundredth() -> None:
     assert len(ctrl._tables) == tables
 
 
-def test_depth_profile_makes_trees_shallower_when_later_levels_are_weaker() -> None:
-    # Hydra-like: the first draft is accepted 80% of the time, later ones 20%. The depth profile
-    # learns that against the requests' own alpha, and the plan gets shallower than for a drafter
-    # that is accepted 80% of the time at every level.
+def test_level_acceptance_makes_trees_shallower_when_later_levels_are_weaker() -> None:
+    # Hydra-like: the first draft is accepted 80% of the time, later ones 20%. The level
+    # acceptance learns that, and the plan gets shallower than for a drafter that is accepted 80%
+    # of the time at every level.
     gen = torch.Generator().manual_seed(0)
     tree = DraftTree.chain(0, [1, 2, 3, 4])
     cost = {1: 10.0, 8: 10.4, 64: 13.0}
@@ -612,16 +612,15 @@ def test_depth_profile_makes_trees_shallower_when_later_levels_are_weaker() -> N
         return ctrl
 
     weak, flat = run(0.2), run(0.8)
-    assert weak.depth_profile[0] == flat.depth_profile[0] == 1.0  # the root's child is alpha itself
-    assert weak.depth_profile[1] < 0.45 and weak.depth_profile[2] < 0.6
-    assert all(abs(r - 1) < 0.2 for r in flat.depth_profile[1:3])
+    assert weak.level_acceptance[0][0] < 0.3 and weak.level_acceptance[1][0] < 0.4
+    assert all(abs(rate - 0.8) < 0.12 for rate, _ in flat.level_acceptance[:2])
     assert weak.plan([0])[0].max_depth < flat.plan([0])[0].max_depth
 
 
-def test_depth_profile_learns_a_reached_levels_own_ratio_within_dozens_of_observations() -> None:
+def test_level_acceptance_learns_a_reached_levels_own_rate_within_dozens_of_observations() -> None:
     # n-gram-like: the first draft is accepted 30% of the time, each later one 80% once its parent
-    # is. 200 steps reach level 1 ~60 times: enough for the profile to read the level's own ratio
-    # (0.8 / 0.3 ~ 2.7) rather than lean on the level above (1.0), as a prior worth only two
+    # is. 200 steps reach level 2 ~60 times: enough for the level acceptance to read the level's
+    # own rate (0.8) rather than lean on the population's alpha (0.3), as a prior worth only two
     # observations allows.
     gen = torch.Generator().manual_seed(1)
     tree = DraftTree.chain(0, [1, 2, 3, 4])
@@ -634,7 +633,28 @@ def test_depth_profile_learns_a_reached_levels_own_ratio_within_dozens_of_observ
         reached += len(path) > 1
         ctrl.observe(0, tree, path)
     assert reached < 80
-    assert ctrl.depth_profile[1] > 2.2 and ctrl.depth_profile[2] > 2.0
+    assert ctrl.level_acceptance[0][0] > 0.7 and ctrl.level_acceptance[1][0] > 0.65
+
+
+def test_a_request_whose_first_drafts_fail_more_still_gets_the_deep_levels_every_request_reaches() -> None:
+    # Two requests whose drafts go on being accepted alike once the first is (70% a level, as
+    # measured in vLLM for Hydra and n-gram), but whose first drafts are accepted 80% and 25% of
+    # the time. With verify rows almost free, the weaker request's plan is priced with the deep
+    # levels it does reach: a chain of several nodes, not one (a level acceptance read as a
+    # multiple of each request's alpha priced its second node at 0.25 x 0.7 / ~0.5).
+    gen = torch.Generator().manual_seed(2)
+    tree = DraftTree.chain(0, [1, 2, 3, 4, 5, 6])
+    ctrl = SpeculationController(CostModel({1: 10.0, 8: 10.2, 64: 14.0}), Budget(8, 6))
+    for _ in range(300):
+        for rid, first in ((0, 0.8), (1, 0.25)):
+            path = [0]
+            while len(path) < 7 and float(torch.rand(1, generator=gen)) < (first if len(path) == 1 else 0.7):
+                path.append(len(path))
+            ctrl.observe(rid, tree, path)
+    assert ctrl.alpha(1) < 0.4 < 0.65 < ctrl.alpha(0)
+    assert all(abs(rate - 0.7) < 0.15 for rate, _ in ctrl.level_acceptance[:3])
+    weak = ctrl.plan([1])[0]
+    assert weak.max_depth >= 3
 
 
 def _outcome_run(ctrl: SpeculationController, steps: int, spec_ms: float, plain_ms: float,

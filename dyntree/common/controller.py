@@ -4,9 +4,14 @@
   child is accepted) and a global *sibling gain* ``g`` (what an extra
   sibling is worth relative to an independent first draft: 0 nothing, 1 as much) predict the
   expected accepted draft tokens of a tree with ``n`` nodes and depth ``d``: with ``w = n / d``
-  nodes per level, level ``j``'s acceptance ``alpha_j = alpha * r_j`` (``r_j``, the *depth
-  profile*: the hits observed at that level over those the requests' own alpha predicted, so
-  Hydra's weaker later heads make its trees shallower) and ``beta_j = 1 - (1 - alpha_j)^(1 + g (w - 1))``,
+  nodes per level, level 1's acceptance is the request's ``alpha`` and a deeper level ``j``'s is
+  ``a_j``, the *level acceptance*: over every request, the chance that a node reached at that
+  level (on the accepted path) has its first child accepted. Measured in vLLM, it hardly moves
+  with the request's own alpha (Hydra's level 2 accepted 0.56-0.60 for requests whose alpha read
+  0.28-0.58, n-gram's 0.44-0.70 for 0.14-0.40, ``docs/trees.md``), so it is not a multiple of alpha:
+  a ratio to alpha priced a low-alpha request's deep nodes far below what they deliver and kept
+  its plans at one node. Hydra's weaker later heads make its trees shallower, an n-gram match
+  that held once makes them deeper; ``beta_j = 1 - (1 - alpha_j)^(1 + g (w - 1))``,
   ``E(n, d) = beta_1 + beta_1 beta_2 + ... + beta_1 ... beta_d``, times the request's *delivery* (the EMA fraction
   of planned nodes the drafter actually drafted: n-gram lookup often finds nothing; a drafter
   that can tell beforehand, ``Drafter.can_draft``, is planned only for the requests it can draft
@@ -159,16 +164,18 @@ class SpeculationController:
         self._pop_got = self._pop_want = o.prior_weight
         self._planned: dict[Hashable, int] = {}  # the last plan's nodes per request, until observed
         # Per tree level (level j: a node at depth j was reached; a hit: its first child accepted),
-        # decayed hits and the hits the requests' own alpha predicted: how acceptance changes with
-        # depth (Hydra's later heads are weaker; an n-gram match that held once tends to hold on),
-        # measured against each request's own rate, so the good requests that alone reach deep
-        # levels do not make deep levels look good. Each level's prior is the level above's ratio,
-        # worth ``prior_weight`` observations of the level (their EMA weight, decaying as the level
-        # is observed, times the population's alpha: the hits they would predict), so a level that
-        # is rarely reached is not taken for as good as the root, and one that is reached learns
-        # its own ratio within a few dozen observations.
+        # decayed hits and reaches over every request: how acceptance changes with depth (Hydra's
+        # later heads are weaker; an n-gram match that held once tends to hold on). Not measured
+        # against each request's own alpha: the chance that a reached level goes on hardly moves
+        # with it (the class docstring). The requests that reach deep levels are the ones whose
+        # drafts were accepted, and that is the chance a plan needs: the path reached that level.
+        # Each level's prior is the level above's rate, worth ``prior_weight`` observations of
+        # the level (their EMA weight, decaying as the level is observed), so a level that is
+        # rarely reached leans on the one above, and one that is reached learns its own rate
+        # within a few dozen observations.
         self._lvl_hits = [0.0] * budget.max_depth
-        self._lvl_expected = [0.0] * budget.max_depth
+        self._lvl_reached = [0.0] * budget.max_depth
+        self._lvl_alpha = [0.0] * budget.max_depth  # the reaching requests' alpha, summed as reaches are
         self._lvl_prior = [o.prior_weight * (1 - self._keep)] * budget.max_depth
         # expected_table and its hull steps, by rounded inputs
         self._tables: dict[tuple, tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]] = {}
@@ -243,15 +250,25 @@ class SpeculationController:
         return s.got / s.want
 
     @property
-    def depth_profile(self) -> list[float]:
-        """Per tree level, observed top-1 hits over the hits the requests' alpha predicted (1.0
-        at the root, whose first child alpha is; a level with little evidence leans on the level
-        above it)."""
-        profile, above, alpha = [], 1.0, max(self.population_alpha, 1e-3)
-        for h, e, p in zip(self._lvl_hits, self._lvl_expected, self._lvl_prior):
-            above = (h + p * alpha * above) / (e + p * alpha)
-            profile.append(above)
-        return profile
+    def level_acceptance(self) -> list[tuple[float, float]]:
+        """Per tree level below the root's first child (index ``k``: level ``k + 2``), over every
+        request that reached it: the chance that a node reached there has its first child
+        accepted, and those requests' mean alpha; a level with little evidence leans on the level
+        above it (the first, on the population's alpha)."""
+        levels, above, seen = [], self.population_alpha, self.population_alpha
+        for h, n, a, p in zip(self._lvl_hits[1:], self._lvl_reached[1:], self._lvl_alpha[1:], self._lvl_prior[1:]):
+            above, seen = (h + p * above) / (n + p), (a + p * seen) / (n + p)
+            levels.append((above, seen))
+        return levels
+
+    @staticmethod
+    def _level_rates(alpha: float, levels: Sequence[tuple[float, float]]) -> list[float]:
+        """A request's acceptance per level, root's first child first: its ``alpha``, then each
+        deeper level's rate, half of it as measured over every request and half scaled by the
+        request's alpha over theirs (partial pooling: measured in vLLM a reached level's rate
+        hardly moves with the request's alpha, but a batch where one request copies a passage
+        must not lend its deep levels whole to the others)."""
+        return [alpha] + [rate * (0.5 + 0.5 * alpha / max(seen, 1e-3)) for rate, seen in levels]
 
     def outcome_factor(self, rows: int = 1, branching: bool = False, nodes: int | None = None) -> float:
         """At batches of ``rows`` requests, the measured over predicted throughput of speculative
@@ -319,20 +336,20 @@ class SpeculationController:
 
     def expected_table(self, alpha: float, delivery: float = 1.0) -> tuple[list[float], list[int]]:
         """``(E[n], best_depth[n])`` for ``n = 0..max_nodes`` draft nodes at acceptance ``alpha``
-        (scaled per level by :attr:`depth_profile`), times ``delivery``, the fraction of planned
+        (deeper levels at :attr:`level_acceptance`), times ``delivery``, the fraction of planned
         nodes the drafter actually drafts (an n-gram drafter finds no match about half the time:
         its plans are worth half as much).
 
         Plain Python floats: the table is small (``max_nodes x max_depth``), where tensor ops
         would cost more in dispatch than in math. Tables are kept by their inputs rounded to 0.01
-        (alpha, delivery, the profile and the sibling gain): every request's alpha moves every
+        (alpha, delivery, the level acceptance and the sibling gain): every request's alpha moves every
         step it drafts, and at a finer grain a batch recomputes a table per request every step; a
         delivery only scales a table (the best depth does not change)."""
         return self._table(alpha, delivery)[0]
 
     def _shape(self) -> tuple[float, tuple[float, ...]]:
-        """The sibling gain and depth profile as the tables are kept by (rounded to 0.01)."""
-        return round(self.sibling_gain, 2), tuple(round(r, 2) for r in self.depth_profile)
+        """The sibling gain and level acceptance as the tables are kept by (rounded to 0.01)."""
+        return round(self.sibling_gain, 2), tuple((round(r, 2), round(a, 2)) for r, a in self.level_acceptance)
 
     def _table(self, alpha: float, delivery: float, chains: bool = False,
                shape: tuple[float, tuple[float, ...]] | None = None,
@@ -342,16 +359,16 @@ class SpeculationController:
         n_max = self.budget.max_nodes
         if self.budget.max_depth == 0:
             return ([0.0] * (n_max + 1), [0] * (n_max + 1)), []
-        gain, profile = shape if shape is not None else self._shape()
-        base_key = (round(alpha, 2), 1.0, gain, profile, chains)
-        key = (base_key[0], round(delivery, 2), gain, profile, chains)
+        gain, levels = shape if shape is not None else self._shape()
+        base_key = (round(alpha, 2), 1.0, gain, levels, chains)
+        key = (base_key[0], round(delivery, 2), gain, levels, chains)
         entry = self._tables.get(key)
         if entry is None:
             if len(self._tables) >= 4096:
                 self._tables.clear()
             base = self._tables.get(base_key)
             if base is None:
-                e, depth = self._expected(base_key[0], gain, profile, chains)
+                e, depth = self._expected(base_key[0], gain, levels, chains)
                 base = self._tables[base_key] = ((e, depth), self._hull(e))
             if key == base_key:
                 return base
@@ -360,14 +377,14 @@ class SpeculationController:
             entry = self._tables[key] = ((scaled, depth), self._hull(scaled))
         return entry
 
-    def _expected(self, alpha: float, gain: float, profile: Sequence[float],
+    def _expected(self, alpha: float, gain: float, levels: Sequence[tuple[float, float]],
                   chains: bool = False) -> tuple[list[float], list[int]]:
         """:meth:`expected_table` computed at full delivery: a tree of ``n`` nodes and depth ``d``
         has ``n / d`` nodes per level; level ``j`` catches the target's token with ``beta_j = 1 -
         (1 - alpha_j)^(1 + g (n / d - 1))``, and ``E = beta_1 + beta_1 beta_2 + ...`` (-1: no such
         tree; ``chains``: only ``d = n``)."""
         o = self.options
-        miss = [1 - min(max(alpha * r, 0.0), 1 - 1e-9) for r in profile]
+        miss = [1 - min(max(a, 0.0), 1 - 1e-9) for a in self._level_rates(alpha, levels)]
         best, depth = [0.0], [0]
         for n in range(1, self.budget.max_nodes + 1):
             e_best, d_best = -1.0, 0  # -1: no such tree
@@ -696,7 +713,7 @@ class SpeculationController:
         on_path = set(accepted_nodes)
         hits = trials = 0
         g_hits = g_trials = 0
-        predicted = self.alpha(request_id)
+        alpha = self.alpha(request_id)
         for level, node in enumerate(accepted_nodes):
             kids = children.get(node, [])
             if not kids:
@@ -704,9 +721,10 @@ class SpeculationController:
             hit = kids[0] in on_path
             if level == 0:  # alpha: the root's first child
                 trials, hits = 1, int(hit)
-            elif level < self.budget.max_depth:  # deeper levels: the depth profile, against that alpha
+            elif level < self.budget.max_depth:  # deeper levels: the level acceptance, over every request
                 self._lvl_hits[level] = keep * self._lvl_hits[level] + (1 - keep) * hit
-                self._lvl_expected[level] = keep * self._lvl_expected[level] + (1 - keep) * predicted
+                self._lvl_reached[level] = keep * self._lvl_reached[level] + (1 - keep)
+                self._lvl_alpha[level] = keep * self._lvl_alpha[level] + (1 - keep) * alpha
                 self._lvl_prior[level] *= keep
             if hit:
                 continue
