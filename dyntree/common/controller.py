@@ -4,14 +4,17 @@
   child is accepted) and a global *sibling gain* ``g`` (what an extra
   sibling is worth relative to an independent first draft: 0 nothing, 1 as much) predict the
   expected accepted draft tokens of a tree with ``n`` nodes and depth ``d``: with ``w = n / d``
-  nodes per level, level 1's acceptance is the request's ``alpha`` and a deeper level ``j``'s is
-  ``a_j``, the *level acceptance*: over every request, the chance that a node reached at that
-  level (on the accepted path) has its first child accepted. Measured in vLLM, it hardly moves
-  with the request's own alpha (Hydra's level 2 accepted 0.56-0.60 for requests whose alpha read
-  0.28-0.58, n-gram's 0.44-0.70 for 0.14-0.40, ``docs/trees.md``), so it is not a multiple of alpha:
-  a ratio to alpha priced a low-alpha request's deep nodes far below what they deliver and kept
-  its plans at one node. Hydra's weaker later heads make its trees shallower, an n-gram match
-  that held once makes them deeper; ``beta_j = 1 - (1 - alpha_j)^(1 + g (w - 1))``,
+  nodes per level, level 1's acceptance is the request's ``alpha`` and a deeper level ``j``'s
+  comes from the *level acceptance* ``a_j``: over every request that reached that level (on the
+  accepted path), the chance that the node there has its first child accepted. Measured in vLLM
+  it hardly moves with the request's own alpha (Hydra's level 2 went on 0.56-0.60 of the time for
+  requests whose alpha read 0.28-0.58, n-gram's 0.44-0.70 for 0.14-0.40, ``docs/trees.md``), so
+  a request's rate there is pooled: half ``a_j``, half ``a_j`` scaled by its alpha over the
+  reaching requests' (a ratio to alpha alone priced a low-alpha request's deep nodes far below
+  what they deliver and kept its plans at one node; the half that follows alpha keeps one request
+  copying a passage from lending its deep levels whole to the others). Hydra's weaker later heads
+  make its trees shallower, an n-gram match that held once makes them deeper;
+  ``beta_j = 1 - (1 - alpha_j)^(1 + g (w - 1))``,
   ``E(n, d) = beta_1 + beta_1 beta_2 + ... + beta_1 ... beta_d``, times the request's *delivery* (the EMA fraction
   of planned nodes the drafter actually drafted: n-gram lookup often finds nothing; a drafter
   that can tell beforehand, ``Drafter.can_draft``, is planned only for the requests it can draft
