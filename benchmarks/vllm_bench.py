@@ -59,6 +59,13 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
 #: against ``none`` is the machine's noise.
 ENGINE_ARGS: dict[str, dict[str, Any]] = {"none_sync": {"async_scheduling": False}}
 CONFIGS["none_sync"] = None
+#: Controls for the adaptive controller, run only when named in ``--configs``: each drafter pinned
+#: to the shape vLLM's own n-gram verifies (a chain of 4, every step it can draft).
+CONTROLS: dict[str, dict[str, Any]] = {
+    "dyntree_chain4": {"method": "dyntree", "tree": "chain", "adaptive": False, "num_speculative_tokens": 4},
+    "dyntree_ngram_chain4": {"method": "dyntree", "drafter": "ngram", "tree": "chain", "adaptive": False,
+                             "num_speculative_tokens": 4},
+}
 SETS = ("chat", "code")
 BATCHES = (1, 8, 16)
 
@@ -301,7 +308,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on a CPU with native bf16, else fp32) | bfloat16 | float32")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join([*CONFIGS, *CONTROLS])}")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="of 1, 8, 16 (default: all)")
     ap.add_argument("--in-process", action="store_true",
                     help="every config's engine in one process, generate calls interleaved (see interleaved())")
@@ -317,13 +324,14 @@ def main() -> int:
     batches = tuple(int(b) for b in args.batches.split(","))
     if not batches or any(b not in BATCHES for b in batches):
         ap.error(f"--batches: choose from {', '.join(map(str, BATCHES))}")
+    CONFIGS.update((c, CONTROLS[c]) for c in [*args.configs.split(","), args.worker] if c in CONTROLS)
     if args.worker:
         worker(args.worker, args.dtype, args.max_tokens, Path(args.worker_out), batches)
         return 0
     configs = args.configs.split(",")
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
-        ap.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+        ap.error(f"--configs: unknown {unknown}; choose from {', '.join({**CONFIGS, **CONTROLS})}")
     short = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
     out = Path(args.out or ROOT / "benchmarks" / "results" / "vllm" / f"{machine_kind()}_{short}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
