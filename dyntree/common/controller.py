@@ -170,7 +170,7 @@ class SpeculationController:
         # decayed hits and reaches over every request: how acceptance changes with depth (Hydra's
         # later heads are weaker; an n-gram match that held once tends to hold on). Not measured
         # against each request's own alpha: the chance that a reached level goes on hardly moves
-        # with it (the class docstring). The requests that reach deep levels are the ones whose
+        # with it (the module docstring). The requests that reach deep levels are the ones whose
         # drafts were accepted, and that is the chance a plan needs: the path reached that level.
         # Each level's prior is the level above's rate, worth ``prior_weight`` observations of
         # the level (their EMA weight, decaying as the level is observed), so a level that is
@@ -350,12 +350,12 @@ class SpeculationController:
         delivery only scales a table (the best depth does not change)."""
         return self._table(alpha, delivery)[0]
 
-    def _shape(self) -> tuple[float, tuple[float, ...]]:
+    def _shape(self) -> tuple[float, tuple[tuple[float, float], ...]]:
         """The sibling gain and level acceptance as the tables are kept by (rounded to 0.01)."""
         return round(self.sibling_gain, 2), tuple((round(r, 2), round(a, 2)) for r, a in self.level_acceptance)
 
     def _table(self, alpha: float, delivery: float, chains: bool = False,
-               shape: tuple[float, tuple[float, ...]] | None = None,
+               shape: tuple[float, tuple[tuple[float, float], ...]] | None = None,
                ) -> tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]:
         """:meth:`expected_table` (``chains``: of chains only) and the steps of its upper concave
         hull (:meth:`_hull`), cached; ``shape``: :meth:`_shape`, when the caller has it."""
