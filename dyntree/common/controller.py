@@ -176,10 +176,12 @@ class SpeculationController:
         # the level (their EMA weight, decaying as the level is observed), so a level that is
         # rarely reached leans on the one above, and one that is reached learns its own rate
         # within a few dozen observations.
-        self._lvl_hits = [0.0] * budget.max_depth
-        self._lvl_reached = [0.0] * budget.max_depth
-        self._lvl_alpha = [0.0] * budget.max_depth  # the reaching requests' alpha, summed as reaches are
-        self._lvl_prior = [o.prior_weight * (1 - self._keep)] * budget.max_depth
+        # (index k: level k + 1, the first below the root's first child, whose hits are alpha's)
+        deeper = max(budget.max_depth - 1, 0)
+        self._lvl_hits = [0.0] * deeper
+        self._lvl_reached = [0.0] * deeper
+        self._lvl_alpha = [0.0] * deeper  # the reaching requests' alpha, summed as reaches are
+        self._lvl_prior = [o.prior_weight * (1 - self._keep)] * deeper
         # expected_table and its hull steps, by rounded inputs
         self._tables: dict[tuple, tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]] = {}
         # The outcome check, per batch size (rounded down to a power of two): EMAs of the tokens
@@ -259,7 +261,7 @@ class SpeculationController:
         accepted, and those requests' mean alpha; a level with little evidence leans on the level
         above it (the first, on the population's alpha)."""
         levels, above, seen = [], self.population_alpha, self.population_alpha
-        for h, n, a, p in zip(self._lvl_hits[1:], self._lvl_reached[1:], self._lvl_alpha[1:], self._lvl_prior[1:]):
+        for h, n, a, p in zip(self._lvl_hits, self._lvl_reached, self._lvl_alpha, self._lvl_prior):
             above, seen = (h + p * above) / (n + p), (a + p * seen) / (n + p)
             levels.append((above, seen))
         return levels
@@ -725,10 +727,11 @@ class SpeculationController:
             if level == 0:  # alpha: the root's first child
                 trials, hits = 1, int(hit)
             elif level < self.budget.max_depth:  # deeper levels: the level acceptance, over every request
-                self._lvl_hits[level] = keep * self._lvl_hits[level] + (1 - keep) * hit
-                self._lvl_reached[level] = keep * self._lvl_reached[level] + (1 - keep)
-                self._lvl_alpha[level] = keep * self._lvl_alpha[level] + (1 - keep) * alpha
-                self._lvl_prior[level] *= keep
+                k = level - 1
+                self._lvl_hits[k] = keep * self._lvl_hits[k] + (1 - keep) * hit
+                self._lvl_reached[k] = keep * self._lvl_reached[k] + (1 - keep)
+                self._lvl_alpha[k] = keep * self._lvl_alpha[k] + (1 - keep) * alpha
+                self._lvl_prior[k] *= keep
             if hit:
                 continue
             extra = kids[1:]
