@@ -1037,3 +1037,27 @@ def test_a_batch_whose_plans_cannot_pay_goes_quiet_for_doubling_spells() -> None
     off = SpeculationController(cost, BUDGET, ControllerOptions(draft_ms_fixed=50.0, quiet_steps=0))
     off.plan(ids)
     assert not off.quiet(ids)
+
+
+def test_the_outcome_floor_keeps_the_measured_ranking_of_chains_and_trees() -> None:
+    """Plain steps ran 1.1x faster than predicted, so the speculative checks are floored at
+    1.1 / outcome_bound = 0.88. Trees measured at 0.77 of their prediction and chains of the same
+    size at 0.90 must not both read 0.88 (floored one by one, they did, and a batch of one kept
+    planning the trees that did not pay): the trees keep their shortfall against the chains, and
+    the plan is a chain. Measured below the floor, both are raised together."""
+    cost = CostModel({1: 10.0, 2: 10.3, 64: 28.9}, lr=0.0)  # 0.3 ms a draft node
+    ctrl = SpeculationController(cost, Budget(15, 4), ControllerOptions(alpha_prior=0.7, probe_steps=0))
+    assert ctrl.plan([0])[0].mode == "tree"  # the models alone: a tree of 14 beats a chain of 4 by 1.12x
+    ctrl._plain_outcome[1] = (1.1, 1.0)
+    for size in (2, 3, 4):  # every size class of plans with 4 to 15 nodes
+        ctrl._outcome[(1, False, size)] = (0.90, 1.0)
+        ctrl._outcome[(1, True, size)] = (0.77, 1.0)
+    floor = ctrl.plain_factor() / ctrl.options.outcome_bound
+    factors = ctrl._outcome_factors(1, floor)
+    assert factors[1, 4] / factors[0, 4] == pytest.approx(0.77 / 0.90)
+    assert ctrl.plan([0])[0].mode == "chain"
+    for size in (2, 3, 4):  # both below the floor: the best measured class is raised to it
+        ctrl._outcome[(1, False, size)] = (0.80, 1.0)
+        ctrl._outcome[(1, True, size)] = (0.70, 1.0)
+    factors = ctrl._outcome_factors(1, floor)
+    assert factors[0, 4] == pytest.approx(floor) and factors[1, 4] == pytest.approx(floor * 0.70 / 0.80)
