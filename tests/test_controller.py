@@ -1049,7 +1049,7 @@ def test_the_outcome_floor_keeps_the_measured_ranking_of_chains_and_trees() -> N
     ctrl = SpeculationController(cost, Budget(15, 4), ControllerOptions(alpha_prior=0.7, probe_steps=0))
     assert ctrl.plan([0])[0].mode == "tree"  # the models alone: a tree of 14 beats a chain of 4 by 1.12x
     ctrl._plain_outcome[1] = (1.1, 1.0)
-    for size in (2, 3, 4):  # every size class of plans with 4 to 15 nodes
+    for size in (2, 3, 4):  # every size class of plans with 2 to 15 nodes
         ctrl._outcome[(1, False, size)] = (0.90, 1.0)
         ctrl._outcome[(1, True, size)] = (0.77, 1.0)
     floor = ctrl.plain_factor() / ctrl.options.outcome_bound

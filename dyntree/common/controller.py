@@ -440,7 +440,8 @@ class SpeculationController:
         plain = b / plain_ms
         raise_bar = self.plain_factor(b)
         bar = plain * raise_bar  # what plain decoding delivers, as measured
-        # the two checks together move a plan by at most outcome_bound, as each does alone
+        # the two checks together move the best measured plan class by at most outcome_bound, as each
+        # does alone (the other classes keep their measured shortfall against it)
         factors = self._outcome_factors(b, raise_bar / o.outcome_bound)
         factor = float(factors.max())  # for the bounds: no plan is scaled by more
         bucket = batch_bucket(b)
