@@ -313,11 +313,12 @@ class SpeculationController:
         plain factor of 1.1, and trees that did not pay kept being planned)."""
         ratios = self._outcome_ratios(rows)
         out = np.ones((2, int(self._classes[-1]) + 1))
+        measured = np.zeros(out.shape, dtype=bool)
         bound = self.options.outcome_bound
         for (k, c), own in ratios.items():
             out[int(k), c] = _factor(own, ratios.values(), bound)
+            measured[int(k), c] = True
         if ratios:
-            measured = tuple(np.array([(int(k), c) for k, c in ratios]).T)
             out[measured] *= max(1.0, floor / float(out[measured].max()))
         return out
 
