@@ -354,6 +354,30 @@ def test_budget_goes_to_the_requests_that_accept() -> None:
     assert plans[0].max_nodes > plans[1].max_nodes > 0
 
 
+def test_each_evidence_class_is_planned_by_its_own_acceptance() -> None:
+    # One request whose drafts are always accepted when the drafter reports a long match (class
+    # 4) and never without one (class 0): planned by each class's acceptance, not their mixture,
+    # and a new request in class 4 starts where that class stands over every request.
+    ctrl = SpeculationController(CostModel({1: 10.0, 24: 10.2, 64: 30.0}), BUDGET)
+    tree = DraftTree.chain(0, [1, 2, 3, 4])
+    for step in range(80):
+        cls = 4 if step % 2 else 0
+        ctrl.plan([1], evidence=[cls])
+        ctrl.observe(1, tree, [0, 1, 2, 3, 4] if cls else [0])
+    assert ctrl.alpha(1) > 0.9  # its last plan was class 4
+    long, none = ctrl.plan([1], evidence=[4])[0], ctrl.plan([1], evidence=[0])[0]
+    assert ctrl.alpha(1) < 0.1
+    assert long.max_nodes > none.max_nodes
+    fresh, unmatched = ctrl.plan([2, 3], evidence=[4, 0])
+    assert ctrl.alpha(2) > 0.6 > 0.35 > ctrl.alpha(3)  # the classes' populations, slowly decayed
+    assert fresh.max_nodes > unmatched.max_nodes
+    mixed = SpeculationController(CostModel({1: 10.0, 24: 10.2, 64: 30.0}), BUDGET)
+    for step in range(80):  # the same outcomes without evidence: one alpha, between the two
+        mixed.plan([1])
+        mixed.observe(1, tree, [0, 1, 2, 3, 4] if step % 2 else [0])
+    assert 0.3 < mixed.alpha(1) < 0.7
+
+
 def test_chains_only_when_trees_are_disallowed() -> None:
     ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET, ControllerOptions(allow_trees=False))
     plans = ctrl.plan(list(range(4)))
@@ -588,8 +612,8 @@ def test_expected_tables_are_shared_at_a_grain_of_one_hundredth() -> None:
         assert scaled == pytest.approx([round(delivery, 2) * x for x in e]) and scaled_depth == depth
     tables = len(ctrl._tables)
     for r in range(8):  # eight requests whose alphas differ below the grain share one table
-        s = ctrl._state(r)
-        s.hits = (0.501 + 0.0005 * r) * s.trials
+        acc = ctrl._acc(r)
+        acc[0] = (0.501 + 0.0005 * r) * acc[1]
     ctrl.plan(list(range(8)))
     assert len(ctrl._tables) == tables
 

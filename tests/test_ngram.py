@@ -46,6 +46,15 @@ def test_can_draft_says_whether_the_suffix_matches() -> None:
     assert [t.size > 1 for t in d.propose(reqs)] == [True, False, True, False]  # as the drafts turn out
 
 
+def test_evidence_classes_the_longest_match() -> None:
+    d = NgramDrafter()
+    passage = list(range(10, 30))
+    reqs = [_req(passage + [1] + passage[:9], rid="copy"), _req([5, 6, 7, 8, 5, 6], rid="short"),
+            _req([1, 2, 3], rid="none")]
+    # a 9-token match (class 4: 8-15 tokens), a 2-token one (class 2: 2-3), none (0)
+    assert d.evidence(reqs) == [4, 2, 0]
+
+
 def test_incremental_index_matches_a_fresh_one() -> None:
     d = NgramDrafter()
     seq = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5]

@@ -24,7 +24,11 @@
   siblings catch the token a first child missed. A request that keeps being accepted gets deep,
   large trees; one that keeps failing gets a short chain or nothing (each draft node must be
   worth ``min_node_value`` accepted tokens), and drifts back toward the prior (and full delivery)
-  while idle so it is retried now and then.
+  while idle so it is retried now and then. A drafter that knows something before drafting that
+  moves its acceptance (``Drafter.evidence``: the n-gram index's longest match, in classes of 1,
+  2-3, 4-7, ... tokens) has alpha kept per request and class, each class starting where it stands
+  over every request: a request that starts copying a passage is planned by what copied passages
+  are accepted at from its first such step, not after an EMA has climbed out of its last misses.
 * Per batch, a :class:`CostModel` (ms of one target forward vs. its number of query tokens,
   piecewise linear, seeded from start-up timings and refined online) prices the verify forward.
   Every request's node increments, ordered by expected accepted tokens per added query token
@@ -104,7 +108,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Literal, Sequence
 
 import numpy as np
@@ -127,10 +131,12 @@ class Plan:
 
 @dataclass
 class _RequestState:
-    hits: float
-    trials: float
     got: float  # decayed draft nodes delivered ...
     want: float  # ... of the nodes planned (the drafter's delivery ratio is got / want)
+    # per evidence class (Drafter.evidence; 0 for a drafter without): decayed [hits, trials] of the
+    # root's first child, and the class of the request's last plan (what alpha reads)
+    acc: dict[int, list[float]] = field(default_factory=dict)
+    cls: int = 0
 
 
 class SpeculationController:
@@ -157,6 +163,10 @@ class SpeculationController:
         # request's first step.
         self._pop_hits = o.alpha_prior * o.prior_weight
         self._pop_trials = o.prior_weight
+        # The same per evidence class (decayed [hits, trials]): a class's first request starts from
+        # the population's acceptance then, and the class learns its own (a drafter without
+        # evidence has only class 0, the population itself).
+        self._pop_class: dict[int, list[float]] = {}
         # Extra-sibling trials: (decayed) catches, trials, and the sum of the requests' alpha.
         catch = 1 - (1 - o.alpha_prior) ** o.sibling_gain_prior
         self._gain_hits = catch * o.prior_weight
@@ -229,9 +239,22 @@ class SpeculationController:
     def _state(self, rid: Hashable) -> _RequestState:
         o = self.options
         if rid not in self._requests:
-            self._requests[rid] = _RequestState(self.population_alpha * o.prior_weight, o.prior_weight,
-                                                self._pop_got / self._pop_want * o.prior_weight, o.prior_weight)
+            self._requests[rid] = _RequestState(self._pop_got / self._pop_want * o.prior_weight, o.prior_weight)
         return self._requests[rid]
+
+    def _class_pop(self, cls: int) -> list[float]:
+        """Decayed ``[hits, trials]`` of evidence class ``cls`` over every request."""
+        w = self.options.prior_weight
+        return self._pop_class.setdefault(cls, [self.population_alpha * w, w])
+
+    def _acc(self, rid: Hashable) -> list[float]:
+        """A request's decayed ``[hits, trials]`` in the evidence class of its last plan (starting
+        where that class stands over every request)."""
+        s = self._state(rid)
+        if s.cls not in s.acc:
+            h, t = self._class_pop(s.cls)
+            s.acc[s.cls] = [h / t * self.options.prior_weight, self.options.prior_weight]
+        return s.acc[s.cls]
 
     @property
     def population_alpha(self) -> float:
@@ -245,9 +268,9 @@ class SpeculationController:
         return 1 - self.options.ema / 4
 
     def alpha(self, request_id: Hashable) -> float:
-        """Current top-1 acceptance estimate of a request."""
-        s = self._state(request_id)
-        return s.hits / s.trials
+        """Current top-1 acceptance estimate of a request, in the evidence class of its last plan."""
+        hits, trials = self._acc(request_id)
+        return hits / trials
 
     def delivery(self, request_id: Hashable) -> float:
         """Expected fraction of planned draft nodes the drafter delivers for a request."""
@@ -418,7 +441,8 @@ class SpeculationController:
     # -- planning -------------------------------------------------------------------------------
     def plan(self, request_ids: Sequence[Hashable], kv: int | None = None,
              available: Sequence[bool] | None = None, catch_up: Sequence[int] | None = None,
-             remaining: Sequence[int | None] | None = None, waiting: int | None = None) -> list[Plan]:
+             remaining: Sequence[int | None] | None = None, waiting: int | None = None,
+             evidence: Sequence[int] | None = None) -> list[Plan]:
         """One plan per live request for the next verify step; ``kv``: the cached tokens each
         query row of the verify attends to (one rectangular cache: the longest request's), priced by
         the cost model's attention term; ``available``: which requests the drafter can draft for
@@ -428,11 +452,15 @@ class SpeculationController:
         per position (:meth:`observe_catch_up`) in a plan that drafts for it; ``remaining``: the
         tokens each request may still commit (``None``: unknown) and ``waiting``: the requests the
         engine holds back for want of room (``None``: unknown), which choose the objective
-        (:meth:`objective`)."""
+        (:meth:`objective`); ``evidence``: each request's class of what the drafter knows before
+        drafting (``Drafter.evidence``), whose acceptance the request is planned by and learns."""
         o = self.options
         b = len(request_ids)
         if b == 0:
             return []
+        if evidence is not None:
+            for rid, cls in zip(request_ids, evidence):
+                self._state(rid).cls = int(cls)
         can = list(available) if available is not None else [True] * b
         catch_ms = [self._catch_ms * n for n in catch_up] if catch_up is not None else [0.0] * b
         keys = [(self.alpha(r), self.delivery(r) if ok else 0.0) for r, ok in zip(request_ids, can)]
@@ -568,8 +596,9 @@ class SpeculationController:
         acceptance drifts back toward the better of the population's and the prior (and its
         delivery toward full) until a short probe pays again (one unlucky step must not end a
         good drafter's speculation for the rest of a request)."""
-        o, s = self.options, self._state(rid)
-        s.hits += o.relax * (max(self.population_alpha, o.alpha_prior) * s.trials - s.hits)
+        o, s, acc = self.options, self._state(rid), self._acc(rid)
+        h, t = self._class_pop(s.cls)
+        acc[0] += o.relax * (max(h / t, o.alpha_prior) * acc[1] - acc[0])
         s.got += o.relax * (s.want - s.got)
 
     def _relax_outcome(self, rows: int, branching_only: bool = False) -> None:
@@ -752,9 +781,11 @@ class SpeculationController:
             self._gain_trials = keep * self._gain_trials + (1 - keep) * g_trials
             self._gain_alpha = keep * self._gain_alpha + (1 - keep) * g_trials * self.alpha(request_id)
         if trials:
-            s = self._state(request_id)
-            s.hits = (1 - o.ema) * s.hits + o.ema * hits
-            s.trials = (1 - o.ema) * s.trials + o.ema * trials
+            acc, pop = self._acc(request_id), self._class_pop(self._state(request_id).cls)
+            acc[0] = (1 - o.ema) * acc[0] + o.ema * hits
+            acc[1] = (1 - o.ema) * acc[1] + o.ema * trials
+            pop[0] = keep * pop[0] + (1 - keep) * hits
+            pop[1] = keep * pop[1] + (1 - keep) * trials
             self._pop_hits = keep * self._pop_hits + (1 - keep) * hits
             self._pop_trials = keep * self._pop_trials + (1 - keep) * trials
 

@@ -313,6 +313,13 @@ class Drafter:
         drafter's average delivery. ``None``: unknown until drafted (the default)."""
         return None
 
+    def evidence(self, requests: Sequence[DraftRequest]) -> list[int] | None:
+        """Per request, a small class (0, 1, 2, ...) of what the drafter knows before drafting that
+        moves how often its first draft is accepted (n-gram: how long a match the committed suffix
+        has); the controller learns acceptance per class and plans each request by its class's.
+        ``None``: nothing known beforehand (the default)."""
+        return None
+
     def route_linears(self, dispatch: "LinearDispatch | None") -> None:
         """Route the drafter's own few-row linears by the engine's CPU dispatch
         (:mod:`dyntree.kernels.cpu_linear`; ``None``: stock ``F.linear``). Default: it has none."""

@@ -242,7 +242,7 @@ class Speculator:
             if any(d.max_depth == 0 for d in full):  # a request with one token left has nothing to draft
                 can = [d.max_depth > 0 and (can is None or c) for d, c in zip(full, can or [True] * len(full))]
             plans = self.controller.plan(ids, self._kv, can, self.drafter.catch_up(full),
-                                         [r.remaining for r in requests], waiting)
+                                         [r.remaining for r in requests], waiting, self.drafter.evidence(full))
         drafts = [self._draft_request(r, plans[i] if plans else None) for i, r in enumerate(requests)]
         # a chain planned for a drafter that grows its own trees (no builder): its tree within the
         # full node budget, then the likeliest path (the plan priced a chain, not a branching tree)

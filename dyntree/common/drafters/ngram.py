@@ -150,6 +150,15 @@ class NgramDrafter(Drafter):
         context = max(MAX_MATCH, self.options.max_n)
         return [bool(self._matches(index, index.tokens[-context:])) for index in map(self._indexed, requests)]
 
+    def evidence(self, requests: Sequence[DraftRequest]) -> list[int]:
+        """The longest match of each request's committed suffix (as :meth:`can_draft` finds it),
+        as a class: 0 without a match, then 1, 2-3, 4-7, 8-15, 16-31 and 32 tokens
+        (``length.bit_length()``): a passage being copied is accepted far more often than a
+        continuation after one shared token."""
+        context = max(MAX_MATCH, self.options.max_n)
+        return [int(max((w for w, _ in self._matches(index, index.tokens[-context:])), default=0.0)).bit_length()
+                for index in map(self._indexed, requests)]
+
     def release(self, request_id: Hashable) -> None:
         self._index.pop(request_id, None)
 
