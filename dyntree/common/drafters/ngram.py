@@ -147,14 +147,12 @@ class NgramDrafter(Drafter):
     def can_draft(self, requests: Sequence[DraftRequest]) -> list[bool]:
         """Whether each request's committed suffix occurs earlier with a token after it: the
         lookup :meth:`propose` starts from (the index brought up to date as it would be)."""
-        context = max(MAX_MATCH, self.options.max_n)
-        return [bool(self._matches(index, index.tokens[-context:])) for index in map(self._indexed, requests)]
+        return [cls > 0 for cls in self.evidence(requests)]
 
     def evidence(self, requests: Sequence[DraftRequest]) -> list[int]:
-        """The longest match of each request's committed suffix (as :meth:`can_draft` finds it),
-        as a class: 0 without a match, then 1, 2-3, 4-7, 8-15, 16-31 and 32 tokens
-        (``length.bit_length()``): a passage being copied is accepted far more often than a
-        continuation after one shared token."""
+        """The longest match of each request's committed suffix, as a class: 0 without a match,
+        then 1, 2-3, 4-7, 8-15, 16-31 and 32 tokens (``length.bit_length()``): a passage being
+        copied is accepted far more often than a continuation after one shared token."""
         context = max(MAX_MATCH, self.options.max_n)
         return [int(max((w for w, _ in self._matches(index, index.tokens[-context:])), default=0.0)).bit_length()
                 for index in map(self._indexed, requests)]
