@@ -391,7 +391,7 @@ class _Alternating:
 
     def plan(self, ids: Sequence[Hashable], kv: int | None = None, available: Sequence[bool] | None = None,
              catch_up: Sequence[int] | None = None, remaining: Sequence[int | None] | None = None,
-             waiting: int | None = None) -> list[Plan]:
+             waiting: int | None = None, evidence: Sequence[int] | None = None) -> list[Plan]:
         self.n += 1
         return [Plan("none", 0, 0) if self.n % 2 == 0 else Plan("tree", 10, 5) for _ in ids]
 
