@@ -411,6 +411,7 @@ def test_branching_plans_that_deliver_less_than_predicted_give_way_to_chains() -
     # with branching trees, kept apart, vetoes them and chains take over; one check for both
     # would scale both alike and keep the trees. A chains-only step lets the trees' check drift
     # back toward 1 (retried in time), so it stays below the veto here but above its bound.
+    # Every tree planned is timed (2 ms), as an engine does.
     def make(**kw: object) -> SpeculationController:
         ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}, lr=0.0), BUDGET, ControllerOptions(**kw))
         for i in range(60):
@@ -427,8 +428,14 @@ def test_branching_plans_that_deliver_less_than_predicted_give_way_to_chains() -
         plan = ctrl.plan([0])[0]
         rate = ctrl.predicted_rate([0], [plan])
         ctrl.observe_outcome(3, 3 / (rate * (0.7 if plan.mode == "tree" else 1.0)), branching=plan.mode == "tree")
+        if plan.mode == "tree":
+            ctrl.observe_branching(1, 2.0)
         modes.append(plan.mode)
-    assert modes[0] == "tree" and modes[-50:] == ["chain"] * 50
+    # after the veto, trees come back only as retries: once the tree price has drifted for want
+    # of timings (probe_steps plans without a tree), each timed and vetoed again
+    retries = [i for i in range(modes.index("chain"), len(modes)) if modes[i] == "tree"]
+    assert modes[0] == "tree" and len(retries) <= 3
+    assert all(b - a > ctrl.options.probe_steps for a, b in zip(retries[1:], retries[2:]))
     assert ctrl.outcome_factor() == 1.0 and 0.8 < ctrl.outcome_factor(branching=True) < 0.9
 
 
@@ -1085,3 +1092,23 @@ def test_the_outcome_floor_keeps_the_measured_ranking_of_chains_and_trees() -> N
         ctrl._outcome[(1, True, size)] = (0.70, 1.0)
     factors = ctrl._outcome_factors(1, floor)
     assert factors[0, 4] == pytest.approx(floor) and factors[1, 4] == pytest.approx(floor * 0.70 / 0.80)
+
+
+def test_a_slow_first_branching_tree_does_not_price_trees_out_for_good() -> None:
+    # The first branching tree an engine verifies pays its tree path's one-time costs (vLLM's CPU
+    # engine: 124 ms against ~12 ms later). Trees are then priced out and never timed again unless
+    # the price drifts back: after probe_steps plans without a branching tree it decays until a
+    # tree is planned, and that tree's time is learned.
+    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET)
+    for i in range(60):
+        ctrl.observe(0, DraftTree.chain(0, [1, 2, 3, 4]), [0, 1, 2, 3, 4] if i % 2 else [0])
+    assert ctrl.plan([0])[0].mode == "tree"
+    ctrl.observe_branching(1, 124.0)
+    modes = [ctrl.plan([0])[0].mode for _ in range(400)]
+    assert modes[0] == "chain" and ctrl.options.probe_steps < modes.index("tree") < 400
+    assert ctrl.branch_ms < 124.0 * (1 - ctrl.options.relax) ** (modes.index("tree") - ctrl.options.probe_steps - 1) * 1.01
+    ctrl.observe_branching(1, 12.0)  # timed anew: learned from here (EMA), and no longer drifting
+    learned = ctrl.branch_ms
+    for _ in range(ctrl.options.probe_steps):
+        ctrl.plan([0])
+    assert ctrl.branch_ms == learned

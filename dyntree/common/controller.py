@@ -46,6 +46,8 @@
   outside the target's forward (vLLM's CPU tree attention beside its own kernel; a chain needs
   none) reports it (:meth:`SpeculationController.observe_branching`): each branching tree of a
   plan is then priced with it, and a chains-only plan is weighed against the plan with trees.
+  Only planned trees are timed, so after ``probe_steps`` plans without one the price drifts
+  toward 0 until trees are planned and timed anew (an engine's first tree pays one-time costs).
   A drafter with state of its own to bring up to date before a request's draft (Hydra's prefix
   layer, at a request's first draft or when it resumes after idle steps) reports the positions
   per request (``Drafter.catch_up``) and what catching up cost
@@ -213,8 +215,10 @@ class SpeculationController:
         # the last plan: (predicted rate, rows, speculative, size class of its largest tree)
         self._pending: tuple[float, int, bool, int] | None = None
         # ms an engine spends per branching tree outside the target's forward (EMA; 0 until one
-        # is reported): a chain costs none of it, so with it a chains-only plan is priced too
+        # is reported): a chain costs none of it, so with it a chains-only plan is priced too; and
+        # the plans since one was last reported (after probe_steps of them it drifts toward 0)
         self._branch_ms = 0.0
+        self._branch_stale = 0
         # ms a drafter spends per committed position it catches up (a ratio of EMAs of ms and
         # positions; 0 until reported)
         self._caught = (0.0, 0.0)
@@ -538,6 +542,8 @@ class SpeculationController:
             self._relax_outcome(b)
         elif not best_branching:
             self._relax_outcome(b, branching_only=True)
+        if not (speculate and best_branching):
+            self._relax_branching()
         # the outcome check compares committed tokens with the tokens the plan predicted
         self._pending = (best_tokens / used, b, True, int(self._classes[widest])) if speculate else (plain, b, False, 0)
         plans = []
@@ -610,6 +616,17 @@ class SpeculationController:
         for key, (got, want) in self._outcome.items():
             if key[0] == bucket and (key[1] or not branching_only):
                 self._outcome[key] = (got + self.options.outcome_relax * (want - got), want)
+
+    def _relax_branching(self) -> None:
+        """A plan without branching trees: once ``probe_steps`` such plans have come since an
+        engine last timed one, the learned ms per branching tree drifts toward 0 (``relax`` a
+        plan), so trees are timed anew now and then, and the next timing is taken whole
+        (:meth:`observe_branching`). It is learned only from the trees that are
+        planned: one slow tree (the first of an engine, which pays the tree path's one-time
+        costs, or one in a slow spell) would otherwise price trees out for good."""
+        self._branch_stale += 1
+        if self._branch_stale > self.options.probe_steps:
+            self._branch_ms *= 1 - self.options.relax
 
     def _least_forward(self, b: int, kv: int | None, plain_ms: float) -> float:
         """The cheapest forward a plan for ``b`` requests can take, a plain step's included: a
@@ -834,12 +851,17 @@ class SpeculationController:
 
     def observe_branching(self, trees: int, ms: float) -> None:
         """One step's ``ms`` spent on its ``trees`` branching trees outside the target's forward
-        (an engine's tree-attention pass beside its own kernel), learned per tree (EMA): plans then
-        price each branching tree above a chain of as many nodes, and weigh chains only against trees."""
+        (an engine's tree-attention pass beside its own kernel), learned per tree (EMA; the first
+        timing, or the first after the price drifted while no tree was planned, taken whole): plans
+        then price each branching tree above a chain of as many nodes, and weigh chains only against
+        trees."""
         if trees <= 0 or not ms >= 0:
             raise ValueError(f"observe_branching({trees}, {ms}): trees > 0 and ms >= 0 needed")
         per, e = ms / trees, self.options.ema
-        self._branch_ms = per if self._branch_ms == 0 else (1 - e) * self._branch_ms + e * per
+        # the first timing, or one after the price drifted (_relax_branching), is taken whole
+        fresh = self._branch_ms == 0 or self._branch_stale > self.options.probe_steps
+        self._branch_ms = per if fresh else (1 - e) * self._branch_ms + e * per
+        self._branch_stale = 0
 
     def observe_catch_up(self, positions: int, ms: float) -> None:
         """A drafter spent ``ms`` catching up ``positions`` committed positions (its state of

@@ -68,12 +68,15 @@ class _Index:
 
     tokens: list[int] = field(default_factory=list)
     follow: dict[tuple[int, ...], list[int]] = field(default_factory=lambda: defaultdict(list))
+    evidence: int | None = None  # the longest match's class for these tokens, once asked
 
     def extend(self, token_ids: Sequence[int], min_n: int, max_n: int) -> None:
         known = len(self.tokens)
         if len(token_ids) < known or (known and int(token_ids[known - 1]) != self.tokens[-1]):
             self.tokens, self.follow = [], defaultdict(list)  # history rewritten: rebuild
         start = len(self.tokens)
+        if start != len(token_ids):
+            self.evidence = None
         self.tokens.extend(int(t) for t in token_ids[start:])
         for c in range(max(start, 1), len(self.tokens) + 1):  # continuation start c
             for n in range(min_n, min(max_n, c) + 1):
@@ -154,8 +157,11 @@ class NgramDrafter(Drafter):
         then 1, 2-3, 4-7, 8-15, 16-31 and 32 tokens (``length.bit_length()``): a passage being
         copied is accepted far more often than a continuation after one shared token."""
         context = max(MAX_MATCH, self.options.max_n)
-        return [int(max((w for w, _ in self._matches(index, index.tokens[-context:])), default=0.0)).bit_length()
-                for index in map(self._indexed, requests)]
+        for index in (indexes := [self._indexed(r) for r in requests]):
+            if index.evidence is None:  # asked once per committed suffix (can_draft asks too)
+                longest = max((w for w, _ in self._matches(index, index.tokens[-context:])), default=0.0)
+                index.evidence = int(longest).bit_length()
+        return [int(index.evidence) for index in indexes]
 
     def release(self, request_id: Hashable) -> None:
         self._index.pop(request_id, None)
