@@ -378,6 +378,24 @@ def test_each_evidence_class_is_planned_by_its_own_acceptance() -> None:
     assert 0.3 < mixed.alpha(1) < 0.7
 
 
+def test_each_evidence_class_learns_its_own_deeper_levels() -> None:
+    # Two classes whose first drafts are accepted alike (every other step), but a long match's
+    # (class 4) drafts then go on to the end of the chain, a one-token match's (class 1) never
+    # past the first: each class's deeper levels are learned apart, and a long match is planned a
+    # deeper chain. Pooled over both classes, both would read one rate between the two.
+    ctrl = SpeculationController(CostModel({1: 10.0, 24: 10.2, 64: 30.0}), BUDGET)
+    tree = DraftTree.chain(0, [1, 2, 3, 4])
+    for step in range(200):
+        cls = 4 if step % 2 else 1
+        ctrl.plan([1], evidence=[cls])
+        ctrl.observe(1, tree, [0] if step % 4 < 2 else [0, 1, 2, 3, 4] if cls == 4 else [0, 1])
+    long, short = ctrl.level_acceptance(4), ctrl.level_acceptance(1)
+    assert all(rate > 0.8 for rate, _ in long[:3]) and all(rate < 0.2 for rate, _ in short[:3])
+    assert abs(ctrl.alpha(1) - 0.5) < 0.25
+    deep, shallow = ctrl.plan([1], evidence=[4])[0], ctrl.plan([1], evidence=[1])[0]
+    assert deep.max_depth > shallow.max_depth
+
+
 def test_chains_only_when_trees_are_disallowed() -> None:
     ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET, ControllerOptions(allow_trees=False))
     plans = ctrl.plan(list(range(4)))
@@ -643,8 +661,8 @@ def test_level_acceptance_makes_trees_shallower_when_later_levels_are_weaker() -
         return ctrl
 
     weak, flat = run(0.2), run(0.8)
-    assert weak.level_acceptance[0][0] < 0.3 and weak.level_acceptance[1][0] < 0.4
-    assert all(abs(rate - 0.8) < 0.12 for rate, _ in flat.level_acceptance[:2])
+    assert weak.level_acceptance()[0][0] < 0.3 and weak.level_acceptance()[1][0] < 0.4
+    assert all(abs(rate - 0.8) < 0.12 for rate, _ in flat.level_acceptance()[:2])
     assert weak.plan([0])[0].max_depth < flat.plan([0])[0].max_depth
 
 
@@ -664,7 +682,7 @@ def test_level_acceptance_learns_a_reached_levels_own_rate_within_dozens_of_obse
         reached += len(path) > 1
         ctrl.observe(0, tree, path)
     assert reached < 80
-    assert ctrl.level_acceptance[0][0] > 0.7 and ctrl.level_acceptance[1][0] > 0.65
+    assert ctrl.level_acceptance()[0][0] > 0.7 and ctrl.level_acceptance()[1][0] > 0.65
 
 
 def test_a_request_whose_first_drafts_fail_more_still_gets_the_deep_levels_every_request_reaches() -> None:
@@ -683,7 +701,7 @@ def test_a_request_whose_first_drafts_fail_more_still_gets_the_deep_levels_every
                 path.append(len(path))
             ctrl.observe(rid, tree, path)
     assert ctrl.alpha(1) < 0.4 < 0.65 < ctrl.alpha(0)
-    assert all(abs(rate - 0.7) < 0.15 for rate, _ in ctrl.level_acceptance[:3])
+    assert all(abs(rate - 0.7) < 0.15 for rate, _ in ctrl.level_acceptance()[:3])
     weak = ctrl.plan([1])[0]
     assert weak.max_depth >= 3
 
@@ -1056,7 +1074,7 @@ def test_a_batch_whose_plans_cannot_pay_goes_quiet_for_doubling_spells() -> None
     assert any(p.max_nodes for p in cheap.plan(ids)) and not cheap.quiet(ids)
     # the search (not the bound) finds nothing paying: every verify token costs as much as a step
     steep = SpeculationController(CostModel({1: 10.0, 64: 640.0}, lr=0.0), BUDGET, ControllerOptions(outcome_ema=0))
-    assert not steep._beyond_reach(*zip(*(steep._table(steep.alpha(r), 1.0) for r in ids)), None, 30.0, 1.0,
+    assert not steep._beyond_reach(*zip(*(steep._table(steep.alpha(r), 1.0, False, steep._shape()) for r in ids)), None, 30.0, 1.0,
                                    0.1, [0.0] * 3)
     assert all(p.max_nodes == 0 for p in steep.plan(ids)) and steep.quiet(ids)
     # a quiet step is an idle step: a failing request drifts back toward the prior as in a plan

@@ -187,13 +187,12 @@ class SpeculationController:
         # Each level's prior is the level above's rate, worth ``prior_weight`` observations of
         # the level (their EMA weight, decaying as the level is observed), so a level that is
         # rarely reached leans on the one above, and one that is reached learns its own rate
-        # within a few dozen observations.
-        # (index k: level k + 1, the first below the root's first child, whose hits are alpha's)
-        deeper = max(budget.max_depth - 1, 0)
-        self._lvl_hits = [0.0] * deeper
-        self._lvl_reached = [0.0] * deeper
-        self._lvl_alpha = [0.0] * deeper  # the reaching requests' alpha, summed as reaches are
-        self._lvl_prior = [o.prior_weight * (1 - self._keep)] * deeper
+        # within a few dozen observations. Kept per evidence class, as alpha is: a copied
+        # passage's deeper drafts go on far more often than a continuation after one shared
+        # token's (a class's first level leans on that class's alpha over every request).
+        # (per class: [hits, reaches, the reaching requests' alpha summed as reaches are, prior];
+        # index k: level k + 1, the first below the root's first child, whose hits are alpha's)
+        self._lvl: dict[int, list[list[float]]] = {}
         # expected_table and its hull steps, by rounded inputs
         self._tables: dict[tuple, tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]] = {}
         # The outcome check, per batch size (rounded down to a power of two): EMAs of the tokens
@@ -281,14 +280,23 @@ class SpeculationController:
         s = self._state(request_id)
         return s.got / s.want
 
-    @property
-    def level_acceptance(self) -> list[tuple[float, float]]:
+    def _level_stats(self, cls: int) -> list[list[float]]:
+        """Evidence class ``cls``'s decayed level statistics: ``[hits, reaches, alpha, prior]``,
+        one entry per level below the root's first child."""
+        if cls not in self._lvl:
+            deeper = max(self.budget.max_depth - 1, 0)
+            self._lvl[cls] = [[0.0] * deeper, [0.0] * deeper, [0.0] * deeper,
+                              [self.options.prior_weight * (1 - self._keep)] * deeper]
+        return self._lvl[cls]
+
+    def level_acceptance(self, cls: int = 0) -> list[tuple[float, float]]:
         """Per tree level below the root's first child (index ``k``: level ``k + 2``), over every
-        request that reached it: the chance that a node reached there has its first child
-        accepted, and those requests' mean alpha; a level with little evidence leans on the level
-        above it (the first, on the population's alpha)."""
-        levels, above, seen = [], self.population_alpha, self.population_alpha
-        for h, n, a, p in zip(self._lvl_hits, self._lvl_reached, self._lvl_alpha, self._lvl_prior):
+        request that reached it in evidence class ``cls``: the chance that a node reached there
+        has its first child accepted, and those requests' mean alpha; a level with little evidence
+        leans on the level above it (the first, on the class's alpha over every request)."""
+        h, t = self._class_pop(cls)
+        levels, above, seen = [], h / t, h / t
+        for h, n, a, p in zip(*self._level_stats(cls)):
             above, seen = (h + p * above) / (n + p), (a + p * seen) / (n + p)
             levels.append((above, seen))
         return levels
@@ -374,9 +382,9 @@ class SpeculationController:
             return self.options.sibling_gain_prior
         return min(max(math.log1p(-catch) / log_miss, 0.0), 1.0)
 
-    def expected_table(self, alpha: float, delivery: float = 1.0) -> tuple[list[float], list[int]]:
+    def expected_table(self, alpha: float, delivery: float = 1.0, cls: int = 0) -> tuple[list[float], list[int]]:
         """``(E[n], best_depth[n])`` for ``n = 0..max_nodes`` draft nodes at acceptance ``alpha``
-        (deeper levels at :attr:`level_acceptance`), times ``delivery``, the fraction of planned
+        (deeper levels at :meth:`level_acceptance` of evidence class ``cls``), times ``delivery``, the fraction of planned
         nodes the drafter actually drafts (an n-gram drafter finds no match about half the time:
         its plans are worth half as much).
 
@@ -385,21 +393,22 @@ class SpeculationController:
         (alpha, delivery, the level acceptance and the sibling gain): every request's alpha moves every
         step it drafts, and at a finer grain a batch recomputes a table per request every step; a
         delivery only scales a table (the best depth does not change)."""
-        return self._table(alpha, delivery)[0]
+        return self._table(alpha, delivery, False, self._shape(cls))[0]
 
-    def _shape(self) -> tuple[float, tuple[tuple[float, float], ...]]:
-        """The sibling gain and level acceptance as the tables are kept by (rounded to 0.01)."""
-        return round(self.sibling_gain, 2), tuple((round(r, 2), round(a, 2)) for r, a in self.level_acceptance)
+    def _shape(self, cls: int = 0) -> tuple[float, tuple[tuple[float, float], ...]]:
+        """The sibling gain and evidence class ``cls``'s level acceptance as the tables are kept
+        by (rounded to 0.01)."""
+        return round(self.sibling_gain, 2), tuple((round(r, 2), round(a, 2)) for r, a in self.level_acceptance(cls))
 
-    def _table(self, alpha: float, delivery: float, chains: bool = False,
-               shape: tuple[float, tuple[tuple[float, float], ...]] | None = None,
+    def _table(self, alpha: float, delivery: float, chains: bool,
+               shape: tuple[float, tuple[tuple[float, float], ...]],
                ) -> tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]:
         """:meth:`expected_table` (``chains``: of chains only) and the steps of its upper concave
-        hull (:meth:`_hull`), cached; ``shape``: :meth:`_shape`, when the caller has it."""
+        hull (:meth:`_hull`), cached; ``shape``: :meth:`_shape` of the request's evidence class."""
         n_max = self.budget.max_nodes
         if self.budget.max_depth == 0:
             return ([0.0] * (n_max + 1), [0] * (n_max + 1)), []
-        gain, levels = shape if shape is not None else self._shape()
+        gain, levels = shape
         base_key = (round(alpha, 2), 1.0, gain, levels, chains)
         key = (base_key[0], round(delivery, 2), gain, levels, chains)
         entry = self._tables.get(key)
@@ -467,7 +476,8 @@ class SpeculationController:
                 self._state(rid).cls = int(cls)
         can = list(available) if available is not None else [True] * b
         catch_ms = [self._catch_ms * n for n in catch_up] if catch_up is not None else [0.0] * b
-        keys = [(self.alpha(r), self.delivery(r) if ok else 0.0) for r, ok in zip(request_ids, can)]
+        # each request's table by its alpha, delivery and evidence class (whose level acceptance it reads)
+        keys = [(self.alpha(r), self.delivery(r) if ok else 0.0, self._state(r).cls) for r, ok in zip(request_ids, can)]
         slack = _slack(remaining, b) if self.objective(waiting) == "batch" and b > 1 else None
         plain_ms = self.cost(b, kv, b)
         plain = b / plain_ms
@@ -484,18 +494,18 @@ class SpeculationController:
         probe = bool(o.probe_steps) and all(can) and self._plain_run.get(bucket, 0) >= due
         best_rate, best_k, tables, segments, best_tokens, best_branching = 0.0 if probe else bar, 0, [], [], bar, 0
         used, widest = 1.0, 0  # the best plan's outcome factor and largest tree
-        shape = self._shape()
+        shapes = {cls: self._shape(cls) for _, _, cls in keys}
         # no plan pays though the drafter could draft for every request, or could not pay if it could
         hopeless = False
         # the bound's least forward (a probe does not consult the bound)
         floor_ms = plain_ms if probe else self._least_forward(b, kv, plain_ms)
         # trees; then, where the best plan holds branching trees that cost the engine extra, chains only
         for chains in (False, True):
-            cache = {key: self._table(*key, chains, shape) for key in set(keys)}
+            cache = {key: self._table(key[0], key[1], chains, shapes[key[2]]) for key in set(keys)}
             tabs = [cache[k][0] for k in keys]
             if not probe and self._beyond_reach(tabs, [cache[k][1] for k in keys], slack, floor_ms, factor, bar, catch_ms):
                 if not chains and not all(can):
-                    every = [self._table(self.alpha(r), self.delivery(r), False, shape) for r in request_ids]
+                    every = [self._table(a, self.delivery(r), False, shapes[cls]) for r, (a, _, cls) in zip(request_ids, keys)]
                     hopeless = self._beyond_reach([t[0] for t in every], [t[1] for t in every], slack,
                                                   floor_ms, factor, bar, catch_ms)
                 break  # nor with chains
@@ -665,7 +675,7 @@ class SpeculationController:
         return factor * best / least < bar * o.min_gain
 
     def _scan(self, segments: list[tuple[float, int, int, int]], tables: list[tuple[list[float], list[int]]],
-              keys: list[tuple[float, float]], kv: int | None, plain_ms: float,
+              keys: list[tuple[float, float, int]], kv: int | None, plain_ms: float,
               factors: np.ndarray, catch_ms: list[float],
               slack: np.ndarray | None = None) -> tuple[float, int, int, float, float, int]:
         """The best prefix of ``segments`` (merged hull steps in the order they are taken): its
@@ -774,6 +784,7 @@ class SpeculationController:
         hits = trials = 0
         g_hits = g_trials = 0
         alpha = self.alpha(request_id)
+        lvl_hits, lvl_reached, lvl_alpha, lvl_prior = self._level_stats(self._state(request_id).cls)
         for level, node in enumerate(accepted_nodes):
             kids = children.get(node, [])
             if not kids:
@@ -781,12 +792,12 @@ class SpeculationController:
             hit = kids[0] in on_path
             if level == 0:  # alpha: the root's first child
                 trials, hits = 1, int(hit)
-            elif level < self.budget.max_depth:  # deeper levels: the level acceptance, over every request
+            elif level < self.budget.max_depth:  # deeper levels: the class's level acceptance, over every request
                 k = level - 1
-                self._lvl_hits[k] = keep * self._lvl_hits[k] + (1 - keep) * hit
-                self._lvl_reached[k] = keep * self._lvl_reached[k] + (1 - keep)
-                self._lvl_alpha[k] = keep * self._lvl_alpha[k] + (1 - keep) * alpha
-                self._lvl_prior[k] *= keep
+                lvl_hits[k] = keep * lvl_hits[k] + (1 - keep) * hit
+                lvl_reached[k] = keep * lvl_reached[k] + (1 - keep)
+                lvl_alpha[k] = keep * lvl_alpha[k] + (1 - keep) * alpha
+                lvl_prior[k] *= keep
             if hit:
                 continue
             extra = kids[1:]
@@ -896,7 +907,7 @@ class SpeculationController:
         for rid, p in zip(request_ids, plans):
             if p.max_nodes:
                 drafting += 1
-                e, _ = self.expected_table(self.alpha(rid), self.delivery(rid))
+                e, _ = self.expected_table(self.alpha(rid), self.delivery(rid), self._state(rid).cls)
                 nodes += p.max_nodes
                 expected += float(e[p.max_nodes])
                 depth = max(depth, p.max_depth)
