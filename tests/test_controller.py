@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -354,16 +355,23 @@ def test_budget_goes_to_the_requests_that_accept() -> None:
     assert plans[0].max_nodes > plans[1].max_nodes > 0
 
 
+def _planned_by_class(steps: int, outcome: Callable[[int], tuple[int, list[int]]]) -> SpeculationController:
+    """A controller that planned request 1 ``steps`` times, each step in the evidence class and
+    with the accepted path of a 4-node chain that ``outcome(step)`` gives."""
+    ctrl = SpeculationController(CostModel({1: 10.0, 24: 10.2, 64: 30.0}), BUDGET)
+    tree = DraftTree.chain(0, [1, 2, 3, 4])
+    for step in range(steps):
+        cls, accepted = outcome(step)
+        ctrl.plan([1], evidence=[cls])
+        ctrl.observe(1, tree, accepted)
+    return ctrl
+
+
 def test_each_evidence_class_is_planned_by_its_own_acceptance() -> None:
     # One request whose drafts are always accepted when the drafter reports a long match (class
     # 4) and never without one (class 0): planned by each class's acceptance, not their mixture,
     # and a new request in class 4 starts where that class stands over every request.
-    ctrl = SpeculationController(CostModel({1: 10.0, 24: 10.2, 64: 30.0}), BUDGET)
-    tree = DraftTree.chain(0, [1, 2, 3, 4])
-    for step in range(80):
-        cls = 4 if step % 2 else 0
-        ctrl.plan([1], evidence=[cls])
-        ctrl.observe(1, tree, [0, 1, 2, 3, 4] if cls else [0])
+    ctrl = _planned_by_class(80, lambda step: (4, [0, 1, 2, 3, 4]) if step % 2 else (0, [0]))
     assert ctrl.alpha(1) > 0.9  # its last plan was class 4
     long, none = ctrl.plan([1], evidence=[4])[0], ctrl.plan([1], evidence=[0])[0]
     assert ctrl.alpha(1) < 0.1
@@ -371,10 +379,8 @@ def test_each_evidence_class_is_planned_by_its_own_acceptance() -> None:
     fresh, unmatched = ctrl.plan([2, 3], evidence=[4, 0])
     assert ctrl.alpha(2) > 0.6 > 0.35 > ctrl.alpha(3)  # the classes' populations, slowly decayed
     assert fresh.max_nodes > unmatched.max_nodes
-    mixed = SpeculationController(CostModel({1: 10.0, 24: 10.2, 64: 30.0}), BUDGET)
-    for step in range(80):  # the same outcomes without evidence: one alpha, between the two
-        mixed.plan([1])
-        mixed.observe(1, tree, [0, 1, 2, 3, 4] if step % 2 else [0])
+    # the same outcomes in one class (a drafter without evidence): one alpha, between the two
+    mixed = _planned_by_class(80, lambda step: (0, [0, 1, 2, 3, 4] if step % 2 else [0]))
     assert 0.3 < mixed.alpha(1) < 0.7
 
 
@@ -383,12 +389,8 @@ def test_each_evidence_class_learns_its_own_deeper_levels() -> None:
     # (class 4) drafts then go on to the end of the chain, a one-token match's (class 1) never
     # past the first: each class's deeper levels are learned apart, and a long match is planned a
     # deeper chain. Pooled over both classes, both would read one rate between the two.
-    ctrl = SpeculationController(CostModel({1: 10.0, 24: 10.2, 64: 30.0}), BUDGET)
-    tree = DraftTree.chain(0, [1, 2, 3, 4])
-    for step in range(200):
-        cls = 4 if step % 2 else 1
-        ctrl.plan([1], evidence=[cls])
-        ctrl.observe(1, tree, [0] if step % 4 < 2 else [0, 1, 2, 3, 4] if cls == 4 else [0, 1])
+    ctrl = _planned_by_class(200, lambda step: (4 if step % 2 else 1, [0] if step % 4 < 2 else
+                                                [0, 1, 2, 3, 4] if step % 2 else [0, 1]))
     long, short = ctrl.level_acceptance(4), ctrl.level_acceptance(1)
     assert all(rate > 0.8 for rate, _ in long[:3]) and all(rate < 0.2 for rate, _ in short[:3])
     assert abs(ctrl.alpha(1) - 0.5) < 0.25
