@@ -294,8 +294,8 @@ class SpeculationController:
         request that reached it in evidence class ``cls``: the chance that a node reached there
         has its first child accepted, and those requests' mean alpha; a level with little evidence
         leans on the level above it (the first, on the class's alpha over every request)."""
-        h, t = self._class_pop(cls)
-        levels, above, seen = [], h / t, h / t
+        hits, trials = self._class_pop(cls)
+        levels, above, seen = [], hits / trials, hits / trials
         for h, n, a, p in zip(*self._level_stats(cls)):
             above, seen = (h + p * above) / (n + p), (a + p * seen) / (n + p)
             levels.append((above, seen))
