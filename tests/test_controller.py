@@ -355,14 +355,14 @@ def test_budget_goes_to_the_requests_that_accept() -> None:
     assert plans[0].max_nodes > plans[1].max_nodes > 0
 
 
-def _planned_by_class(steps: int, outcome: Callable[[int], tuple[int, list[int]]]) -> SpeculationController:
-    """A controller that planned request 1 ``steps`` times, each step in the evidence class and
-    with the accepted path of a 4-node chain that ``outcome(step)`` gives."""
+def _planned_by_class(steps: int, outcome: Callable[[int], tuple[int | None, list[int]]]) -> SpeculationController:
+    """A controller that planned request 1 ``steps`` times, each step in the evidence class
+    (``None``: no evidence) and with the accepted path of a 4-node chain that ``outcome(step)`` gives."""
     ctrl = SpeculationController(CostModel({1: 10.0, 24: 10.2, 64: 30.0}), BUDGET)
     tree = DraftTree.chain(0, [1, 2, 3, 4])
     for step in range(steps):
         cls, accepted = outcome(step)
-        ctrl.plan([1], evidence=[cls])
+        ctrl.plan([1], evidence=None if cls is None else [cls])
         ctrl.observe(1, tree, accepted)
     return ctrl
 
@@ -379,8 +379,8 @@ def test_each_evidence_class_is_planned_by_its_own_acceptance() -> None:
     fresh, unmatched = ctrl.plan([2, 3], evidence=[4, 0])
     assert ctrl.alpha(2) > 0.6 > 0.35 > ctrl.alpha(3)  # the classes' populations, slowly decayed
     assert fresh.max_nodes > unmatched.max_nodes
-    # the same outcomes in one class (a drafter without evidence): one alpha, between the two
-    mixed = _planned_by_class(80, lambda step: (0, [0, 1, 2, 3, 4] if step % 2 else [0]))
+    # the same outcomes without evidence: one alpha, between the two
+    mixed = _planned_by_class(80, lambda step: (None, [0, 1, 2, 3, 4] if step % 2 else [0]))
     assert 0.3 < mixed.alpha(1) < 0.7
 
 

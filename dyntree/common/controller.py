@@ -494,7 +494,7 @@ class SpeculationController:
         probe = bool(o.probe_steps) and all(can) and self._plain_run.get(bucket, 0) >= due
         best_rate, best_k, tables, segments, best_tokens, best_branching = 0.0 if probe else bar, 0, [], [], bar, 0
         used, widest = 1.0, 0  # the best plan's outcome factor and largest tree
-        shapes = {cls: self._shape(cls) for _, _, cls in keys}
+        shapes = {cls: self._shape(cls) for cls in {key[2] for key in keys}}  # once per class
         # no plan pays though the drafter could draft for every request, or could not pay if it could
         hopeless = False
         # the bound's least forward (a probe does not consult the bound)
