@@ -73,7 +73,9 @@ def test_cost_model_measured_once_per_engine(tok, setup) -> None:
     model, prompts, _ = setup
     eng = SpecEngine(model, tok, make_drafter("ngram"), SpecConfig(adaptive=True))
     cost = eng.measure_cost(sizes=(1, 8), kv_len=16, repeats=1)
-    assert cost.xs == [1, 8] and cost.ys[0] > 0 and cost.ys[1] >= cost.ys[0]
+    # Timings only: their order is this machine's clock (one repeat on a shared CI machine can time
+    # 8 rows below 1), which tests do not assert.
+    assert cost.xs == [1, 8] and all(0 < y < float("inf") for y in cost.ys)
     eng2 = SpecEngine(model, tok, make_drafter("ngram"), SpecConfig(adaptive=True), cost_model=cost)
     assert eng2.prepare() >= 0.0 and eng2.speculator.controller is not None and eng2.speculator.controller.cost is cost
     assert eng2.prepare() == 0.0  # set up once
