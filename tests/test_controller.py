@@ -384,6 +384,29 @@ def test_each_evidence_class_is_planned_by_its_own_acceptance() -> None:
     assert 0.3 < mixed.alpha(1) < 0.7
 
 
+def test_evidence_that_promises_more_than_the_plan_judged_ends_a_quiet_spell() -> None:
+    # A one-token n-gram match (class 1) is never accepted, a long match (class 4) always: a plan
+    # for class 1 drafts nothing and the batch goes quiet, but a step whose lookup finds a long
+    # match ends the spell (the engine plans it), while more one-token matches, a long match the
+    # drafter says it cannot draft, or no evidence at all (a drafter without it) keep it quiet.
+    ctrl = SpeculationController(CostModel({1: 10.0, 24: 10.2, 64: 30.0}, lr=0.0), BUDGET,
+                                 ControllerOptions(quiet_steps=8, probe_steps=0, outcome_ema=0, draft_ms_fixed=3.0))
+    tree = DraftTree.chain(0, [1, 2, 3, 4])
+    for step in range(80):
+        cls = 4 if step % 2 else 1
+        ctrl.plan([1], evidence=[cls])
+        ctrl.observe(1, tree, [0, 1, 2, 3, 4] if cls == 4 else [0])
+    for _ in range(4):  # spells of 1, 2, 4, then 8 steps
+        assert ctrl.plan([1], evidence=[1])[0].max_nodes == 0
+        while ctrl.quiet([1], evidence=[1], available=[True]):
+            pass
+    assert ctrl.plan([1], evidence=[1])[0].max_nodes == 0
+    assert ctrl.quiet([1], evidence=[1], available=[True])
+    assert not ctrl.quiet([1], evidence=[4], available=[True])
+    assert ctrl.quiet([1], evidence=[4], available=[False]) and ctrl.quiet([1])
+    assert ctrl.plan([1], evidence=[4])[0].max_nodes > 0  # what ending the spell is for
+
+
 def test_each_evidence_class_learns_its_own_deeper_levels() -> None:
     # Two classes whose first drafts are accepted alike (every other step), but a long match's
     # (class 4) drafts then go on to the end of the chain, a one-token match's (class 1) never

@@ -110,7 +110,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Hashable, Iterable, Literal, Sequence
 
 import numpy as np
@@ -139,6 +139,22 @@ class _RequestState:
     # root's first child, and the class of the request's last plan (what alpha reads)
     acc: dict[int, list[float]] = field(default_factory=dict)
     cls: int = 0
+
+
+@dataclass(frozen=True)
+class _Spell:
+    """A quiet spell (:meth:`SpeculationController.quiet`): the batch whose plan could not pay,
+    the steps it may still skip planning, the backoff that granted them, its requests the drafter
+    could draft for, and the best first-draft acceptance that plan judged with each request's
+    evidence class then, as ``(request, class)`` pairs (evidence of another class promising more
+    ends the spell)."""
+
+    ids: frozenset = frozenset()
+    left: int = 0
+    backoff: int = 0
+    could: tuple = ()
+    judged: float = 0.0
+    classes: tuple = ()
 
 
 class SpeculationController:
@@ -222,9 +238,7 @@ class SpeculationController:
         # positions; 0 until reported)
         self._caught = (0.0, 0.0)
         self._catch_ms = 0.0
-        # quiet steps (:meth:`quiet`): the batch whose plans could not pay, the steps it may still
-        # skip planning, the backoff that granted them, and its requests the drafter could draft for
-        self._quiet: tuple[frozenset, int, int, tuple] = (frozenset(), 0, 0, ())
+        self._quiet = _Spell()  # the quiet spell (:meth:`quiet`), if any
         # per batch size (a power-of-two bucket): EMAs of the ms a plan saves over plain decoding
         # (0 for a plan that drafts nothing), of the share of plans that draft nothing, and of the
         # ms such a plan costs the engine
@@ -273,6 +287,15 @@ class SpeculationController:
     def alpha(self, request_id: Hashable) -> float:
         """Current top-1 acceptance estimate of a request, in the evidence class of its last plan."""
         hits, trials = self._acc(request_id)
+        return hits / trials
+
+    def _class_alpha(self, request_id: Hashable, cls: int) -> float:
+        """What :meth:`alpha` would read for a request planned in evidence class ``cls`` (its own
+        statistics there, else the class's over every request, else the population's), changing
+        nothing."""
+        s = self._requests.get(request_id)
+        hits, trials = (s.acc[cls] if s is not None and cls in s.acc
+                        else self._pop_class.get(cls, [self.population_alpha, 1.0]))
         return hits / trials
 
     def delivery(self, request_id: Hashable) -> float:
@@ -543,10 +566,11 @@ class SpeculationController:
             # while a plan saves more on average than the plans that draft nothing cost, each
             # as often as they come (a plan that drafts pays its own planning in its drafting time)
             hopeless = self._plan_value[bucket] < self._plan_idle[bucket] * self._plan_cost.get(bucket, 0.0)
-        last = self._quiet[2]
+        last = self._quiet.backoff
         backoff = min(2 * last, self._spell_cap(bucket, plain_ms)) if last else min(1, o.quiet_steps)
-        self._quiet = ((frozenset(request_ids), backoff, backoff, tuple(r for r, c in zip(request_ids, can) if c))
-                       if hopeless else (frozenset(), 0, 0, ()))
+        self._quiet = _Spell(frozenset(request_ids), backoff, backoff, tuple(r for r, c in zip(request_ids, can) if c),
+                             max((key[0] for key, c in zip(keys, can) if c), default=self.population_alpha),
+                             tuple((r, key[2]) for r, key in zip(request_ids, keys))) if hopeless else _Spell()
         if not speculate:
             alloc = [0] * b
             self._relax_outcome(b)
@@ -580,7 +604,8 @@ class SpeculationController:
         need = math.ceil(self._plan_cost.get(bucket, 0.0) / (o.quiet_share * plain_ms)) - 1
         return max(o.quiet_steps, min(need, _QUIET_MAX))
 
-    def quiet(self, request_ids: Sequence[Hashable]) -> bool:
+    def quiet(self, request_ids: Sequence[Hashable], evidence: Sequence[int] | None = None,
+              available: Sequence[bool] | None = None) -> bool:
         """Whether this step of ``request_ids`` may decode plainly without a plan: the same batch's
         recent plans found nothing that pays though the drafter could draft for every request (or
         a bound says nothing could if it could), so for a few steps (the backoff doubling while
@@ -593,15 +618,25 @@ class SpeculationController:
         some of its requests finish stays quiet while it keeps its batch size (rounded down to a
         power of two, as plans are priced): the rest were planned in it and found wanting, and a
         batch of 16 whose requests end one by one would otherwise plan at every ending. A request
-        that joins ends the spell. Counts the step when it says so."""
-        ids, left, backoff, could = self._quiet
+        that joins ends the spell, and so does ``evidence`` (each request's class now, as
+        :meth:`plan` takes it; ``available``: which the drafter could draft for) that promises a
+        better first draft than the best the spell's plan judged, in a class other than the one the
+        request was judged in: an n-gram match longer than the one that was not worth drafting may
+        be. Counts the step when it says so."""
+        spell = self._quiet
         now = frozenset(request_ids)
         bucket = batch_bucket(len(now))
-        if left <= 0 or not now or not (now == ids or (now < ids and bucket == batch_bucket(len(ids)))):
+        if spell.left <= 0 or not now or not (now == spell.ids or (now < spell.ids and bucket == batch_bucket(len(spell.ids)))):
             return False
-        self._quiet = (ids, left - 1, backoff, could)
+        if evidence is not None:
+            was = dict(spell.classes)
+            can = available if available is not None else [True] * len(request_ids)
+            if any(ok and int(cls) != was.get(rid) and self._class_alpha(rid, int(cls)) > spell.judged
+                   for rid, cls, ok in zip(request_ids, evidence, can)):
+                return False
+        self._quiet = replace(spell, left=spell.left - 1)
         self._plain_run[bucket] = self._plain_run.get(bucket, 0) + 1
-        for rid in could:  # an idle step, as a plan without drafts would count it
+        for rid in spell.could:  # an idle step, as a plan without drafts would count it
             if rid in now:
                 self._relax(rid)
         self._relax_outcome(len(request_ids))

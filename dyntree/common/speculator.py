@@ -238,11 +238,9 @@ class Speculator:
         plans = None
         if self.controller is not None:
             full = [self._draft_request(r, None) for r in requests]
-            can = self.drafter.can_draft(full)
-            if any(d.max_depth == 0 for d in full):  # a request with one token left has nothing to draft
-                can = [d.max_depth > 0 and (can is None or c) for d, c in zip(full, can or [True] * len(full))]
+            can, evidence = self._foresight(full)
             plans = self.controller.plan(ids, self._kv, can, self.drafter.catch_up(full),
-                                         [r.remaining for r in requests], waiting, self.drafter.evidence(full))
+                                         [r.remaining for r in requests], waiting, evidence)
         drafts = [self._draft_request(r, plans[i] if plans else None) for i, r in enumerate(requests)]
         # a chain planned for a drafter that grows its own trees (no builder): its tree within the
         # full node budget, then the likeliest path (the plan priced a chain, not a branching tree)
@@ -367,13 +365,26 @@ class Speculator:
         index, length = pack_paths(paths, max(t.size for t in batch.trees))
         return AcceptResult(list(batch.request_ids), index, length, tokens)
 
-    def quiet(self, request_ids: Sequence[Hashable]) -> bool:
+    def quiet(self, requests: Sequence[SpecRequest]) -> bool:
         """Whether this step may go without :meth:`propose` and :meth:`accept`: the adaptive
-        controller's recent plans for this same batch could not pay whatever the drafter found
+        controller's recent plans for this same batch could not pay whatever the drafter found,
+        and what the drafter knows now (its evidence: a longer n-gram match) promises no better
         (:meth:`~dyntree.common.controller.SpeculationController.quiet`). The engine then decodes
         every request plainly, keeps pushing hidden states (:meth:`observe_hidden`) and reports
         the forward to :meth:`observe_forward`."""
-        return self.controller is not None and self.controller.quiet(request_ids)
+        if self.controller is None:
+            return False
+        can, evidence = self._foresight([self._draft_request(r, None) for r in requests])
+        return self.controller.quiet([r.request_id for r in requests], evidence, can)
+
+    def _foresight(self, full: Sequence[DraftRequest]) -> tuple[list[bool] | None, list[int] | None]:
+        """What the drafter knows before drafting ``full`` (requests at the full budget): which it
+        can draft for (``None``: unknown; a request with one token left cannot) and each one's
+        evidence class (``None``: it knows none)."""
+        can = self.drafter.can_draft(full)
+        if any(d.max_depth == 0 for d in full):  # a request with one token left has nothing to draft
+            can = [d.max_depth > 0 and (can is None or c) for d, c in zip(full, can or [True] * len(full))]
+        return can, self.drafter.evidence(full)
 
     def observe_forward(self, n_query_tokens: int, ms: float, kv_lens: Sequence[int] | None = None) -> None:
         """A measured target forward the engine did not report to :meth:`accept`: a plain decoding

@@ -125,10 +125,10 @@ class DynTreeProposer:
             if sampled and rid is not None and all_params.get(rid) is not None and n + 1 < self.max_model_len:
                 live.append((i, rid, n))
         out: list[list[int]] = [[] for _ in sampled_token_ids]
-        if not live or self.speculator.quiet([rid for _, rid, _ in live]):  # quiet: plain decoding
-            return out
         reqs = [SpecRequest(rid, token_ids_cpu[i, :n].tolist(), all_params[rid], max_nodes=self.max_model_len - n - 1,
                             remaining=self.step.limits[rid] - n) for i, rid, n in live]
+        if not reqs or self.speculator.quiet(reqs):  # quiet: plain decoding
+            return out
         batch = self.speculator.propose(reqs, self.generator, self.step.waiting)
         for (i, rid, _), tree in zip(live, batch.trees):
             self.trees[rid] = tree
