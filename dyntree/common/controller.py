@@ -565,7 +565,7 @@ class SpeculationController:
             # match): the next step may have matches, so the batch plans on while planning pays:
             # while a plan saves more on average than the plans that draft nothing cost, each
             # as often as they come (a plan that drafts pays its own planning in its drafting time)
-            hopeless = self._plan_value[bucket] < self._plan_idle[bucket] * self._plan_cost.get(bucket, 0.0)
+            hopeless = not self._planning_pays(bucket)
         last = self._quiet.backoff
         backoff = min(2 * last, self._spell_cap(bucket, plain_ms)) if last else min(1, o.quiet_steps)
         self._quiet = _Spell(frozenset(request_ids), backoff, backoff, tuple(r for r, c in zip(request_ids, can) if c),
@@ -592,6 +592,11 @@ class SpeculationController:
                 d = int(tables[r][1][n])
                 plans.append(Plan("chain" if d == n else "tree", n, d))
         return plans
+
+    def _planning_pays(self, bucket: int) -> bool:
+        """Whether plans at this batch size save more milliseconds on average (0 for a plan without
+        drafts) than the plans without drafts cost the engine, each as often as they come."""
+        return self._plan_value.get(bucket, 0.0) >= self._plan_idle.get(bucket, 0.0) * self._plan_cost.get(bucket, 0.0)
 
     def _spell_cap(self, bucket: int, plain_ms: float) -> int:
         """The longest quiet spell at this batch size: ``quiet_steps``, or as many steps (up to
@@ -621,14 +626,15 @@ class SpeculationController:
         that joins ends the spell, and so does ``evidence`` (each request's class now, as
         :meth:`plan` takes it; ``available``: which the drafter could draft for) that promises a
         better first draft than the best the spell's plan judged, in a class other than the one the
-        request was judged in: an n-gram match longer than the one that was not worth drafting may
-        be. Counts the step when it says so."""
+        request was judged in, where planning pays its way at this batch size (:meth:`_planning_pays`;
+        where no plan has saved time lately, a better match would not either): an n-gram match longer
+        than the one that was not worth drafting may be. Counts the step when it says so."""
         spell = self._quiet
         now = frozenset(request_ids)
         bucket = batch_bucket(len(now))
         if spell.left <= 0 or not now or not (now == spell.ids or (now < spell.ids and bucket == batch_bucket(len(spell.ids)))):
             return False
-        if evidence is not None:
+        if evidence is not None and self._planning_pays(bucket):
             was = dict(spell.classes)
             can = available if available is not None else [True] * len(request_ids)
             if any(ok and int(cls) != was.get(rid) and self._class_alpha(rid, int(cls)) > spell.judged
