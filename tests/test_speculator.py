@@ -295,6 +295,28 @@ def test_engine_timings_reach_the_controller() -> None:
     assert sp.controller.outcome_factor(branching=built) < 1.0
 
 
+def test_a_quiet_step_tells_the_controller_what_the_drafter_knows() -> None:
+    """``quiet`` hands the controller each request's evidence and whether the drafter can draft
+    for it (the n-gram index's longest match: 5 tokens is class 3; none, class 0 and no draft),
+    so a spell can end on a longer match; a drafter that knows nothing beforehand hands none."""
+    from dyntree.common.cost_model import CostModel
+
+    seen: list[tuple] = []
+
+    def quiet(ids: list, evidence: list | None = None, available: list | None = None) -> bool:
+        seen.append((ids, evidence, available))
+        return True
+
+    for name in ("ngram", "none"):
+        sp = Speculator(make_drafter(name), SpecConfig(adaptive=True, max_nodes=4, max_depth=4), vocab_size=V,
+                        cost_model=CostModel({1: 10.0, 16: 20.0}))
+        sp.prepare()
+        assert sp.controller is not None
+        sp.controller.quiet = quiet  # type: ignore[method-assign]
+        assert sp.quiet([SpecRequest("a", [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5]), SpecRequest("b", [7, 8, 9])])
+    assert seen == [(["a", "b"], [3, 0], [True, False]), (["a", "b"], None, None)]
+
+
 def test_a_chain_planned_for_a_drafter_with_its_own_trees_is_drafted_as_a_chain() -> None:
     """The n-gram drafter grows its own trie ("5 1" went on with 3 twice and with 2 once: two
     children, each likelier than what follows 3). Where the controller plans a chain (trees
