@@ -389,7 +389,8 @@ def test_evidence_that_promises_more_than_the_plan_judged_ends_a_quiet_spell() -
     # for class 1 drafts nothing and the batch goes quiet, but a step whose lookup finds a long
     # match ends the spell (the engine plans it), while more one-token matches, a long match the
     # drafter says it cannot draft, no evidence at all (a drafter without it), or a batch size
-    # whose plans have not paid for their own cost lately keep it quiet.
+    # whose plans have not paid for their own cost lately (where the drafter is not even asked)
+    # keep it quiet.
     ctrl = SpeculationController(CostModel({1: 10.0, 24: 10.2, 64: 30.0}, lr=0.0), BUDGET,
                                  ControllerOptions(quiet_steps=8, probe_steps=0, outcome_ema=0, draft_ms_fixed=3.0))
     tree = DraftTree.chain(0, [1, 2, 3, 4])
@@ -399,14 +400,15 @@ def test_evidence_that_promises_more_than_the_plan_judged_ends_a_quiet_spell() -
         ctrl.observe(1, tree, [0, 1, 2, 3, 4] if cls == 4 else [0])
     for _ in range(4):  # spells of 1, 2, 4, then 8 steps
         assert ctrl.plan([1], evidence=[1])[0].max_nodes == 0
-        while ctrl.quiet([1], evidence=[1], available=[True]):
+        while ctrl.quiet([1], lambda: ([True], [1])):
             pass
     assert ctrl.plan([1], evidence=[1])[0].max_nodes == 0
-    assert ctrl.quiet([1], evidence=[1], available=[True])
-    assert not ctrl.quiet([1], evidence=[4], available=[True])
-    assert ctrl.quiet([1], evidence=[4], available=[False]) and ctrl.quiet([1])
+    assert ctrl.quiet([1], lambda: ([True], [1]))
+    assert not ctrl.quiet([1], lambda: ([True], [4]))
+    assert ctrl.quiet([1], lambda: ([False], [4])) and ctrl.quiet([1])
     ctrl.observe_plan_cost(1, 1e6)  # where planning has not paid its way lately, nor would a long match
-    assert ctrl.quiet([1], evidence=[4], available=[True])
+    assert ctrl.quiet([1], lambda: ([True], [4]))
+    assert ctrl.quiet([1], lambda: pytest.fail("the drafter is not asked where planning does not pay"))
     assert ctrl.plan([1], evidence=[4])[0].max_nodes > 0  # what ending the spell is for
 
 

@@ -10,7 +10,7 @@ and the errors an engine gets for misuse.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import pytest
 import torch
@@ -303,7 +303,8 @@ def test_a_quiet_step_tells_the_controller_what_the_drafter_knows() -> None:
 
     seen: list[tuple] = []
 
-    def quiet(ids: list, evidence: list | None = None, available: list | None = None) -> bool:
+    def quiet(ids: list, foresight: Callable[[], tuple[list | None, list | None]]) -> bool:
+        available, evidence = foresight()
         seen.append((ids, evidence, available))
         return True
 
@@ -313,7 +314,7 @@ def test_a_quiet_step_tells_the_controller_what_the_drafter_knows() -> None:
         sp.prepare()
         assert sp.controller is not None
         sp.controller.quiet = quiet  # type: ignore[method-assign]
-        assert sp.quiet([SpecRequest("a", [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5]), SpecRequest("b", [7, 8, 9])])
+        assert sp.quiet(["a", "b"], lambda: [SpecRequest("a", [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5]), SpecRequest("b", [7, 8, 9])])
     assert seen == [(["a", "b"], [3, 0], [True, False]), (["a", "b"], None, None)]
 
 

@@ -111,7 +111,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Hashable, Iterable, Literal, Sequence
+from typing import Callable, Hashable, Iterable, Literal, Sequence
 
 import numpy as np
 
@@ -609,8 +609,8 @@ class SpeculationController:
         need = math.ceil(self._plan_cost.get(bucket, 0.0) / (o.quiet_share * plain_ms)) - 1
         return max(o.quiet_steps, min(need, _QUIET_MAX))
 
-    def quiet(self, request_ids: Sequence[Hashable], evidence: Sequence[int] | None = None,
-              available: Sequence[bool] | None = None) -> bool:
+    def quiet(self, request_ids: Sequence[Hashable],
+              foresight: Callable[[], tuple[Sequence[bool] | None, Sequence[int] | None]] | None = None) -> bool:
         """Whether this step of ``request_ids`` may decode plainly without a plan: the same batch's
         recent plans found nothing that pays though the drafter could draft for every request (or
         a bound says nothing could if it could), so for a few steps (the backoff doubling while
@@ -623,18 +623,20 @@ class SpeculationController:
         some of its requests finish stays quiet while it keeps its batch size (rounded down to a
         power of two, as plans are priced): the rest were planned in it and found wanting, and a
         batch of 16 whose requests end one by one would otherwise plan at every ending. A request
-        that joins ends the spell, and so does ``evidence`` (each request's class now, as
-        :meth:`plan` takes it; ``available``: which the drafter could draft for) that promises a
-        better first draft than the best the spell's plan judged, in a class other than the one the
-        request was judged in, where planning pays its way at this batch size (:meth:`_planning_pays`;
-        where no plan has saved time lately, a better match would not either): an n-gram match longer
-        than the one that was not worth drafting may be. Counts the step when it says so."""
+        that joins ends the spell, and so does evidence that promises a better first draft than the
+        best the spell's plan judged, in a class other than the one the request was judged in (an
+        n-gram match longer than the one that was not worth drafting may): ``foresight()`` gives
+        which requests the drafter could draft for and each one's class now, as :meth:`plan` takes
+        them. It is asked only on a step the spell covers, at a batch size where planning pays its
+        way (:meth:`_planning_pays`; where no plan has saved time lately, a better match would not
+        either). Counts the step when it says so."""
         spell = self._quiet
         now = frozenset(request_ids)
         bucket = batch_bucket(len(now))
         if spell.left <= 0 or not now or not (now == spell.ids or (now < spell.ids and bucket == batch_bucket(len(spell.ids)))):
             return False
-        if evidence is not None and self._planning_pays(bucket):
+        available, evidence = foresight() if foresight is not None and self._planning_pays(bucket) else (None, None)
+        if evidence is not None:
             was = dict(spell.classes)
             can = available if available is not None else [True] * len(request_ids)
             if any(ok and int(cls) != was.get(rid) and self._class_alpha(rid, int(cls)) > spell.judged

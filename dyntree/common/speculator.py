@@ -365,17 +365,19 @@ class Speculator:
         index, length = pack_paths(paths, max(t.size for t in batch.trees))
         return AcceptResult(list(batch.request_ids), index, length, tokens)
 
-    def quiet(self, requests: Sequence[SpecRequest]) -> bool:
+    def quiet(self, request_ids: Sequence[Hashable], requests: Callable[[], Sequence[SpecRequest]]) -> bool:
         """Whether this step may go without :meth:`propose` and :meth:`accept`: the adaptive
         controller's recent plans for this same batch could not pay whatever the drafter found,
         and what the drafter knows now (its evidence: a longer n-gram match) promises no better
         (:meth:`~dyntree.common.controller.SpeculationController.quiet`). The engine then decodes
         every request plainly, keeps pushing hidden states (:meth:`observe_hidden`) and reports
-        the forward to :meth:`observe_forward`."""
+        the forward to :meth:`observe_forward`. ``requests()`` builds the step's requests (in
+        ``request_ids``' order) for the drafter to be asked; it is called only on a step of a spell
+        that evidence may end."""
         if self.controller is None:
             return False
-        can, evidence = self._foresight([self._draft_request(r, None) for r in requests])
-        return self.controller.quiet([r.request_id for r in requests], evidence, can)
+        return self.controller.quiet(request_ids,
+                                     lambda: self._foresight([self._draft_request(r, None) for r in requests()]))
 
     def _foresight(self, full: Sequence[DraftRequest]) -> tuple[list[bool] | None, list[int] | None]:
         """What the drafter knows before drafting ``full`` (requests at the full budget): which it

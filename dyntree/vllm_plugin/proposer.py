@@ -12,6 +12,7 @@ and sampling in batch order, the step's trees) and read its trees back to verify
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Hashable
 
@@ -125,11 +126,14 @@ class DynTreeProposer:
             if sampled and rid is not None and all_params.get(rid) is not None and n + 1 < self.max_model_len:
                 live.append((i, rid, n))
         out: list[list[int]] = [[] for _ in sampled_token_ids]
-        reqs = [SpecRequest(rid, token_ids_cpu[i, :n].tolist(), all_params[rid], max_nodes=self.max_model_len - n - 1,
-                            remaining=self.step.limits[rid] - n) for i, rid, n in live]
-        if not reqs or self.speculator.quiet(reqs):  # quiet: plain decoding
+        limits = self.step.limits
+        # built once, and on a quiet step only if the drafter is asked what it knows
+        requests = functools.cache(lambda: [SpecRequest(rid, token_ids_cpu[i, :n].tolist(), all_params[rid],
+                                                        max_nodes=self.max_model_len - n - 1, remaining=limits[rid] - n)
+                                            for i, rid, n in live])
+        if not live or self.speculator.quiet([rid for _, rid, _ in live], requests):  # quiet: plain decoding
             return out
-        batch = self.speculator.propose(reqs, self.generator, self.step.waiting)
+        batch = self.speculator.propose(requests(), self.generator, self.step.waiting)
         for (i, rid, _), tree in zip(live, batch.trees):
             self.trees[rid] = tree
             out[i] = tree.tokens[1:].tolist()
