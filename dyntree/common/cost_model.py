@@ -56,9 +56,6 @@ class CostModel:
         self.xs = [int(n) for n, _ in items]
         self._start = [float(ms) for _, ms in items]  # every batch size's starting knots
         self._ys: dict[int, list[float]] = {1: list(self._start)}
-        # per batch size, each knot's decayed share of the observed forwards' shape moves: how much
-        # of its own timing it holds against the anchor (observe)
-        self._timed: dict[int, list[float]] = {}
         if not attn_ms >= 0 or not row_ms >= 0 or kv_ref < 0:
             raise ValueError(f"CostModel: attn_ms ({attn_ms}), row_ms ({row_ms}) and kv_ref ({kv_ref}) must be >= 0")
         self.lr = lr
@@ -115,7 +112,6 @@ class CostModel:
         """An independent copy (every batch size's knots, the attention terms, the learning rate)."""
         model = CostModel(list(zip(self.xs, self._start)), self.lr, self.attn_ms, self.kv_ref, self.row_ms)
         model._ys = {b: list(ys) for b, ys in self._ys.items()}
-        model._timed = {b: list(t) for b, t in self._timed.items()}
         model._unseen, model._anchored = self._unseen, self._anchored
         return model
 
@@ -195,18 +191,12 @@ class CostModel:
         sampling; a batch that always speculates never re-times the plain forward it is compared
         with, and local moves alone would leave that knot at its start-up value. Third, the knots
         outside the observed segment drift back (at ``lr / 20``) toward the start-up shape at the
-        level observed there: the level alone would walk them with the observed size's noise. A
-        knot that forwards of its own size keep timing is pulled that much less (by ``1 + t``, ``t``
-        its share of the recent observations' shape moves, decaying at ``lr / 20`` per
-        observation): a start-up shape timed from dummy forwards can be off at a size (vLLM's
-        dummy forward of 2 tokens is 2 requests of 1), and a full pull between that size's rare
-        timings held its knot half way back to the start-up error, pricing it above what every
-        timing of it said."""
+        level observed there: the level alone would walk them with the observed size's noise."""
         if n_tokens < 1 or not ms > 0:
             raise ValueError(f"observe({n_tokens}, {ms}): n_tokens must be >= 1 and ms > 0")
         if self._unseen:
             self._start, self._unseen = [float(ms)] * len(self.xs), False
-            self._ys, self._timed = {1: list(self._start)}, {}
+            self._ys = {1: list(self._start)}
             return
         ys = self._ys.setdefault(batch_bucket(rows), list(self._start))
         # one odd step moves it little: a measurement counts as at most 1.25x (at least 0.8x) the
@@ -233,10 +223,7 @@ class CostModel:
             scale = (ys[i] + w * (ys[i + 1] - ys[i])) / max(at_start, 1e-6)
             pull = self.lr / 20 if self._anchored else 0.0
             kept = {i: 1 - w, i + 1: w}  # the share of the shape move each knot of the segment took
-            timed = self._timed.setdefault(batch_bucket(rows), [0.0] * len(ys))
-            timed[:] = [t * (1 - pull) + kept.get(k, 0.0) for k, t in enumerate(timed)]
-            ys[:] = [y + pull * (1 - kept.get(k, 0.0)) / (1 + t) * (scale * s0 - y)
-                     for k, (y, s0, t) in enumerate(zip(ys, self._start, timed))]
+            ys[:] = [y + pull * (1 - kept.get(k, 0.0)) * (scale * s0 - y) for k, (y, s0) in enumerate(zip(ys, self._start))]
         ys[:] = [max(y, 1e-6) for y in ys]
 
 
