@@ -11,7 +11,6 @@ import math
 import time
 
 import pytest
-import torch
 
 from dyntree.common.builder import PartialTree, TreeBuilder
 from dyntree.common.config import SamplingParams, SpecConfig
@@ -326,3 +325,30 @@ def test_modes_eval_runs_dyntree_once_per_threshold() -> None:
         "hydra N=16 dyntree thr=0.0 [mt_bench]"] * 2
     assert lines[0].endswith("1.125x the best fixed shape (static 2.400); target >= 1.10x: met")
     assert lines[1].endswith("tau 2.700; target >= 2.5: met") and lines[3].endswith("target >= 2.2: not met")
+
+
+def test_vllm_bench_pools_every_call_over_the_plain_engines_of_its_round() -> None:
+    """The pooled ratio is each call's tokens/s over the plain engines' in the same cell and round
+    (a slow round hits them all), the geometric mean over calls with a bootstrap interval; the
+    A/A control (``none_sync``) is read over ``none`` alone."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_bench.py"
+    spec_ = importlib.util.spec_from_file_location("vllm_bench", path)
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    rounds = {"chat/b8": [40.0, 30.0, 50.0], "chat+code/b16": [70.0, 60.0, 80.0]}
+    cfg = lambda scale: {cell: {"tokens_per_s": [t * s for t, s in zip(tps, scale)]} for cell, tps in rounds.items()}  # noqa: E731
+    configs = {"none": cfg([1.0, 1.0, 1.0]), "none_sync": cfg([1.02, 1.02, 1.02]), "slow": cfg([0.9, 0.9, 0.9]),
+               "noisy": cfg([0.8, 1.0, 1.1])}
+    res = mod.pooled(configs)
+    assert set(res) == {"none_sync", "slow", "noisy"}
+    assert res["none_sync"]["ratio"] == pytest.approx(1.02) and res["none_sync"]["over"] == "none"
+    assert res["slow"]["ratio"] == pytest.approx(0.9 / 1.01, rel=1e-3) and res["slow"]["calls"] == 6
+    assert res["slow"]["ci95"] == pytest.approx([0.9 / 1.01] * 2, rel=1e-3)  # no spread, no interval
+    lo, hi = res["noisy"]["ci95"]
+    assert lo < res["noisy"]["ratio"] < hi and lo < 0.9 and hi > 1.0
+    assert mod.pooled({"x": configs["slow"]}) == {}  # nothing to pool over without plain decoding
+    del configs["none_sync"]
+    assert mod.pooled(configs)["slow"] == {"ratio": 0.9, "ci95": [0.9, 0.9], "calls": 6, "over": "none"}
