@@ -107,6 +107,20 @@ def test_unsupported_vllm_versions_are_refused() -> None:
             check_version(version, platform)
 
 
+def test_an_emulated_half_precision_model_on_a_cpu_is_warned_about(monkeypatch) -> None:
+    """bf16 without AMX or AVX512-BF16 (vLLM's dtype auto picks the model's bf16 on any CPU):
+    a start-up warning that names the fix; none in fp32, with native bf16 or on a GPU."""
+    import dyntree.models as models
+    from dyntree.vllm_plugin import emulated_dtype_advice
+
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
+    assert "dtype='float32'" in emulated_dtype_advice(torch.bfloat16, "cpu")
+    assert emulated_dtype_advice(torch.float32, "cpu") is None
+    assert emulated_dtype_advice(torch.bfloat16, "cuda") is None
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
+    assert emulated_dtype_advice(torch.bfloat16, "cpu") is None
+
+
 def test_the_scheduler_tells_the_worker_how_many_requests_wait() -> None:
     """vLLM's scheduler output says what runs, not what waits: the wrapped ``schedule`` adds the
     scheduler's own count of waiting requests, once however often it is installed; vLLM's

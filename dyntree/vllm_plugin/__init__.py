@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
-__all__ = ["register", "SUPPORTED", "check_version", "platform_name"]
+__all__ = ["register", "SUPPORTED", "check_version", "emulated_dtype_advice", "platform_name"]
 
 #: vLLM release series this adapter was built and tested against, per platform.
 SUPPORTED = {"cpu": ("0.32.",), "cuda": ("0.26.",)}
@@ -82,6 +83,9 @@ def _wrap_create(orig: Any) -> Any:
         check_version(vllm.__version__, platform_name())
         spec = parse_options(cfg)
         _refuse(self, target_model_config, target_parallel_config, spec.drafter)
+        advice = emulated_dtype_advice(target_model_config.dtype, platform_name())
+        if advice:
+            warnings.warn(advice, RuntimeWarning, stacklevel=2)
         os.environ[ENV] = spec.model_dump_json(exclude_unset=True)
         _install_worker_side()  # an in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)
         self.speculative_config = {
@@ -92,6 +96,22 @@ def _wrap_create(orig: Any) -> Any:
         return orig(self, target_model_config, target_parallel_config)
 
     return create_speculative_config
+
+
+def emulated_dtype_advice(dtype: Any, platform: str) -> str | None:
+    """A start-up warning for a bf16 model on a CPU that computes bf16 by emulation (neither
+    AMX-BF16 nor AVX512-BF16; vLLM's own ``dtype="auto"`` takes the model's bf16 on any CPU):
+    vLLM's oneDNN linears then grow with the rows, a 5-token verify costing ~2.3x a 1-token
+    step, so speculation rarely pays; ``None`` otherwise."""
+    import torch
+
+    from dyntree.models import cpu_has_native_bf16
+
+    if platform != "cpu" or dtype != torch.bfloat16 or cpu_has_native_bf16():
+        return None
+    return ("dyntree: the model runs in bf16 on a CPU without native bf16 (no AMX or AVX512-BF16), emulated: a "
+            "multi-token verify costs ~2.3x a plain step there and speculation rarely pays; pass dtype='float32' "
+            "(--dtype float32)")
 
 
 def _refuse(args: Any, model_config: Any, parallel_config: Any, drafter: str) -> None:
