@@ -268,8 +268,8 @@ def pooled(configs: dict[str, dict[str, Any]], samples: int = 2000, seed: int = 
     tokens/s: the geometric mean of the call's tokens/s over plain decoding's in the same cell and
     round (the mean of ``none`` and ``none_sync`` where the run has both; ``none_sync`` itself over
     ``none``: the A/A control), with a bootstrap 95% interval over the calls. Single calls at
-    batch 8 and 16 move by 10-20% on a shared 2-core machine; a per-cell median of 3-5 rounds
-    cannot resolve a few percent, the pooled ratio of all calls can say more."""
+    batch 8 and 16 can move by a third on a shared 2-core machine; a per-cell median of 3-5
+    rounds cannot resolve a few percent, the pooled ratio of all calls can say more."""
     import numpy as np
 
     if "none" not in configs:

@@ -107,7 +107,7 @@ def test_unsupported_vllm_versions_are_refused() -> None:
             check_version(version, platform)
 
 
-def test_an_emulated_half_precision_model_on_a_cpu_is_warned_about(monkeypatch) -> None:
+def test_an_emulated_bf16_model_on_a_cpu_is_warned_about(monkeypatch) -> None:
     """bf16 without AMX or AVX512-BF16 (vLLM's dtype auto picks the model's bf16 on any CPU):
     a start-up warning that names the fix; none in fp32, with native bf16 or on a GPU."""
     import dyntree.models as models
