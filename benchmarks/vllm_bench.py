@@ -62,8 +62,10 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
 ENGINE_ARGS: dict[str, dict[str, Any]] = {"none_sync": {"async_scheduling": False}}
 CONFIGS["none_sync"] = None
 #: Controls for the adaptive controller, run only when named in ``--configs``: each drafter pinned
-#: to the shape vLLM's own n-gram verifies (a chain of 4, every step it can draft).
+#: to the shape vLLM's own n-gram verifies (a chain of 4, every step it can draft), and the default
+#: held to chains (the controller still picks their length, or no draft).
 CONTROLS: dict[str, dict[str, Any]] = {
+    "dyntree_chains": {"method": "dyntree", "tree": "chain"},
     "dyntree_chain4": {"method": "dyntree", "tree": "chain", "adaptive": False, "num_speculative_tokens": 4},
     "dyntree_ngram_chain4": {"method": "dyntree", "drafter": "ngram", "tree": "chain", "adaptive": False,
                              "num_speculative_tokens": 4},
@@ -184,13 +186,18 @@ class _Cell:
 
 
 def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
-                batches: tuple[int, ...] = BATCHES, in_process: bool = False) -> list[dict[str, dict[str, Any]]]:
+                batches: tuple[int, ...] = BATCHES, in_process: bool = False, bracket: bool = False,
+                calls: list[dict[str, Any]] | None = None) -> list[dict[str, dict[str, Any]]]:
     """Every config's engine alive at once (each in processes of its own, or with ``in_process``
     all in this one), each ``generate`` call (one batch of one cell) run by every config back to
     back, the order rotated call by call: a config and its baseline are timed seconds apart, so a
-    slow spell of a shared machine hits both. Engines without speculation are built first (in
-    one process they then keep vLLM's own attention backend), vLLM's ``ngram`` last. Returns per
-    round, per config and cell, what :meth:`_Cell.result` gives."""
+    slow spell of a shared machine hits both. With ``bracket`` (and ``none`` among the configs)
+    plain decoding also runs right after every other config's call (:func:`call_order`): each
+    call then has a plain call just before and just after it (:func:`bracketed`). Engines without
+    speculation are built first (in one process they then keep vLLM's own attention backend),
+    vLLM's ``ngram`` last. Returns per round, per config and cell, what :meth:`_Cell.result`
+    gives (a plain call that only brackets another is not in it); ``calls``, when given, gets a
+    record of every call in the order run (:func:`bracketed` reads them)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # vLLM's ngram drafts with numba; numba's default threading layer is an OpenMP pool whose
@@ -210,20 +217,73 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
         print(f"built {c} ({time.time() - t:.0f} s)", flush=True)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     out: list[dict[str, dict[str, Any]]] = []
+    origin = time.perf_counter()
     for r in range(rounds):
         t = time.time()
         out.append({c: {} for c in configs})
         for cell, prompts, b in _cells(sets, batches):
             acc = {c: _Cell() for c in configs}
             for k, i in enumerate(range(0, len(prompts), b)):
-                shift = (r + k) % len(configs)
-                for c in configs[shift:] + configs[:shift]:
-                    acc[c].run(engines[c], prompts[i : i + b], params)
+                for c, counted in call_order(configs, r + k, bracket):
+                    tally = acc[c] if counted else _Cell()
+                    tokens, wall, start = tally.tokens, tally.wall, time.perf_counter()
+                    tally.run(engines[c], prompts[i : i + b], params)
+                    if calls is not None:
+                        calls.append({"round": r, "cell": cell, "chunk": k, "config": c, "counted": counted,
+                                      "start_s": round(start - origin, 3), "tokens": tally.tokens - tokens,
+                                      "wall_s": round(tally.wall - wall, 4)})
             for c in configs:
                 out[-1][c][cell] = acc[c].result()
         cells = "  ".join(f"{cell} {v['tokens_per_s'] / out[-1]['none'][cell]['tokens_per_s']:.2f}x"
                           for cell, v in out[-1].get("dyntree", {}).items()) if "none" in configs else ""
         print(f"round {r + 1}/{rounds} ({time.time() - t:.0f} s)  dyntree over none: {cells}", flush=True)
+    return out
+
+
+def call_order(configs: list[str], shift: int, bracket: bool = False) -> list[tuple[str, bool]]:
+    """One ``generate`` call's configs in the order they run, each with whether its call counts
+    in the round's tally: every config once, rotated by ``shift``; with ``bracket`` (and
+    ``none`` among them) plain decoding first and again after every other config (those extra
+    plain calls only bracket their neighbours)."""
+    if not bracket or "none" not in configs:
+        shift %= len(configs)
+        return [(c, True) for c in configs[shift:] + configs[:shift]]
+    others = [c for c in configs if c != "none"]
+    shift %= max(len(others), 1)
+    order = [("none", True)]
+    for c in others[shift:] + others[:shift]:
+        order += [(c, True), ("none", False)]
+    return order
+
+
+def bracketed(calls: list[dict[str, Any]], samples: int = 2000, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Per config, from the records of a ``bracket`` run (:func:`interleaved`): each call's
+    tokens/s over the mean of the plain calls right before and right after it in the same
+    ``generate`` slot (seconds apart, where a round's plain calls can be minutes apart), the
+    geometric mean over its calls and a bootstrap 95% interval. ``none_sync`` (plain decoding,
+    another engine) is the A/A control, read the same way."""
+    import numpy as np
+
+    slots: dict[tuple[int, str, int], list[dict[str, Any]]] = defaultdict(list)
+    for x in calls:
+        slots[(x["round"], x["cell"], x["chunk"])].append(x)
+    logs: dict[str, list[float]] = defaultdict(list)
+    for slot in slots.values():
+        slot.sort(key=lambda x: x["start_s"])
+        rate = [x["tokens"] / x["wall_s"] for x in slot]
+        for j, x in enumerate(slot):
+            if x["config"] == "none":
+                continue
+            near = [rate[i] for i in (j - 1, j + 1) if 0 <= i < len(slot) and slot[i]["config"] == "none"]
+            if near:
+                logs[x["config"]].append(math.log(rate[j] / (sum(near) / len(near))))
+    out: dict[str, dict[str, Any]] = {}
+    rng = np.random.default_rng(seed)
+    for c, v in logs.items():
+        x = np.asarray(v)
+        boot = np.exp(x[rng.integers(0, len(x), (samples, len(x)))].mean(axis=1))
+        out[c] = {"ratio": round(float(np.exp(x.mean())), 4),
+                  "ci95": [round(float(q), 4) for q in np.percentile(boot, [2.5, 97.5])], "calls": len(x)}
     return out
 
 
@@ -325,6 +385,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on a CPU with native bf16, else fp32) | bfloat16 | float32")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join([*CONFIGS, *CONTROLS])}")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="of 1, 8, 16 (default: all)")
+    ap.add_argument("--bracket", action="store_true",
+                    help="plain decoding also right after every other config's call, each call read over its two "
+                         "plain neighbours (bracketed in the JSON; see bracketed())")
     ap.add_argument("--in-process", action="store_true",
                     help="every config's engine in this one process (default: each in processes of its own; see interleaved())")
     args = ap.parse_args()
@@ -346,7 +409,10 @@ def main() -> int:
     out = Path(args.out or ROOT / "benchmarks" / "results" / "vllm" / f"{machine_kind()}_{short}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    rounds = interleaved(configs, args.dtype, args.max_tokens, args.rounds, batches, args.in_process)
+    if args.bracket and "none" not in configs:
+        ap.error("--bracket: brackets every call with plain decoding, so --configs must include none")
+    calls: list[dict[str, Any]] = []
+    rounds = interleaved(configs, args.dtype, args.max_tokens, args.rounds, batches, args.in_process, args.bracket, calls)
     import vllm
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
@@ -363,6 +429,9 @@ def main() -> int:
         "configs": summarize(rounds, configs),
     }
     doc["pooled"] = pooled(doc["configs"])
+    if args.bracket:
+        doc["bracketed"] = bracketed(calls)
+        doc["calls"] = calls
     if "none" in configs and "dyntree" in configs:
         doc["summary"] = {
             f"{cell}: default dyntree": (f"{v['speedup_vs_none']:.2f}x none"
@@ -373,6 +442,9 @@ def main() -> int:
         if any(not cell.endswith("/b1") for cell in doc["configs"]["none"]):  # batch 8 / 16: every call pooled too
             doc["summary"].update({f"pooled: {c}": f"{v['ratio']:.3f}x [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] over {v['over']}"
                                    for c, v in doc["pooled"].items()})
+            doc["summary"].update({f"bracketed: {c}": f"{v['ratio']:.3f}x [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] "
+                                                      f"over the plain calls around it ({v['calls']} calls)"
+                                   for c, v in doc.get("bracketed", {}).items()})
     out.write_text(json.dumps(doc, indent=1) + "\n")
     _plot(doc, out.with_suffix(".png"))
     print(f"wrote {out}", flush=True)

@@ -352,3 +352,33 @@ def test_vllm_bench_pools_every_call_over_the_plain_engines_of_its_round() -> No
     assert mod.pooled({"x": configs["slow"]}) == {}  # nothing to pool over without plain decoding
     del configs["none_sync"]
     assert mod.pooled(configs)["slow"] == {"ratio": 0.9, "ci95": [0.9, 0.9], "calls": 6, "over": "none"}
+
+
+def test_vllm_bench_brackets_every_call_with_plain_decoding() -> None:
+    """With ``--bracket`` plain decoding runs first and after every other config, rotated by the
+    call; each call is then read over the plain calls right before and after it, so a machine
+    that slows down steadily through a slot (which the slot's first plain call does not see)
+    cancels."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_bench.py"
+    spec_ = importlib.util.spec_from_file_location("vllm_bench", path)
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    configs = ["none", "none_sync", "a", "b"]
+    assert mod.call_order(configs, 1) == [(c, True) for c in ("none_sync", "a", "b", "none")]
+    order = mod.call_order(configs, 1, bracket=True)
+    assert order == [("none", True), ("a", True), ("none", False), ("b", True), ("none", False),
+                     ("none_sync", True), ("none", False)]
+    assert mod.call_order(["a", "b"], 1, bracket=True) == [("b", True), ("a", True)]  # nothing to bracket with
+    # one slot through which the machine slows by a tenth a call
+    speed = {j: 1 - 0.1 * j for j in range(len(order))}
+    own = {"none": 1.0, "none_sync": 1.0, "a": 0.9, "b": 1.2}
+    calls = [{"round": 0, "cell": "chat/b8", "chunk": 0, "config": c, "counted": k, "start_s": float(j),
+              "tokens": 100, "wall_s": 100 / (50 * own[c] * speed[j])} for j, (c, k) in enumerate(order)]
+    res = mod.bracketed(calls[::-1])  # records in any order: read by start time
+    assert res["a"]["ratio"] == pytest.approx(0.9) and res["b"]["ratio"] == pytest.approx(1.2)
+    assert res["none_sync"]["ratio"] == pytest.approx(1.0) and res["a"]["calls"] == 1
+    assert "none" not in res
+    # over the slot's counted plain call alone "b" (the fourth call) would read 1.2 x 0.7
