@@ -23,8 +23,11 @@ near-tied argmax, so only fp32 promises identity). ``--in-process`` runs every e
 process instead (vLLM's engine in-process: no core reserved, no threads bound), and adds each call's time
 inside vLLM's model forward, and per config the median over rounds of the time it spends outside
 the forward per token beyond plain decoding's, as a share of plain decoding's time per token
-(``outside_forward_vs_none``): drafting, verification and hooks. Writes JSON (and a PNG of the
-speedups when matplotlib is installed).
+(``outside_forward_vs_none``): drafting, verification and hooks. ``--bracket`` also runs plain
+decoding right after every other config's call and reads each call over the plain calls just
+before and after it (``bracketed``, with every call's record): at batch 8 and 16 a shared machine's
+speed drifts within a round by more than the few percent a config is judged by. Writes JSON (and
+a PNG of the speedups when matplotlib is installed).
 """
 
 from __future__ import annotations
