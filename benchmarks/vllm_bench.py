@@ -246,16 +246,18 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
 def call_order(configs: list[str], shift: int, bracket: bool = False) -> list[tuple[str, bool]]:
     """One ``generate`` call's configs in the order they run, each with whether its call counts
     in the round's tally: every config once, rotated by ``shift``; with ``bracket`` (and
-    ``none`` among them) plain decoding first and again after every other config (those extra
-    plain calls only bracket their neighbours)."""
+    ``none`` among them) plain decoding first and again after every other config, the one plain
+    call that counts moving with ``shift`` too (the others only bracket their neighbours; a
+    machine that slows through a slot must not favour whichever call comes first)."""
     if not bracket or "none" not in configs:
         shift %= len(configs)
         return [(c, True) for c in configs[shift:] + configs[:shift]]
     others = [c for c in configs if c != "none"]
+    counted = shift % (len(others) + 1)  # which of the plain calls counts
     shift %= max(len(others), 1)
-    order = [("none", True)]
-    for c in others[shift:] + others[:shift]:
-        order += [(c, True), ("none", False)]
+    order = [("none", counted == 0)]
+    for j, c in enumerate(others[shift:] + others[:shift]):
+        order += [(c, True), ("none", counted == j + 1)]
     return order
 
 
@@ -263,15 +265,16 @@ def bracketed(calls: list[dict[str, Any]], samples: int = 2000, seed: int = 0) -
     """Per config, from the records of a ``bracket`` run (:func:`interleaved`): each call's
     tokens/s over the mean of the plain calls right before and right after it in the same
     ``generate`` slot (seconds apart, where a round's plain calls can be minutes apart), the
-    geometric mean over its calls and a bootstrap 95% interval. ``none_sync`` (plain decoding,
-    another engine) is the A/A control, read the same way."""
+    geometric mean over its calls and a bootstrap 95% interval, and per cell the median over its
+    calls. ``none_sync`` (plain decoding, another engine) is the A/A control, read the same way."""
     import numpy as np
 
     slots: dict[tuple[int, str, int], list[dict[str, Any]]] = defaultdict(list)
     for x in calls:
         slots[(x["round"], x["cell"], x["chunk"])].append(x)
     logs: dict[str, list[float]] = defaultdict(list)
-    for slot in slots.values():
+    cells: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for (_, cell, _), slot in slots.items():
         slot.sort(key=lambda x: x["start_s"])
         rate = [x["tokens"] / x["wall_s"] for x in slot]
         for j, x in enumerate(slot):
@@ -280,13 +283,15 @@ def bracketed(calls: list[dict[str, Any]], samples: int = 2000, seed: int = 0) -
             near = [rate[i] for i in (j - 1, j + 1) if 0 <= i < len(slot) and slot[i]["config"] == "none"]
             if near:
                 logs[x["config"]].append(math.log(rate[j] / (sum(near) / len(near))))
+                cells[x["config"]][cell].append(logs[x["config"]][-1])
     out: dict[str, dict[str, Any]] = {}
     rng = np.random.default_rng(seed)
     for c, v in logs.items():
         x = np.asarray(v)
         boot = np.exp(x[rng.integers(0, len(x), (samples, len(x)))].mean(axis=1))
         out[c] = {"ratio": round(float(np.exp(x.mean())), 4),
-                  "ci95": [round(float(q), 4) for q in np.percentile(boot, [2.5, 97.5])], "calls": len(x)}
+                  "ci95": [round(float(q), 4) for q in np.percentile(boot, [2.5, 97.5])], "calls": len(x),
+                  "cells": {cell: round(float(np.exp(np.median(v))), 4) for cell, v in cells[c].items()}}
     return out
 
 
@@ -431,10 +436,14 @@ def main() -> int:
         "speculative_configs": {c: CONFIGS[c] for c in configs}, "wall_s": round(time.time() - started),
         "configs": summarize(rounds, configs),
     }
-    doc["pooled"] = pooled(doc["configs"])
-    if args.bracket:
+    if args.bracket:  # each call over its own plain neighbours; the cells' speedups read the same way
         doc["bracketed"] = bracketed(calls)
         doc["calls"] = calls
+        for c, v in doc["bracketed"].items():
+            for cell, ratio in v["cells"].items():
+                doc["configs"][c][cell]["speedup_vs_none"] = ratio
+    else:
+        doc["pooled"] = pooled(doc["configs"])
     if "none" in configs and "dyntree" in configs:
         doc["summary"] = {
             f"{cell}: default dyntree": (f"{v['speedup_vs_none']:.2f}x none"
@@ -444,7 +453,7 @@ def main() -> int:
             for cell, v in doc["configs"]["dyntree"].items()}
         if any(not cell.endswith("/b1") for cell in doc["configs"]["none"]):  # batch 8 / 16: every call pooled too
             doc["summary"].update({f"pooled: {c}": f"{v['ratio']:.3f}x [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] over {v['over']}"
-                                   for c, v in doc["pooled"].items()})
+                                   for c, v in doc.get("pooled", {}).items()})
             doc["summary"].update({f"bracketed: {c}": f"{v['ratio']:.3f}x [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] "
                                                       f"over the plain calls around it ({v['calls']} calls)"
                                    for c, v in doc.get("bracketed", {}).items()})

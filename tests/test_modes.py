@@ -356,7 +356,7 @@ def test_vllm_bench_pools_every_call_over_the_plain_engines_of_its_round() -> No
 
 def test_vllm_bench_brackets_every_call_with_plain_decoding() -> None:
     """With ``--bracket`` plain decoding runs first and after every other config, rotated by the
-    call; each call is then read over the plain calls right before and after it, so a machine
+    call (and which plain call counts with it); each call is then read over the plain calls right before and after it, so a machine
     that slows down steadily through a slot (which the slot's first plain call does not see)
     cancels."""
     import importlib.util
@@ -369,8 +369,11 @@ def test_vllm_bench_brackets_every_call_with_plain_decoding() -> None:
     configs = ["none", "none_sync", "a", "b"]
     assert mod.call_order(configs, 1) == [(c, True) for c in ("none_sync", "a", "b", "none")]
     order = mod.call_order(configs, 1, bracket=True)
-    assert order == [("none", True), ("a", True), ("none", False), ("b", True), ("none", False),
+    assert order == [("none", False), ("a", True), ("none", True), ("b", True), ("none", False),
                      ("none_sync", True), ("none", False)]
+    # the plain call that counts in the round's tally moves with the call, as the others do
+    assert [[j for j, x in enumerate(mod.call_order(configs, s, bracket=True)) if x == ("none", True)]
+            for s in range(4)] == [[0], [2], [4], [6]]
     assert mod.call_order(["a", "b"], 1, bracket=True) == [("b", True), ("a", True)]  # nothing to bracket with
     # one slot through which the machine slows by a tenth a call
     speed = {j: 1 - 0.1 * j for j in range(len(order))}
@@ -380,5 +383,6 @@ def test_vllm_bench_brackets_every_call_with_plain_decoding() -> None:
     res = mod.bracketed(calls[::-1])  # records in any order: read by start time
     assert res["a"]["ratio"] == pytest.approx(0.9) and res["b"]["ratio"] == pytest.approx(1.2)
     assert res["none_sync"]["ratio"] == pytest.approx(1.0) and res["a"]["calls"] == 1
+    assert res["b"]["cells"] == {"chat/b8": pytest.approx(1.2)}
     assert "none" not in res
     # over the slot's counted plain call alone "b" (the fourth call) would read 1.2 x 0.7
