@@ -378,7 +378,8 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
         ax.bar([i + k * width for i in range(len(cells))], vals, width, label=c, color=plt.cm.tab10(k))
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], cells)
-    ax.set_ylabel("tokens/s over no speculation (median of rounds)")
+    ax.set_ylabel("tokens/s over no speculation (" + ("median of calls over the plain calls around them"
+                                                      if "bracketed" in doc else "median of rounds") + ")")
     ax.set_title(f"vLLM {doc['versions']['vllm']} on {doc['cpu']} ({doc['dtype']}), SmolLM2-135M, greedy")
     ax.legend(fontsize=8, ncol=3)
     fig.tight_layout()
@@ -431,7 +432,8 @@ def main() -> int:
         "model": "SmolLM2-135M-Instruct", "max_tokens": args.max_tokens, "rounds": args.rounds, "batches": list(batches),
         "mode": ("in-process: every engine in one process" if args.in_process
                  else "engines: every config's engine in processes of its own (vLLM's multiprocess engine core)")
-                + ", all alive at once, each generate call run by every config back to back",
+                + ", all alive at once, each generate call run by every config back to back"
+                + (", plain decoding again after every other config's call (--bracket)" if args.bracket else ""),
         "prompts": {name: [r["question_id"] for r in rows] for name, rows in prompt_rows().items()},
         "speculative_configs": {c: CONFIGS[c] for c in configs}, "wall_s": round(time.time() - started),
         "configs": summarize(rounds, configs),
@@ -454,9 +456,9 @@ def main() -> int:
         if any(not cell.endswith("/b1") for cell in doc["configs"]["none"]):  # batch 8 / 16: every call pooled too
             doc["summary"].update({f"pooled: {c}": f"{v['ratio']:.3f}x [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] over {v['over']}"
                                    for c, v in doc.get("pooled", {}).items()})
-            doc["summary"].update({f"bracketed: {c}": f"{v['ratio']:.3f}x [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] "
-                                                      f"over the plain calls around it ({v['calls']} calls)"
-                                   for c, v in doc.get("bracketed", {}).items()})
+    doc.setdefault("summary", {}).update({
+        f"bracketed: {c}": f"{v['ratio']:.3f}x [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] over the plain calls around it "
+                           f"({v['calls']} calls)" for c, v in doc.get("bracketed", {}).items()})
     out.write_text(json.dumps(doc, indent=1) + "\n")
     _plot(doc, out.with_suffix(".png"))
     print(f"wrote {out}", flush=True)
