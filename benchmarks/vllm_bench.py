@@ -378,8 +378,8 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
         ax.bar([i + k * width for i in range(len(cells))], vals, width, label=c, color=plt.cm.tab10(k))
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], cells)
-    ax.set_ylabel("tokens/s over no speculation (" + ("median of calls over the plain calls around them"
-                                                      if "bracketed" in doc else "median of rounds") + ")")
+    ax.set_ylabel("tokens/s over no speculation\n(" + ("median of calls, each over the plain calls around it"
+                                                        if "bracketed" in doc else "median of rounds") + ")", fontsize=9)
     ax.set_title(f"vLLM {doc['versions']['vllm']} on {doc['cpu']} ({doc['dtype']}), SmolLM2-135M, greedy")
     ax.legend(fontsize=8, ncol=3)
     fig.tight_layout()
