@@ -284,15 +284,21 @@ def bracketed(calls: list[dict[str, Any]], samples: int = 2000, seed: int = 0) -
             if near:
                 logs[x["config"]].append(math.log(rate[j] / (sum(near) / len(near))))
                 cells[x["config"]][cell].append(logs[x["config"]][-1])
-    out: dict[str, dict[str, Any]] = {}
     rng = np.random.default_rng(seed)
-    for c, v in logs.items():
-        x = np.asarray(v)
-        boot = np.exp(x[rng.integers(0, len(x), (samples, len(x)))].mean(axis=1))
-        out[c] = {"ratio": round(float(np.exp(x.mean())), 4),
-                  "ci95": [round(float(q), 4) for q in np.percentile(boot, [2.5, 97.5])], "calls": len(x),
-                  "cells": {cell: round(float(np.exp(np.median(v))), 4) for cell, v in cells[c].items()}}
-    return out
+    return {c: {**_geometric_mean(v, rng, samples),
+                "cells": {cell: round(float(np.exp(np.median(w))), 4) for cell, w in cells[c].items()}}
+            for c, v in logs.items()}
+
+
+def _geometric_mean(logs: list[float], rng: Any, samples: int) -> dict[str, Any]:
+    """Calls' log ratios as ``ratio`` (their geometric mean), ``ci95`` (a bootstrap 95% interval
+    drawn with ``rng``) and ``calls``."""
+    import numpy as np
+
+    x = np.asarray(logs)
+    boot = np.exp(x[rng.integers(0, len(x), (samples, len(x)))].mean(axis=1))
+    return {"ratio": round(float(np.exp(x.mean())), 4),
+            "ci95": [round(float(q), 4) for q in np.percentile(boot, [2.5, 97.5])], "calls": len(x)}
 
 
 def _outside(run: dict[str, Any]) -> float:
@@ -352,11 +358,8 @@ def pooled(configs: dict[str, dict[str, Any]], samples: int = 2000, seed: int = 
                 bases = [configs[b][cell]["tokens_per_s"][i] for b in ("none", "none_sync")
                          if b in configs and b != c and (c != "none_sync" or b == "none")]
                 logs.append(math.log(tps / (sum(bases) / len(bases))))
-        x = np.asarray(logs)
-        rng = np.random.default_rng(seed)
-        boot = np.exp(x[rng.integers(0, len(x), (samples, len(x)))].mean(axis=1))
-        out[c] = {"ratio": round(float(np.exp(x.mean())), 4), "ci95": [round(float(v), 4) for v in np.percentile(boot, [2.5, 97.5])],
-                  "calls": len(x), "over": "none" if c == "none_sync" or "none_sync" not in configs else "mean of none and none_sync"}
+        out[c] = {**_geometric_mean(logs, np.random.default_rng(seed), samples),
+                  "over": "none" if c == "none_sync" or "none_sync" not in configs else "mean of none and none_sync"}
     return out
 
 

@@ -327,10 +327,8 @@ def test_modes_eval_runs_dyntree_once_per_threshold() -> None:
     assert lines[1].endswith("tau 2.700; target >= 2.5: met") and lines[3].endswith("target >= 2.2: not met")
 
 
-def test_vllm_bench_pools_every_call_over_the_plain_engines_of_its_round() -> None:
-    """The pooled ratio is each call's tokens/s over the plain engines' in the same cell and round
-    (a slow round hits them all), the geometric mean over calls with a bootstrap interval; the
-    A/A control (``none_sync``) is read over ``none`` alone."""
+def _vllm_bench():
+    """``benchmarks/vllm_bench.py`` as a module (it is a script, not part of the package)."""
     import importlib.util
     from pathlib import Path
 
@@ -338,6 +336,14 @@ def test_vllm_bench_pools_every_call_over_the_plain_engines_of_its_round() -> No
     spec_ = importlib.util.spec_from_file_location("vllm_bench", path)
     mod = importlib.util.module_from_spec(spec_)
     spec_.loader.exec_module(mod)
+    return mod
+
+
+def test_vllm_bench_pools_every_call_over_the_plain_engines_of_its_round() -> None:
+    """The pooled ratio is each call's tokens/s over the plain engines' in the same cell and round
+    (a slow round hits them all), the geometric mean over calls with a bootstrap interval; the
+    A/A control (``none_sync``) is read over ``none`` alone."""
+    mod = _vllm_bench()
     rounds = {"chat/b8": [40.0, 30.0, 50.0], "chat+code/b16": [70.0, 60.0, 80.0]}
     cfg = lambda scale: {cell: {"tokens_per_s": [t * s for t, s in zip(tps, scale)]} for cell, tps in rounds.items()}  # noqa: E731
     configs = {"none": cfg([1.0, 1.0, 1.0]), "none_sync": cfg([1.02, 1.02, 1.02]), "slow": cfg([0.9, 0.9, 0.9]),
@@ -356,16 +362,10 @@ def test_vllm_bench_pools_every_call_over_the_plain_engines_of_its_round() -> No
 
 def test_vllm_bench_brackets_every_call_with_plain_decoding() -> None:
     """With ``--bracket`` plain decoding runs first and after every other config, rotated by the
-    call (and which plain call counts with it); each call is then read over the plain calls right before and after it, so a machine
-    that slows down steadily through a slot (which the slot's first plain call does not see)
-    cancels."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_bench.py"
-    spec_ = importlib.util.spec_from_file_location("vllm_bench", path)
-    mod = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(mod)
+    call (and which plain call counts with it); each call is then read over the plain calls right
+    before and after it, so a machine that slows down steadily through a slot cancels, where the
+    slot's counted plain call alone would not."""
+    mod = _vllm_bench()
     configs = ["none", "none_sync", "a", "b"]
     assert mod.call_order(configs, 1) == [(c, True) for c in ("none_sync", "a", "b", "none")]
     order = mod.call_order(configs, 1, bracket=True)
@@ -385,4 +385,7 @@ def test_vllm_bench_brackets_every_call_with_plain_decoding() -> None:
     assert res["none_sync"]["ratio"] == pytest.approx(1.0) and res["a"]["calls"] == 1
     assert res["b"]["cells"] == {"chat/b8": pytest.approx(1.2)}
     assert "none" not in res
-    # over the slot's counted plain call alone "b" (the fourth call) would read 1.2 x 0.7
+    # over the slot's counted plain call alone (the third call) "b" (the fourth) reads 1.2 x 0.7 / 0.8
+    counted = next(x for x in calls if x["config"] == "none" and x["counted"])
+    b = next(x for x in calls if x["config"] == "b")
+    assert (b["tokens"] / b["wall_s"]) / (counted["tokens"] / counted["wall_s"]) == pytest.approx(1.2 * 0.7 / 0.8)
