@@ -178,3 +178,49 @@ def test_mirror_grows_keeps_and_releases() -> None:
         m.reserve("a", 5, 20)
     m.release("a")
     assert len(m) == 0 and m.reserve("a", 7, 9) == 0
+
+
+@pytest.mark.parametrize("isa,dtype", _layouts())
+def test_mirror_sync_tops_up_every_layer_from_the_paged_cache(isa: str, dtype: torch.dtype) -> None:
+    """What the quantized self-draft reads its prefix from (``PrefixMirror.sync``): every layer's
+    positions up to the request's length, copied out of vLLM's paged cache, and later only the
+    positions committed since (positions already copied are never read again: here they are
+    overwritten in the cache, and the copy keeps the old values). A tree planned right after finds
+    nothing left to copy."""
+    from vllm import _custom_ops as ops
+
+    from dyntree.vllm_plugin.attention import plan_tree_rows
+    from dyntree.vllm_plugin.kv_layout import KVLayout
+    from dyntree.vllm_plugin.mirror import PrefixMirror
+
+    g = torch.Generator().manual_seed(1)
+    layers = 3
+    keys = torch.randn(layers, 60, HKV, D, generator=g).to(dtype)
+    values = torch.randn(layers, 60, HKV, D, generator=g).to(dtype)
+    caches = [torch.zeros(BLOCKS, HKV, BLOCK, 2 * D, dtype=dtype) for _ in range(layers)]
+    block_row = torch.randperm(BLOCKS, generator=g)[:2].to(torch.int32)
+    slots = block_row[torch.arange(60) // BLOCK].long() * BLOCK + torch.arange(60) % BLOCK
+
+    def write(i: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        key_cache, value_cache = caches[i].view(BLOCKS, HKV, 2 * BLOCK, D).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots[positions], isa)
+
+    for i in range(layers):
+        write(i, torch.arange(60), keys[i], values[i])
+    layout = KVLayout.for_spec(isa, dtype, BLOCK, HKV, D)
+    mirror = PrefixMirror(layers, HKV, D, dtype)
+    index = lambda start, end: layout.span_index(block_row, start, end)  # noqa: E731
+    buf = mirror.sync("r", 40, 16, caches, index)
+    assert buf.shape[3] >= 56
+    for i in range(layers):
+        assert torch.equal(buf[i, 0, :, :40], keys[i, :40].transpose(0, 1))
+        assert torch.equal(buf[i, 1, :, :40], values[i, :40].transpose(0, 1))
+        write(i, torch.arange(40), torch.zeros(40, HKV, D, dtype=dtype), torch.zeros(40, HKV, D, dtype=dtype))
+    buf = mirror.sync("r", 52, 16, caches, index)  # tops up 40 .. 51 only
+    for i in range(layers):
+        assert torch.equal(buf[i, 0, :, :52], keys[i, :52].transpose(0, 1))
+        assert torch.equal(buf[i, 1, :, :52], values[i, :52].transpose(0, 1))
+    tree = _tree()
+    plan = plan_tree_rows(_step(tree, 52, 0, tree.ancestor_mask()), [0], layout, mirror,
+                          {f"layer{i}": i for i in range(layers)}, block_row[None], dtype)
+    assert plan.requests[0].synced == 52 and plan.requests[0].sync_index.numel() == 0

@@ -117,6 +117,11 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         self.dispatch = tree_attention_dispatch(self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
         self._pending: TreeStep | None = None
 
+    @property
+    def layout(self) -> KVLayout:
+        """Where positions sit in each of its layers' paged caches (probed once per cache shape)."""
+        return KVLayout.for_spec(self.isa, self.dtype, self.block_size, self.num_kv_heads, self.head_dim)
+
     def plan_trees(self, step: TreeStep | None) -> None:
         """The trees of the step whose metadata :meth:`build` builds next."""
         self._pending = step
@@ -129,8 +134,7 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         :class:`KVLayout` computed once, then one gather and one scatter per layer."""
         if not moves:
             return
-        rows = block_table.block_table.cpu
-        layout = KVLayout.for_spec(self.isa, self.dtype, self.block_size, self.num_kv_heads, self.head_dim)
+        rows, layout = block_table.block_table.cpu, self.layout
         src, dst = [], []
         for m in moves:
             src.extend(layout.index(rows[m.row], m.prefix + m.nodes))
@@ -154,7 +158,7 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         branching = step.branching if step is not None else []
         plan = None
         if step is not None and branching:
-            layout = KVLayout.for_spec(self.isa, self.dtype, self.block_size, self.num_kv_heads, self.head_dim)
+            layout = self.layout
             # every query row is a branching tree's: computed here, vLLM's kernel not run at all
             whole = sum(step.batch.trees[b].size for b in branching) == common_attn_metadata.num_actual_tokens
             plan = plan_tree_rows(step, branching, layout, self.mirror, self.layers,
@@ -191,8 +195,7 @@ def plan_tree_rows(step: TreeStep, branching: list[int], layout: KVLayout, mirro
         size, first = mask.shape[0], 0 if whole_rows else step.batch.trees[b].lead_chain
         synced = mirror.reserve(rid, prefix, prefix + size)
         if synced < prefix:
-            keys, values = layout.index(block_table[row].cpu(), torch.arange(synced, prefix))
-            sync_index = torch.cat([keys.reshape(-1), values.reshape(-1)])
+            sync_index = layout.span_index(block_table[row].cpu(), synced, prefix)
         else:
             sync_index = torch.empty(0, dtype=torch.int64)
         bias = torch.zeros(1, 1, size - first, prefix + size, dtype=dtype)
@@ -209,12 +212,10 @@ def tree_rows_attention(plan: TreeAttentionPlan, layer_name: str, query: torch.T
     index = plan.layers.get(layer_name)
     if index is None:
         raise RuntimeError(f"dyntree: layer {layer_name!r} is not in the tree plan's KV-cache group")
-    hkv, d = key.shape[1], key.shape[2]
     for r in plan.requests:
-        buf = plan.mirror.buffer(r.request_id)[index]  # [2, Hkv, capacity, D]
         if r.sync_index.numel():
-            new = kv_cache.view(-1).index_select(0, r.sync_index).view(2, -1, hkv, d)
-            buf[:, :, r.synced : r.prefix].copy_(new.transpose(1, 2))
+            plan.mirror.copy_in(r.request_id, index, kv_cache, r.synced, r.prefix, r.sync_index)
+        buf = plan.mirror.buffer(r.request_id)[index]  # [2, Hkv, capacity, D]
         nodes, end = slice(r.start, r.start + r.size), r.prefix + r.size
         buf[:, :, r.prefix : end].copy_(torch.stack((key[nodes], value[nodes])).transpose(1, 2))  # the step's nodes
         kv = buf[:, :, :end].unsqueeze(1)  # [2, 1, Hkv, P + T, D]

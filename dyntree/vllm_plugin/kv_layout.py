@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
 
 import torch
 
@@ -92,21 +91,12 @@ class KVLayout:
         base = (block_row[pos // block].long() * self.block_stride)[:, None]
         return base + self.key_offsets[pos % block], base + self.value_offsets[pos % block]
 
-    def prefix_index(self, block_rows: Sequence[torch.Tensor], lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat indices ``[B * L * Hkv * D]`` of the keys and of the values at positions ``0 ..
-        lengths[b] - 1`` of each request ``b`` (``block_rows[b]``: its block-table row), padded
-        to the longest ``L`` with index 0 (mask the padding out); :meth:`gather` reads them."""
-        length = max(lengths, default=0)
-        keys = torch.zeros(len(lengths), length, self.key_offsets.shape[1], dtype=torch.int64)
-        values = torch.zeros_like(keys)
-        for b, (row, n) in enumerate(zip(block_rows, lengths)):
-            keys[b, :n], values[b, :n] = self.index(row, torch.arange(n))
-        return keys.reshape(-1), values.reshape(-1)
-
-    def gather(self, kv_cache: torch.Tensor, index: torch.Tensor, batch: int) -> torch.Tensor:
-        """``[B, Hkv, L, D]`` keys or values of one layer's cache at :meth:`prefix_index` indices."""
-        rows = kv_cache.view(-1).index_select(0, index)
-        return rows.view(batch, -1, self.num_kv_heads, self.head_size).transpose(1, 2)
+    def span_index(self, block_row: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Flat indices ``[2 * (end - start) * Hkv * D]`` of a request's positions ``start .. end
+        - 1``: their keys', then their values' (what
+        :meth:`~dyntree.vllm_plugin.mirror.PrefixMirror.copy_in` reads)."""
+        keys, values = self.index(block_row, torch.arange(start, end))
+        return torch.cat([keys.reshape(-1), values.reshape(-1)])
 
 
 @lru_cache(maxsize=None)

@@ -11,11 +11,19 @@ mirror: the runner hooks call :meth:`release`), so the copy stays exact. Positio
 :meth:`commit` moves the accepted ones into place as vLLM's cache compaction does, so a request
 whose steps keep drafting branching trees copies nothing out of vLLM's cache after its first.
 
-Memory: ``2 * layers * Hkv * D`` elements per token of each live tree request, grown by doubling,
-freed when the request ends.
+The tree attention plan copies lazily, layer by layer inside the forward (:meth:`reserve`, then
+:meth:`copy_in` per layer); the quantized self-draft, which drafts between forwards, brings a
+request up to date in every layer at once (:meth:`sync`) and reads its prefix from the same copy,
+so a request that both drafts with the self-draft and verifies trees is copied out of vLLM's
+cache once.
+
+Memory: ``2 * layers * Hkv * D`` elements per token of each live request that verified a
+branching tree or drafted with the self-draft, grown by doubling, freed when the request ends.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Sequence
 
 import torch
 
@@ -48,6 +56,28 @@ class PrefixMirror:
             self._buffers[request_id] = grown
         self._synced[request_id] = prefix
         return synced
+
+    def copy_in(self, request_id: str, layer: int, kv_cache: torch.Tensor, start: int, end: int,
+                index: torch.Tensor) -> None:
+        """Copy positions ``start .. end - 1`` of one layer out of its paged ``kv_cache``:
+        ``index`` holds their keys' then their values' flat indices into ``kv_cache.view(-1)``
+        (:meth:`~dyntree.vllm_plugin.kv_layout.KVLayout.span_index`)."""
+        hkv, d = self.shape[2], self.shape[3]
+        new = kv_cache.view(-1).index_select(0, index).view(2, end - start, hkv, d)
+        self._buffers[request_id][layer, :, :, start:end].copy_(new.transpose(1, 2))
+
+    def sync(self, request_id: str, length: int, room: int, caches: Sequence[torch.Tensor],
+             index: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+        """Bring the request's copy up to its first ``length`` committed positions now, in every
+        layer (``caches``: the group's paged caches in mirror order; ``index(start, end)``: the
+        flat indices :meth:`copy_in` reads), with room for ``room`` more positions after them;
+        returns its buffer ``[layers, 2, Hkv, capacity, D]``."""
+        synced = self.reserve(request_id, length, length + room)
+        if synced < length:
+            flat = index(synced, length)
+            for layer, kv_cache in enumerate(caches):
+                self.copy_in(request_id, layer, kv_cache, synced, length, flat)
+        return self._buffers[request_id]
 
     def commit(self, request_id: str, prefix: int, nodes: list[int]) -> None:
         """This step's tree (its nodes' K/V written at ``prefix ..`` by every layer) was verified

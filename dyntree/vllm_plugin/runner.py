@@ -45,7 +45,7 @@ from dyntree.vllm_plugin.step import StepRecord, TreeAttentionBuilder, TreeStep,
 if TYPE_CHECKING:
     from dyntree.vllm_plugin.proposer import DynTreeProposer
 
-__all__ = ["install"]
+__all__ = ["install", "layer_caches", "tree_builders"]
 
 
 def _proposer(runner: Any) -> "DynTreeProposer | None":
@@ -56,7 +56,7 @@ def _proposer(runner: Any) -> "DynTreeProposer | None":
     return drafter if isinstance(drafter, DynTreeProposer) and drafter.speculator is not None else None
 
 
-def _tree_builders(runner: Any) -> list[TreeAttentionBuilder]:
+def tree_builders(runner: Any) -> list[TreeAttentionBuilder]:
     """The runner's tree attention builders, found once per set of attention groups (a protocol
     ``isinstance`` check per builder is too slow for every step)."""
     cached = getattr(runner, "_dyntree_builders", None)
@@ -67,6 +67,18 @@ def _tree_builders(runner: Any) -> list[TreeAttentionBuilder]:
     return cached[1]
 
 
+def layer_caches(runner: Any) -> dict[str, torch.Tensor]:
+    """Every attention layer's KV cache tensor, by layer name (layers without one left out)."""
+    caches = {}
+    for name, layer in runner.compilation_config.static_forward_context.items():
+        kv = getattr(layer, "kv_cache", None)
+        if isinstance(kv, (list, tuple)):
+            kv = kv[0] if kv else None
+        if isinstance(kv, torch.Tensor) and kv.numel():
+            caches[name] = kv
+    return caches
+
+
 def _prepare_inputs(orig: Any) -> Any:
     def wrapper(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
         proposer = _proposer(self)
@@ -75,7 +87,7 @@ def _prepare_inputs(orig: Any) -> Any:
         out = orig(self, scheduler_output, num_scheduled_tokens)
         if proposer is None:
             return out
-        builders = _tree_builders(self)
+        builders = tree_builders(self)
         num_reqs = self.input_batch.num_reqs
         req_ids = list(self.input_batch.req_ids[:num_reqs])
         computed = self.input_batch.num_computed_tokens_cpu[:num_reqs].copy()
@@ -167,16 +179,9 @@ def _compact(runner: Any, step: TreeStep) -> None:
     """Move each request's accepted nodes to the positions right after its prefix, in every layer
     (each tree attention builder over its own cache layout), and commit them in each builder."""
     moves = step.moves()
-    caches: dict[str, torch.Tensor] = {}
-    if moves:
-        for name, layer in runner.compilation_config.static_forward_context.items():
-            kv = getattr(layer, "kv_cache", None)
-            if isinstance(kv, (list, tuple)):
-                kv = kv[0] if kv else None
-            if isinstance(kv, torch.Tensor) and kv.numel():
-                caches[name] = kv
+    caches = layer_caches(runner) if moves else {}
     block_table = runner.input_batch.block_table[0]
-    for builder in _tree_builders(runner):
+    for builder in tree_builders(runner):
         if moves:
             builder.compact(caches, block_table, moves)
         builder.commit(step)

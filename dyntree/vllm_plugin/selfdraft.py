@@ -5,24 +5,29 @@ The ``qspec`` drafter (engine-neutral, :mod:`dyntree.common.drafters.qspec`) dra
 target's own stacked projections (vLLM's ``qkv_proj``, ``o_proj``, ``gate_up_proj``,
 ``down_proj``) of the kept layers on the CPU low-bit kernels
 (:class:`~dyntree.common.stacked_draft.StackedSelfDraft`, shared with SGLang); vLLM's CPU weight
-packing is read back by :func:`_dense`. Per speculation step it gathers each request's
-committed prefix KV out of the runner's paged cache (:class:`~dyntree.vllm_plugin.kv_layout.KVLayout`
-indices, planned once per step and shared by every layer) and keeps the draft tokens' KV in a
-plugin-side scratch area (:class:`~dyntree.common.fused_draft.ScratchKV`) that is dropped when
-the step ends: vLLM's cache is only read.
+packing is read back by :func:`_dense`. Each request's committed prefix KV is read from the tree
+attention builder's :class:`~dyntree.vllm_plugin.mirror.PrefixMirror` (a dense copy beside vLLM's
+paged cache, topped up with the positions committed since the request last drafted or verified a
+tree), not gathered element by element out of vLLM's cache at every step. A lone request drafts
+straight into the free slots after its copy's prefix (no copy at all); a batch's prefixes are
+copied once per step into one padded buffer with room for the draft tokens, which the draft then
+writes into (:class:`~dyntree.common.fused_draft.ScratchKV`). vLLM's cache is only read.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
 
 from dyntree.common.drafter import DraftRequest
+from dyntree.common.kv_store import KVStore
 from dyntree.common.quant import QSpec, QSpecError
 from dyntree.common.stacked_draft import StackedSelfDraft
 from dyntree.kernels.cpu_weight_only import CpuWeightOnly
-from dyntree.vllm_plugin.kv_layout import KVLayout
+from dyntree.vllm_plugin.attention import TreeCPUAttentionMetadataBuilder
+from dyntree.vllm_plugin.runner import layer_caches, tree_builders
 
 __all__ = ["VllmSelfDraft"]
 
@@ -64,25 +69,54 @@ class VllmSelfDraft(StackedSelfDraft):
         super().__init__(model, spec, vocab, CpuWeightOnly(), "vLLM", dense=_dense)
         self.layer_names = [layer.self_attn.attn.layer_name for layer in self.kept]
         self.proposer = proposer
+        self._owners: list[tuple[str, TreeCPUAttentionMetadataBuilder]] | None = None  # per draft layer
 
     def reset(self, requests: Sequence[DraftRequest]) -> None:
-        """Gather each request's committed prefix KV (every draft layer) out of vLLM's cache."""
+        """Bring each request's mirror up to its committed prefix and hand the draft layers their
+        prefix KV (module docstring)."""
         runner = self.proposer.runner
         if runner is None:
             raise RuntimeError("dyntree qspec: the model runner is not known yet (the runner patch did not run)")
         row_of = {rid: i for i, rid in enumerate(self.proposer.step.req_ids)}
         block_tables = runner.input_batch.block_table[0].block_table.cpu
-        block_rows = [block_tables[row_of[r.request_id]] for r in requests]
         lengths = [r.kv_len for r in requests]
-        context = runner.compilation_config.static_forward_context
-        plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per cache layout, shared by its layers
-        prefix = []
-        for name in self.layer_names:
-            layer = context[name]
-            kv = layer.kv_cache[0] if isinstance(layer.kv_cache, (list, tuple)) else layer.kv_cache
-            layout = KVLayout.of(kv, layer.isa)
-            if id(layout) not in plans:
-                plans[id(layout)] = layout.prefix_index(block_rows, lengths)
-            prefix.append(tuple(layout.gather(kv, index, len(requests)).to(self.dtype)
-                                for index in plans[id(layout)]))  # type: ignore[arg-type]
-        self.set_prefix(prefix, lengths)
+        room = max(r.max_nodes for r in requests) + 1  # the draft's slots, past which ScratchKV copies
+        caches = layer_caches(runner)
+        copies = {}  # per KV-cache group's builder: each request's mirror buffer
+        for builder in self._builders(runner):
+            layout, group = builder.layout, [caches[name] for name in builder.layers]
+            copies[id(builder)] = [
+                builder.mirror.sync(r.request_id, n, room, group,
+                                    functools.partial(layout.span_index, block_tables[row_of[r.request_id]]))
+                for r, n in zip(requests, lengths)]
+        assert self._owners is not None
+        stores = [self._store([copy[builder.layers[name]] for copy in copies[id(builder)]], lengths, room)
+                  for name, builder in self._owners]
+        self.set_prefix([(st.keys[:, :, : st.used], st.values[:, :, : st.used]) for st in stores], lengths)
+        for i, store in enumerate(stores):
+            self._kv.lend(i, store, store.used)
+
+    def _builders(self, runner: Any) -> list[TreeCPUAttentionMetadataBuilder]:
+        """The tree attention builders that hold the draft layers (:attr:`_owners`, found once)."""
+        if self._owners is None:
+            builders = [b for b in tree_builders(runner) if isinstance(b, TreeCPUAttentionMetadataBuilder)]
+            owner = {name: b for b in builders for name in b.layers}
+            missing = [name for name in self.layer_names if name not in owner]
+            if missing:
+                raise RuntimeError(f"dyntree qspec: no dyntree CPU tree attention builder holds layer {missing[0]!r} "
+                                   "(the draft reads its prefix from that builder's mirror)")
+            self._owners = [(name, owner[name]) for name in self.layer_names]
+        return list({id(b): b for _, b in self._owners}.values())
+
+    def _store(self, copies: list[torch.Tensor], lengths: list[int], room: int) -> KVStore:
+        """One draft layer's prefix KV with room after it: a lone request's mirror buffer itself,
+        else the requests' prefixes copied into one zero-padded ``[2, B, Hkv, L + room, D]``."""
+        if len(copies) == 1 and copies[0].dtype == self.dtype:
+            return KVStore(copies[0].unsqueeze(1), lengths[0])
+        length = max(lengths)
+        _, hkv, _, d = copies[0].shape
+        buffer = torch.empty(2, len(copies), hkv, length + room, d, dtype=self.dtype)
+        for b, (copy, n) in enumerate(zip(copies, lengths)):
+            buffer[:, b, :, :n].copy_(copy[:, :, :n])
+            buffer[:, b, :, n:length].zero_()  # masked, but never NaN
+        return KVStore(buffer, length)
