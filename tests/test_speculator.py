@@ -295,6 +295,32 @@ def test_engine_timings_reach_the_controller() -> None:
     assert sp.controller.outcome_factor(branching=built) < 1.0
 
 
+def test_a_self_draft_starts_with_its_levels_priced() -> None:
+    """A drafter that runs a forward per level (the int8 self-draft: half a target forward) starts
+    the controller's price of a level at that share of the measured one-token forward: a fresh
+    engine's first plan is not the deepest tree, as it is with drafting taken for free. An explicit
+    ``draft_ms_per_depth_row`` wins."""
+    from dyntree.common.controller import SpeculationController
+    from dyntree.common.cost_model import CostModel
+    from dyntree.common.options import ControllerOptions
+
+    drafter = QSpecDrafter(parse_qspec("w8a16,perchannel"))
+    drafter.attach(object())  # type: ignore[arg-type]  # nothing drafts here: plans only
+    cost = CostModel({1: 60.0, 16: 70.0})
+    spec = SpecConfig(adaptive=True, max_nodes=8, max_depth=8)
+    sp = Speculator(drafter, spec, vocab_size=V, cost_model=cost)
+    sp.prepare()
+    assert sp.controller is not None and sp.controller.draft_cost(8, 8) == pytest.approx(0.5 * 60.0 * 8)
+    free = SpeculationController(cost, spec.budget, spec.controller_options(drafter.acceptance_prior))
+    assert free.plan(["a"])[0].max_depth == 8
+    assert 0 < sp.controller.plan(["a"])[0].max_depth < 8
+    own = SpecConfig(adaptive=True, controller=ControllerOptions(draft_ms_per_depth_row=1.0))
+    sp = Speculator(drafter, own, vocab_size=V, cost_model=cost)
+    sp.prepare()
+    assert sp.controller is not None and sp.controller.draft_cost(1, 1) == pytest.approx(1.0)
+    assert make_drafter("ngram").level_cost_share is None
+
+
 def test_a_quiet_step_tells_the_controller_what_the_drafter_knows() -> None:
     """``quiet`` hands the controller each request's evidence and whether the drafter can draft
     for it (the n-gram index's longest match: 5 tokens is class 3; none, class 0 and no draft),

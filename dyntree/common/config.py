@@ -59,12 +59,16 @@ class SpecConfig(BaseModel):
         """The largest tree per request (a tree is never deeper than its node count)."""
         return Budget(self.max_nodes, min(self.max_depth, self.max_nodes))
 
-    def controller_options(self, acceptance_prior: float | None = None) -> ControllerOptions:
-        """The controller's options: chains only in ``chain`` mode, and the drafter's
-        ``acceptance_prior`` unless ``alpha_prior`` was set explicitly."""
+    def controller_options(self, acceptance_prior: float | None = None,
+                           level_ms: float | None = None) -> ControllerOptions:
+        """The controller's options: chains only in ``chain`` mode, the drafter's
+        ``acceptance_prior`` unless ``alpha_prior`` was set explicitly, and ``level_ms`` (the
+        drafter's price of a level per drafting request) unless ``draft_ms_per_depth_row`` was."""
         update: dict[str, object] = {}
         if acceptance_prior is not None and "alpha_prior" not in self.controller.model_fields_set:
             update["alpha_prior"] = acceptance_prior
+        if level_ms is not None and "draft_ms_per_depth_row" not in self.controller.model_fields_set:
+            update["draft_ms_per_depth_row"] = level_ms
         if self.tree == "chain":
             update["allow_trees"] = False
         return self.controller.model_copy(update=update)

@@ -259,6 +259,11 @@ class Drafter:
         candidates_per_node: the most candidates :meth:`expand` gives one node when they are few
             and each backed by evidence (n-gram matches): the dynamic tree then offers all of them
             and lets the calibrated values choose, instead of its entropy rule (``None``).
+        level_cost_share: what drafting one tree level for one request costs, as a share of one
+            target forward of one token: the adaptive controller's starting price for it (its
+            ``draft_ms_per_depth_row``, refined online) unless that option is set (``None``: the
+            option's own). Set by drafters that run a forward of their own per level (a
+            self-draft), so that an engine's first plans do not take their drafting for free.
     """
 
     name: ClassVar[str] = ""
@@ -270,6 +275,7 @@ class Drafter:
     acceptance_prior: float | None = None
     acceptance_table: AcceptanceTable | None = None
     candidates_per_node: int | None = None
+    level_cost_share: float | None = None
 
     @property
     def drafts_with_builder(self) -> bool:

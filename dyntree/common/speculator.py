@@ -212,9 +212,10 @@ class Speculator:
         if not isinstance(self._cost, CostModel):
             assert self._cost is not None
             self._cost = self._cost()
-        self.controller = SpeculationController(self._cost, self.spec.budget,
-                                                self.spec.controller_options(self.drafter.acceptance_prior),
-                                                padded=self._padded)
+        share = self.drafter.level_cost_share
+        options = self.spec.controller_options(self.drafter.acceptance_prior,
+                                               None if share is None else share * self._cost(1))
+        self.controller = SpeculationController(self._cost, self.spec.budget, options, padded=self._padded)
         return time.perf_counter() - t
 
     # -- the step ------------------------------------------------------------------------------

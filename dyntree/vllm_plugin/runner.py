@@ -40,12 +40,12 @@ import torch
 
 from dyntree.common.verify import pack_paths
 from dyntree.vllm_plugin.scheduler import waiting
-from dyntree.vllm_plugin.step import StepRecord, TreeAttentionBuilder, TreeStep, ablations, plan_trees
+from dyntree.vllm_plugin.step import StepRecord, TreeStep, ablations, layer_caches, plan_trees, tree_builders
 
 if TYPE_CHECKING:
     from dyntree.vllm_plugin.proposer import DynTreeProposer
 
-__all__ = ["install", "layer_caches", "tree_builders"]
+__all__ = ["install"]
 
 
 def _proposer(runner: Any) -> "DynTreeProposer | None":
@@ -54,29 +54,6 @@ def _proposer(runner: Any) -> "DynTreeProposer | None":
 
     drafter = getattr(runner, "drafter", None)
     return drafter if isinstance(drafter, DynTreeProposer) and drafter.speculator is not None else None
-
-
-def tree_builders(runner: Any) -> list[TreeAttentionBuilder]:
-    """The runner's tree attention builders, found once per set of attention groups (a protocol
-    ``isinstance`` check per builder is too slow for every step)."""
-    cached = getattr(runner, "_dyntree_builders", None)
-    if cached is None or cached[0] is not runner.attn_groups:
-        builders = [group.get_metadata_builder() for groups in runner.attn_groups for group in groups]
-        cached = (runner.attn_groups, [b for b in builders if isinstance(b, TreeAttentionBuilder)])
-        runner._dyntree_builders = cached
-    return cached[1]
-
-
-def layer_caches(runner: Any) -> dict[str, torch.Tensor]:
-    """Every attention layer's KV cache tensor, by layer name (layers without one left out)."""
-    caches = {}
-    for name, layer in runner.compilation_config.static_forward_context.items():
-        kv = getattr(layer, "kv_cache", None)
-        if isinstance(kv, (list, tuple)):
-            kv = kv[0] if kv else None
-        if isinstance(kv, torch.Tensor) and kv.numel():
-            caches[name] = kv
-    return caches
 
 
 def _prepare_inputs(orig: Any) -> Any:

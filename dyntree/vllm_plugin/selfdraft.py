@@ -27,7 +27,7 @@ from dyntree.common.quant import QSpec, QSpecError
 from dyntree.common.stacked_draft import StackedSelfDraft
 from dyntree.kernels.cpu_weight_only import CpuWeightOnly
 from dyntree.vllm_plugin.attention import TreeCPUAttentionMetadataBuilder
-from dyntree.vllm_plugin.runner import layer_caches, tree_builders
+from dyntree.vllm_plugin.step import layer_caches, tree_builders
 
 __all__ = ["VllmSelfDraft"]
 

@@ -9,6 +9,8 @@ rows start, their prefix lengths and ancestor masks, one flat
 sampling, committed lengths, query starts, forward timing, the trees); :func:`plan_trees` builds
 the former from what vLLM scheduled. ``DYNTREE_VLLM_ABLATE`` (:func:`ablations`) switches one piece
 of tree verification off, a test control whose outputs must then differ from plain decoding.
+:func:`tree_builders` and :func:`layer_caches` find a runner's tree attention builders and its
+layers' KV caches (the runner hooks and the self-draft read both).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from dyntree.common.tree import DraftBatch, DraftTree
 if TYPE_CHECKING:
     from dyntree.vllm_plugin.attention import TreeAttentionPlan
 
-__all__ = ["TreeStep", "StepRecord", "Move", "TreeAttentionBuilder", "ablations", "plan_trees", "refuse_attention_features"]
+__all__ = ["TreeStep", "StepRecord", "Move", "TreeAttentionBuilder", "ablations", "layer_caches", "plan_trees",
+           "refuse_attention_features", "tree_builders"]
 
 
 def refuse_attention_features(soft_cap: float | None, sinks: object, alibi: object, sliding: bool) -> None:
@@ -113,6 +116,29 @@ class TreeAttentionBuilder(Protocol):
     def commit(self, step: TreeStep) -> None:
         """After the step's verification and compaction: its accepted nodes are its requests'
         next committed positions (whatever the builder keeps beside vLLM's cache follows)."""
+
+
+def tree_builders(runner: Any) -> list[TreeAttentionBuilder]:
+    """The runner's tree attention builders, found once per set of attention groups (a protocol
+    ``isinstance`` check per builder is too slow for every step)."""
+    cached = getattr(runner, "_dyntree_builders", None)
+    if cached is None or cached[0] is not runner.attn_groups:
+        builders = [group.get_metadata_builder() for groups in runner.attn_groups for group in groups]
+        cached = (runner.attn_groups, [b for b in builders if isinstance(b, TreeAttentionBuilder)])
+        runner._dyntree_builders = cached
+    return cached[1]
+
+
+def layer_caches(runner: Any) -> dict[str, torch.Tensor]:
+    """Every attention layer's KV cache tensor, by layer name (layers without one left out)."""
+    caches = {}
+    for name, layer in runner.compilation_config.static_forward_context.items():
+        kv = getattr(layer, "kv_cache", None)
+        if isinstance(kv, (list, tuple)):
+            kv = kv[0] if kv else None
+        if isinstance(kv, torch.Tensor) and kv.numel():
+            caches[name] = kv
+    return caches
 
 
 @dataclass
