@@ -70,15 +70,6 @@ class KVLayout:
     head_size: int
 
     @classmethod
-    def of(cls, kv_cache: torch.Tensor, isa: str) -> "KVLayout":
-        if kv_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise LayoutError(f"dyntree tree verification needs an unquantized KV cache, got {kv_cache.dtype}")
-        if not kv_cache.is_contiguous():
-            raise LayoutError("dyntree tree verification needs each layer's CPU KV cache contiguous")
-        _, hkv, block, two_d = kv_cache.shape
-        return _layout(isa, kv_cache.dtype, block, hkv, two_d // 2)
-
-    @classmethod
     def for_spec(cls, isa: str, dtype: torch.dtype, block_size: int, num_kv_heads: int, head_size: int) -> "KVLayout":
         """The layout of a cache vLLM allocates with these attributes (no cache tensor needed)."""
         return _layout(isa, dtype, block_size, num_kv_heads, head_size)
