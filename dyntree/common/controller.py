@@ -40,7 +40,8 @@
   priced that way, with attention over the cached tokens (the longest request's in an engine
   with one rectangular cache) as terms of their own: per query token and per request (each
   request's cache is read once, whatever its query tokens). Drafting is priced too: a :class:`DraftCost`
-  (ms vs. tree depth and batch draft nodes) starts from the ``draft_ms_*`` options and is fitted
+  (ms vs. tree depth and batch draft nodes) starts from the ``draft_ms_*`` options (the drafter's
+  ``level_cost_share`` of a target forward per level, for a drafter that runs one) and is fitted
   online to the measured drafting time of each step (tree building included), so a drafter
   whose overhead eats the gain is turned down. An engine that spends time per branching tree
   outside the target's forward (vLLM's CPU tree attention beside its own kernel; a chain needs
