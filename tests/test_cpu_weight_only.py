@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from dyntree.common.quant import QuantLinear, dequantize_weight, parse_qspec, quantize_weight
-from dyntree.kernels.cpu_weight_only import CpuWeightOnly, FbgemmInt8, cpu_kernels_available, int8_available
+from dyntree.kernels import cpu_weight_only
+from dyntree.kernels.cpu_weight_only import (CpuWeightOnly, FbgemmFp16, FbgemmInt8, cpu_kernels_available, cpu_weight_kernel,
+                                             fp16_available, int8_available)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="this torch lacks the CPU weight-only ops")
 
@@ -104,3 +106,44 @@ def test_fbgemm_int8_matches_the_reference_and_serves_only_symmetric_per_channel
         assert kernel.prepare(refused) is None
     layer = QuantLinear(qw, None, kernel=kernel)
     assert layer.kernel is kernel and torch.equal(layer(x), y)
+
+
+@pytest.mark.skipif(not fp16_available(), reason="torch without FBGEMM")
+@pytest.mark.parametrize("bits,group,symmetric", [(8, None, True), (8, 32, False), (4, 64, True), (4, None, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fbgemm_fp16_serves_any_quantized_weight_as_its_fp16_dequantization(bits: int, group: int | None,
+                                                                             symmetric: bool, dtype: torch.dtype) -> None:
+    """FBGEMM's fp16 GEMM as a kernel: the dequantized weight rounded to fp16 times fp32 inputs
+    (fp16's 11 bits, far inside the int8 grid's step), every grid, the caller's dtype out."""
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 128) * 0.05, torch.randn(7, 128)
+    w[:, :4] += 0.3
+    qw = quantize_weight(w, bits, group, symmetric)
+    kernel = FbgemmFp16()
+    prepared = kernel.prepare(qw)
+    assert prepared is not None and prepared.extra_nbytes == 2 * 96 * 128 and kernel.compute_dtype(dtype) == torch.float32
+    y = kernel.matmul(x.to(dtype), prepared)
+    assert y is not None and y.dtype == dtype and y.shape == (7, 96)
+    ref = x @ dequantize_weight(qw).t()
+    fp16_ref = x @ dequantize_weight(qw).half().float().t()
+    if dtype == torch.float32:  # exactly the fp16 weights' product, up to summation order
+        torch.testing.assert_close(y, fp16_ref, rtol=1e-5, atol=1e-5)
+    # the int8 grid's half step is ~0.4% of a weight's range; fp16 rounding ~0.05% (bf16 in/out: ~0.4%)
+    assert float((y.float() - ref).abs().max()) < (0.001 if dtype == torch.float32 else 0.02) * float(ref.abs().max())
+    assert kernel.matmul(x[None], prepared) is None  # rows only
+    layer = QuantLinear(qw, None, kernel=kernel)
+    layer.release_codes()
+    assert layer.kernel is kernel and torch.equal(layer(x), kernel.matmul(x, prepared))
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_the_cpu_weight_kernel_follows_the_cpus_bf16(monkeypatch, native_bf16: bool) -> None:
+    """int8 weights take FBGEMM's fp16 GEMM on a CPU without native bf16 (torch's int8 op computes
+    in emulated bf16 there), torch's weight-only op on one with it; int4 keeps torch's op; no
+    kernel off the CPU."""
+    monkeypatch.setattr(cpu_weight_only, "cpu_has_native_bf16", lambda: native_bf16)
+    cpu = torch.device("cpu")
+    int8 = cpu_weight_kernel(cpu)
+    assert type(int8) is (CpuWeightOnly if native_bf16 or not fp16_available() else FbgemmFp16)
+    assert type(cpu_weight_kernel(cpu, bits=4)) is CpuWeightOnly
+    assert cpu_weight_kernel(torch.device("meta")) is None

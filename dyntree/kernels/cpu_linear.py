@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-__all__ = ["LinearDispatch", "LinearRouter", "PackedWeight", "calibrate", "cpu_name", "install",
+__all__ = ["LinearDispatch", "LinearRouter", "PackedWeight", "calibrate", "cpu_flags", "cpu_has_native_bf16", "cpu_name", "install",
            "mkl_packed_available", "CALIBRATION_ROWS", "PACK_ROWS"]
 
 #: Row counts timed by :func:`calibrate`; a call with more rows than the last uses ``F.linear``.
@@ -238,6 +238,23 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    """The x86 feature flags of this CPU (empty where ``/proc/cpuinfo`` has none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (x86 AMX-BF16 or AVX512-BF16, read from
+    ``/proc/cpuinfo``); without it bf16 matmuls are emulated and a multi-token verify pass costs
+    more than in fp32."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
 def _fingerprint(linears: Sequence[nn.Linear], rows: Sequence[int]) -> str:

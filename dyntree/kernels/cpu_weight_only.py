@@ -1,7 +1,10 @@
 """Weight-only int8 / int4 matmuls on CPU through torch's own kernels.
 
-:class:`CpuWeightOnly` is the :class:`~dyntree.common.quant.WeightKernel` the standalone engine
-hands to the quantized self-draft's ``QuantLinear`` layers on a CPU. It repacks a
+:func:`cpu_weight_kernel` is the :class:`~dyntree.common.quant.WeightKernel` every engine hands to
+its drafters' quantized layers (the self-draft's, the Hydra heads') on a CPU: :class:`CpuWeightOnly`,
+except for int8 weights on a CPU that does not compute bf16 natively: :class:`FbgemmFp16`.
+
+:class:`CpuWeightOnly` repacks a
 :class:`~dyntree.kernels.quant_format.QuantizedWeight` once, at build time, for
 
 * ``aten._weight_int8pack_mm`` (int8, one scale per output channel): signed codes ``u - 128``
@@ -23,6 +26,13 @@ Weights the ops cannot take (grouped int8, other group sizes or shapes) get ``No
 its input per call to 7 bits (``reduce_range``: full 8-bit activations saturate AVX2's int8
 multiply-add and cost ~10% of the logits' range in error, against ~1-2%) and computes in fp32,
 so a draft's fp32 rows (the Hydra heads' output rows) read a quarter of the weight's fp32 bytes.
+
+:class:`FbgemmFp16` serves a quantized weight (any bits and grid) as its dequantization rounded to
+fp16, through FBGEMM's fp16 GEMM (``torch.ops.quantized.linear_dynamic_fp16``): fp32
+activations and accumulation, half the fp32 weight's bytes (twice int8's). On a CPU without native
+bf16 the ops above round the activations to an emulated bf16 and their int8 path runs far from the
+memory bound; the fp16 GEMM computes the same products (the draft's weights, to fp16's 11 bits)
+faster at every row count a draft uses (measured: ``docs/measurements.md``, CPU drafting kernels).
 """
 
 from __future__ import annotations
@@ -32,9 +42,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dyntree.kernels.quant_format import QuantizedWeight, unpack_int4
+from dyntree.kernels.cpu_linear import cpu_has_native_bf16
+from dyntree.kernels.quant_format import QuantizedWeight, dequantize_weight, unpack_int4
 
-__all__ = ["CpuWeightOnly", "FbgemmInt8", "cpu_kernels_available", "cpu_weight_kernel", "int8_available"]
+__all__ = ["CpuWeightOnly", "FbgemmFp16", "FbgemmInt8", "cpu_kernels_available", "cpu_weight_kernel", "fp16_available",
+           "int8_available"]
 
 _INT4_GROUPS = (32, 64, 128, 256)
 
@@ -51,10 +63,23 @@ def int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
 
 
-def cpu_weight_kernel(device: torch.device) -> "CpuWeightOnly | None":
-    """The weight-only kernel an engine offers its drafters on ``device``: these ops on a CPU
-    whose torch has them, else none."""
-    return CpuWeightOnly() if device.type == "cpu" and cpu_kernels_available() else None
+def fp16_available() -> bool:
+    """Whether this torch has FBGEMM's fp16 linear (x86 CPUs): :class:`FbgemmFp16`."""
+    ops = torch.ops.quantized
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(ops, "linear_prepack_fp16") \
+        and hasattr(ops, "linear_dynamic_fp16")
+
+
+def cpu_weight_kernel(device: torch.device, bits: int = 8) -> "CpuWeightOnly | FbgemmFp16 | None":
+    """The weight kernel an engine offers its drafters' ``bits``-bit weights on ``device``: torch's
+    weight-only ops, except int8 weights on a CPU without native bf16 (no AMX or AVX512-BF16),
+    which take FBGEMM's fp16 GEMM (int4 keeps its op there: a quarter of fp16's bytes, what int4 is
+    asked for); ``None`` off the CPU or where this torch has neither."""
+    if device.type != "cpu":
+        return None
+    if bits == 8 and not cpu_has_native_bf16() and fp16_available():
+        return FbgemmFp16()
+    return CpuWeightOnly() if cpu_kernels_available() else None
 
 
 @dataclass(frozen=True)
@@ -148,4 +173,38 @@ class FbgemmInt8:
             return None
         rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         y = torch.ops.quantized.linear_dynamic(rows, prepared.packed, True)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Fp16Packed:
+    """One weight's fp16 dequantization, prepacked for FBGEMM."""
+
+    packed: torch.ScriptObject
+    out_features: int
+    in_features: int
+
+    @property
+    def extra_nbytes(self) -> int:
+        return 2 * self.out_features * self.in_features
+
+
+class FbgemmFp16:
+    """FBGEMM's fp16 GEMM as a ``WeightKernel`` (see the module docstring): any quantized weight on
+    a CPU, held as its fp16 dequantization; fp32 compute, the result in the caller's dtype."""
+
+    def prepare(self, qw: QuantizedWeight) -> Fp16Packed | None:
+        if qw.qweight.device.type != "cpu" or not fp16_available():
+            return None
+        dense = dequantize_weight(qw, torch.float32)
+        return Fp16Packed(torch.ops.quantized.linear_prepack_fp16(dense, None), qw.out_features, qw.in_features)
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32
+
+    def matmul(self, x: torch.Tensor, prepared: Fp16Packed) -> torch.Tensor | None:
+        if x.device.type != "cpu" or x.dim() != 2:
+            return None
+        rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        y = torch.ops.quantized.linear_dynamic_fp16(rows, prepared.packed)
         return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -23,18 +23,20 @@ from dyntree.common.stacked_draft import StackedSelfDraft
 __all__ = ["SglangSelfDraft", "weight_kernel"]
 
 
-def weight_kernel(device: torch.device, dtype: torch.dtype) -> WeightKernel:
-    """The low-bit kernel for SGLang's model on ``device`` (refuses where none exists)."""
+def weight_kernel(device: torch.device, dtype: torch.dtype, bits: int = 8) -> WeightKernel:
+    """The low-bit kernel for SGLang's model's ``bits``-bit weights on ``device`` (refuses where none exists)."""
     if device.type == "cpu":
-        from dyntree.kernels.cpu_weight_only import CpuWeightOnly
+        from dyntree.kernels.cpu_weight_only import cpu_weight_kernel
 
-        return CpuWeightOnly()
+        kernel = cpu_weight_kernel(device, bits)
+        if kernel is not None:
+            return kernel
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         from dyntree.kernels.w4a16 import W4A16Kernel
 
         return W4A16Kernel()
     raise QSpecError(f"qspec inside SGLang: no low-bit kernel for a {dtype} model on {device.type} "
-                     "(CPU, or CUDA in float16/bfloat16)")
+                     "(CPU with FBGEMM or torch's weight-only ops, or CUDA in float16/bfloat16)")
 
 
 class SglangSelfDraft(StackedSelfDraft):
@@ -50,7 +52,7 @@ class SglangSelfDraft(StackedSelfDraft):
 
     def __init__(self, model: torch.nn.Module, spec: QSpec, vocab: int, worker: Any) -> None:
         weight = next(model.parameters())
-        super().__init__(model, spec, vocab, weight_kernel(weight.device, weight.dtype), "SGLang")
+        super().__init__(model, spec, vocab, weight_kernel(weight.device, weight.dtype, spec.weight_bits or 8), "SGLang")
         self.layer_ids = [int(layer.self_attn.attn.layer_id) for layer in self.kept]
         self.worker = worker
 

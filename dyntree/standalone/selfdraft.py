@@ -28,7 +28,7 @@ from dyntree.common.drafters.qspec import build_draft_layers, kept_layers
 from dyntree.common.fused_draft import (LM_HEAD_SPEC, ScratchKV, attention_mask, fuse_layers, hf_rope, norm_weight,
                                          rms_norm, run_layers)
 from dyntree.common.quant import QSpec, QSpecError, QuantLinear
-from dyntree.kernels.cpu_weight_only import CpuWeightOnly
+from dyntree.kernels.cpu_weight_only import cpu_weight_kernel
 from dyntree.kernels.w4a16 import W4A16Kernel
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class HFSelfDraft:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         kernel = (W4A16Kernel() if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
-                  else CpuWeightOnly() if self.device.type == "cpu" else None)
+                  else cpu_weight_kernel(self.device, spec.weight_bits or 8))
         kept = kept_layers(layers, spec)
         self.fused = fuse_layers(kept, decoder.config, spec, kernel) if fused and not materialize else None
         # the HF path: the target's forward code over quantized copies of the kept layers

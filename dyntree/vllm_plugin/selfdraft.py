@@ -3,7 +3,8 @@
 The ``qspec`` drafter (engine-neutral, :mod:`dyntree.common.drafters.qspec`) drafts with a
 :class:`~dyntree.common.drafter.SelfDraftBackend`; this is vLLM's. At load it quantizes the
 target's own stacked projections (vLLM's ``qkv_proj``, ``o_proj``, ``gate_up_proj``,
-``down_proj``) of the kept layers on the CPU low-bit kernels
+``down_proj``) of the kept layers on the CPU's weight kernel
+(:func:`~dyntree.kernels.cpu_weight_only.cpu_weight_kernel`)
 (:class:`~dyntree.common.stacked_draft.StackedSelfDraft`, shared with SGLang); vLLM's CPU weight
 packing is read back by :func:`_dense`. Each request's committed prefix KV is read from the tree
 attention builder's :class:`~dyntree.vllm_plugin.mirror.PrefixMirror` (a dense copy beside vLLM's
@@ -25,7 +26,7 @@ from dyntree.common.drafter import DraftRequest
 from dyntree.common.kv_store import KVStore
 from dyntree.common.quant import QSpec, QSpecError
 from dyntree.common.stacked_draft import StackedSelfDraft
-from dyntree.kernels.cpu_weight_only import CpuWeightOnly
+from dyntree.kernels.cpu_weight_only import cpu_weight_kernel
 from dyntree.vllm_plugin.attention import TreeCPUAttentionMetadataBuilder
 from dyntree.vllm_plugin.step import layer_caches, tree_builders
 
@@ -66,7 +67,10 @@ class VllmSelfDraft(StackedSelfDraft):
     def __init__(self, model: torch.nn.Module, proposer: Any, spec: QSpec, vocab: int) -> None:
         if next(model.parameters()).device.type != "cpu":
             raise QSpecError("qspec inside vLLM runs on CPU workers only (its GPU path is the standalone engine's)")
-        super().__init__(model, spec, vocab, CpuWeightOnly(), "vLLM", dense=_dense)
+        kernel = cpu_weight_kernel(torch.device("cpu"), spec.weight_bits or 8)
+        if kernel is None:
+            raise QSpecError("qspec inside vLLM: this torch has no CPU weight kernel (FBGEMM or the weight-only ops)")
+        super().__init__(model, spec, vocab, kernel, "vLLM", dense=_dense)
         self.layer_names = [layer.self_attn.attn.layer_name for layer in self.kept]
         self.proposer = proposer
         self._owners: list[tuple[str, TreeCPUAttentionMetadataBuilder]] | None = None  # per draft layer
