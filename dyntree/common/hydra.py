@@ -465,8 +465,8 @@ class HydraHeads(nn.Module):
         """Run the output rows' product, the heads' largest (``vocab' x hidden``), on int8 weights:
         a :class:`~dyntree.common.quant.QuantLinear` (one scale per output row) through a kernel.
         fp32 heads: FBGEMM's int8 GEMM (:class:`~dyntree.kernels.cpu_weight_only.FbgemmInt8`, inputs
-        quantized per call). Half-precision heads need ``kernel`` (a weight-only low-bit matmul:
-        torch's CPU int8 op, which computes in bf16); their output rows take FBGEMM too where torch
+        quantized per call). Half-precision heads need ``kernel`` (the engine's CPU weight kernel,
+        :func:`~dyntree.kernels.cpu_weight_only.cpu_weight_kernel`); their output rows take FBGEMM too where torch
         has it (faster at the row counts of a step), else the kernel. With ``kernel`` the heads'
         own linears and the prefix layer's also keep int8 weights and take their inputs rounded to
         the kernel's compute dtype, not quantized (quantized inputs cost tau; weight-only barely

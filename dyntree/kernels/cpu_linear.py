@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 
-__all__ = ["LinearDispatch", "LinearRouter", "PackedWeight", "calibrate", "cpu_flags", "cpu_has_native_bf16", "cpu_name", "install",
-           "mkl_packed_available", "CALIBRATION_ROWS", "PACK_ROWS"]
+__all__ = ["LinearDispatch", "LinearRouter", "PackedWeight", "calibrate", "cpu_flags", "cpu_has_native_bf16", "cpu_name",
+           "install", "mkl_packed_available", "CALIBRATION_ROWS", "PACK_ROWS"]
 
 #: Row counts timed by :func:`calibrate`; a call with more rows than the last uses ``F.linear``.
 CALIBRATION_ROWS = (*range(1, 18), 24, 32, 48, 64)

@@ -32,7 +32,7 @@ fp16, through FBGEMM's fp16 GEMM (``torch.ops.quantized.linear_dynamic_fp16``): 
 activations and accumulation, half the fp32 weight's bytes (twice int8's). On a CPU without native
 bf16 the ops above round the activations to an emulated bf16 and their int8 path runs far from the
 memory bound; the fp16 GEMM computes the same products (the draft's weights, to fp16's 11 bits)
-faster at every row count a draft uses (measured: ``docs/measurements.md``, CPU drafting kernels).
+faster at the 1-16 rows measured (``docs/measurements.md``, CPU drafting kernels).
 """
 
 from __future__ import annotations
