@@ -139,18 +139,36 @@ class CpuWeightOnly:
 
 @dataclass(frozen=True)
 class FbgemmPacked:
-    """One weight prepacked for FBGEMM (its own copy of the int8 codes)."""
+    """One weight prepacked for FBGEMM (its own copy: the int8 codes, or the fp16 dequantization)."""
 
     packed: torch.ScriptObject
     out_features: int
     in_features: int
+    bytes_per_weight: int = 1
 
     @property
     def extra_nbytes(self) -> int:
-        return self.out_features * self.in_features
+        return self.bytes_per_weight * self.out_features * self.in_features
 
 
-class FbgemmInt8:
+class _FbgemmKernel:
+    """What FBGEMM's kernels share: 2-D rows on a CPU, fp32 compute, the result in the caller's dtype."""
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32
+
+    def matmul(self, x: torch.Tensor, prepared: FbgemmPacked) -> torch.Tensor | None:
+        if x.device.type != "cpu" or x.dim() != 2:
+            return None
+        rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        y = self._product(rows, prepared.packed)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def _product(self, rows: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class FbgemmInt8(_FbgemmKernel):
     """FBGEMM's dynamic int8 GEMM as a ``WeightKernel`` (see the module docstring): symmetric
     per-channel int8 weights on a CPU; fp32 compute, the result in the caller's dtype."""
 
@@ -165,46 +183,19 @@ class FbgemmInt8:
             quantized = torch._make_per_channel_quantized_tensor(codes, scales, torch.zeros_like(scales, dtype=torch.int64), 0)
         return FbgemmPacked(torch.ops.quantized.linear_prepack(quantized, None), qw.out_features, qw.in_features)
 
-    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return torch.float32
-
-    def matmul(self, x: torch.Tensor, prepared: FbgemmPacked) -> torch.Tensor | None:
-        if x.device.type != "cpu" or x.dim() != 2:
-            return None
-        rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-        y = torch.ops.quantized.linear_dynamic(rows, prepared.packed, True)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    def _product(self, rows: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(rows, packed, True)
 
 
-@dataclass(frozen=True)
-class Fp16Packed:
-    """One weight's fp16 dequantization, prepacked for FBGEMM."""
-
-    packed: torch.ScriptObject
-    out_features: int
-    in_features: int
-
-    @property
-    def extra_nbytes(self) -> int:
-        return 2 * self.out_features * self.in_features
-
-
-class FbgemmFp16:
+class FbgemmFp16(_FbgemmKernel):
     """FBGEMM's fp16 GEMM as a ``WeightKernel`` (see the module docstring): any quantized weight on
     a CPU, held as its fp16 dequantization; fp32 compute, the result in the caller's dtype."""
 
-    def prepare(self, qw: QuantizedWeight) -> Fp16Packed | None:
+    def prepare(self, qw: QuantizedWeight) -> FbgemmPacked | None:
         if qw.qweight.device.type != "cpu" or not fp16_available():
             return None
         dense = dequantize_weight(qw, torch.float32)
-        return Fp16Packed(torch.ops.quantized.linear_prepack_fp16(dense, None), qw.out_features, qw.in_features)
+        return FbgemmPacked(torch.ops.quantized.linear_prepack_fp16(dense, None), qw.out_features, qw.in_features, 2)
 
-    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return torch.float32
-
-    def matmul(self, x: torch.Tensor, prepared: Fp16Packed) -> torch.Tensor | None:
-        if x.device.type != "cpu" or x.dim() != 2:
-            return None
-        rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-        y = torch.ops.quantized.linear_dynamic_fp16(rows, prepared.packed)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    def _product(self, rows: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(rows, packed)
