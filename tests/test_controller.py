@@ -898,6 +898,35 @@ def test_probe_pays_a_catch_up_that_kept_speculation_off() -> None:
     assert not any(_engine_steps(never, 100, catch_up=64))
 
 
+def _first_probe(options: ControllerOptions, steps: int = 200) -> list[int]:
+    """Each request's draft nodes at the first plan that drafts for a batch of 16 where speculation
+    does not pay (a drafting step's fixed cost of 150 ms against a 40 ms plain step)."""
+    cost = CostModel({1: 10.0, 16: 40.0, 32: 62.0, 64: 100.0, 128: 180.0, 256: 340.0, 512: 660.0}, lr=0.0)
+    ids = list(range(16))
+    ctrl = SpeculationController(cost, BUDGET, options)
+    for _ in range(steps):
+        if ctrl.quiet(ids):
+            continue
+        plans = ctrl.plan(ids, remaining=[64] * 16, waiting=4)
+        if any(p.max_nodes for p in plans):
+            return [p.max_nodes for p in plans]
+        for rid in ids:
+            ctrl.observe(rid, DraftTree.root_only(0), [0])
+    return []
+
+
+def test_a_probe_takes_a_plan_that_loses_little() -> None:
+    """A probe in a big batch re-times speculation with a plan predicted to lose at most
+    ``probe_loss`` of a plain step (or the least), not the best plan at any loss: there the best
+    is a deep tree for every request, whose verify and drafting cost several plain steps."""
+    options = ControllerOptions(alpha_prior=0.9, probe_steps=16, draft_ms_fixed=150.0, draft_ms_per_depth=1.0)
+    capped = _first_probe(options)
+    best = _first_probe(options.model_copy(update={"probe_loss": 1e9}))
+    assert capped and best and all(capped) and all(best)  # both probe every request
+    assert sum(capped) < sum(best)
+    assert _first_probe(options.model_copy(update={"probe_steps": 0})) == []
+
+
 def _static_batch(objective: str = "auto") -> SpeculationController:
     """A batch of 4 where a verify costs per query token: one request drafting a chain pays in
     committed tokens per ms (its extra tokens outweigh the wider verify), but a step of the batch

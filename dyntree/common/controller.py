@@ -76,7 +76,10 @@
   the engine as often as they come (:meth:`SpeculationController.observe_plan_cost`): at batch 1
   a match often comes next step and pays, in a batch of 16 all matching at once is rare.
 * Probes: a batch size that has not speculated for ``probe_steps`` steps though the drafter could
-  draft for every request speculates its best plan at the next plan, paying or not. Everything
+  draft for every request speculates at the next plan, paying or not: the best plan predicted to
+  lose at most ``probe_loss`` of a plain step against plain decoding (else the one predicted to
+  lose least), as a probe re-times and a deep tree for every request of a big batch can cost
+  several plain steps. Everything
   that kept it off was learned from steps it no longer takes (verify shapes timed in a slow spell
   of a shared machine, an outcome check that drifts back slowly, a catch-up a drafter must pay
   once): one step re-times them, and the plans after it decide on fresh evidence. While probes
@@ -539,7 +542,8 @@ class SpeculationController:
                 segs.sort(key=lambda s: (-s[0], s[1], s[2]))
             else:  # the batch's pace: water-filling, the slowest request's next step first
                 segs.sort(key=lambda s: (slack[s[1]] * (1 + tabs[s[1]][0][s[2]]), s[1], s[2]))
-            rate, k, branching, tokens_rate, f, w = self._scan(segs, tabs, keys, kv, plain_ms, factors, catch_ms, slack)
+            rate, k, branching, tokens_rate, f, w = self._scan(segs, tabs, keys, kv, plain_ms, factors, catch_ms, slack,
+                                                               o.probe_loss * plain_ms if probe else None)
             if rate > best_rate:
                 best_rate, best_k, tables, segments, best_tokens, best_branching = rate, k, tabs, segs, tokens_rate, branching
                 used, widest = f, w
@@ -720,8 +724,8 @@ class SpeculationController:
 
     def _scan(self, segments: list[tuple[float, int, int, int]], tables: list[tuple[list[float], list[int]]],
               keys: list[tuple[float, float, int]], kv: int | None, plain_ms: float,
-              factors: np.ndarray, catch_ms: list[float],
-              slack: np.ndarray | None = None) -> tuple[float, int, int, float, float, int]:
+              factors: np.ndarray, catch_ms: list[float], slack: np.ndarray | None = None,
+              max_loss_ms: float | None = None) -> tuple[float, int, int, float, float, int]:
         """The best prefix of ``segments`` (merged hull steps in the order they are taken): its
         predicted rate, length, branching trees, predicted committed tokens per ms, outcome
         factor and largest tree's nodes, the rates times the outcome factor of chains-only plans
@@ -731,7 +735,9 @@ class SpeculationController:
         ``batch`` times the lowest ``slack x (1 + E)`` over its requests, per ms. A prefix pays its
         verify forward (plain with the chance that no planned tree arrives), its drafting, the
         catch-up of each request it drafts for (``catch_ms``) and, per branching tree in it, the
-        engine's extra time for one (:meth:`observe_branching`)."""
+        engine's extra time for one (:meth:`observe_branching`). ``max_loss_ms`` (a probe's): only
+        prefixes predicted to take at most that much longer than plain decoding takes for their
+        committed tokens are chosen from (or, if none, the one predicted to lose least)."""
         if not segments:
             return 0.0, 0, 0, 0.0, 1.0, 0
         b, n = len(keys), len(segments)
@@ -763,6 +769,9 @@ class SpeculationController:
         factor = factors[(branching > 0).astype(np.int64), self._classes[widest]]
         committed = factor * np.cumsum(np.concatenate(([float(b)], gained)))[1:] / spent
         rate = committed if slack is None else factor * b * self._pace(r, lo, hi, tables, slack) / spent
+        if max_loss_ms is not None:  # a probe: the best of the plans that lose little, else the least loss
+            loss = spent - committed * spent * plain_ms / b  # ms over plain decoding's for the same tokens
+            rate = np.where(loss <= max(max_loss_ms, float(loss.min())), rate, -np.inf)
         k = int(np.argmax(rate))  # the first of the best
         return float(rate[k]), k + 1, int(branching[k]), float(committed[k]), float(factor[k]), int(widest[k])
 

@@ -190,6 +190,12 @@ class ControllerOptions(BaseModel):
         "(or catch-up it has since paid) does not stay off for the rest of the run; the wait doubles after each "
         "probe that nothing paying follows, up to 1024 steps (0: never probe)",
     )
+    probe_loss: float = Field(
+        0.5, ge=0,
+        description="a probe speculates the best plan predicted to cost at most this share of a plain step more "
+        "than plain decoding takes for the tokens it commits (else the plan predicted to lose least), "
+        "so a probe at a batch size where speculation does not pay stays cheap",
+    )
     min_gain: float = Field(
         1.03,
         ge=1,
