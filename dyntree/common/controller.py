@@ -767,10 +767,11 @@ class SpeculationController:
         spent = forward + self.draft_cost(max_depth, nodes, drafting) + self._branch_ms * branching + catching
         widest = np.maximum.accumulate(hi)
         factor = factors[(branching > 0).astype(np.int64), self._classes[widest]]
-        committed = factor * np.cumsum(np.concatenate(([float(b)], gained)))[1:] / spent
+        tokens = factor * np.cumsum(np.concatenate(([float(b)], gained)))[1:]
+        committed = tokens / spent
         rate = committed if slack is None else factor * b * self._pace(r, lo, hi, tables, slack) / spent
         if max_loss_ms is not None:  # a probe: the best of the plans that lose little, else the least loss
-            loss = spent - committed * spent * plain_ms / b  # ms over plain decoding's for the same tokens
+            loss = spent - tokens * plain_ms / b  # ms over plain decoding's for the same tokens
             rate = np.where(loss <= max(max_loss_ms, float(loss.min())), rate, -np.inf)
         k = int(np.argmax(rate))  # the first of the best
         return float(rate[k]), k + 1, int(branching[k]), float(committed[k]), float(factor[k]), int(widest[k])
