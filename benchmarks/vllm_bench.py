@@ -245,18 +245,23 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
 
 def call_order(configs: list[str], shift: int, bracket: bool = False) -> list[tuple[str, bool]]:
     """One ``generate`` call's configs in the order they run, each with whether its call counts
-    in the round's tally: every config once, rotated by ``shift``; with ``bracket`` (and
-    ``none`` among them) plain decoding first and again after every other config, the one plain
-    call that counts moving with ``shift`` too (the others only bracket their neighbours; a
-    machine that slows through a slot must not favour whichever call comes first)."""
+    in the round's tally: every config once, rotated by half of ``shift`` and reversed on odd
+    shifts (every config takes every place, and its neighbours change from call to call, so
+    whatever one engine leaves behind for the next call does not always fall on the same config); with ``bracket`` (and ``none`` among
+    them) plain decoding first and again after every other config, the one plain call that
+    counts moving with ``shift`` too (the others only bracket their neighbours; a machine that
+    slows through a slot must not favour whichever call comes first)."""
+    def turned(xs: list[str]) -> list[str]:
+        k = shift // 2 % max(len(xs), 1)
+        xs = xs[k:] + xs[:k]
+        return xs[::-1] if shift % 2 else xs
+
     if not bracket or "none" not in configs:
-        shift %= len(configs)
-        return [(c, True) for c in configs[shift:] + configs[:shift]]
+        return [(c, True) for c in turned(configs)]
     others = [c for c in configs if c != "none"]
     counted = shift % (len(others) + 1)  # which of the plain calls counts
-    shift %= max(len(others), 1)
     order = [("none", counted == 0)]
-    for j, c in enumerate(others[shift:] + others[:shift]):
+    for j, c in enumerate(turned(others)):
         order += [(c, True), ("none", counted == j + 1)]
     return order
 

@@ -367,14 +367,19 @@ def test_vllm_bench_brackets_every_call_with_plain_decoding() -> None:
     slot's counted plain call alone would not."""
     mod = _vllm_bench()
     configs = ["none", "none_sync", "a", "b"]
-    assert mod.call_order(configs, 1) == [(c, True) for c in ("none_sync", "a", "b", "none")]
+    assert mod.call_order(configs, 2) == [(c, True) for c in ("none_sync", "a", "b", "none")]
+    assert mod.call_order(configs, 1) == [(c, True) for c in ("b", "a", "none_sync", "none")]  # odd: reversed
     order = mod.call_order(configs, 1, bracket=True)
-    assert order == [("none", False), ("a", True), ("none", True), ("b", True), ("none", False),
+    assert order == [("none", False), ("b", True), ("none", True), ("a", True), ("none", False),
                      ("none_sync", True), ("none", False)]
+    # every config takes every place, and has other neighbours from one call to the next
+    assert [[c for c, _ in mod.call_order(configs, s, bracket=True)][1::2] for s in range(4)] == [
+        ["none_sync", "a", "b"], ["b", "a", "none_sync"], ["a", "b", "none_sync"], ["none_sync", "b", "a"]]
     # the plain call that counts in the round's tally moves with the call, as the others do
     assert [[j for j, x in enumerate(mod.call_order(configs, s, bracket=True)) if x == ("none", True)]
             for s in range(4)] == [[0], [2], [4], [6]]
-    assert mod.call_order(["a", "b"], 1, bracket=True) == [("b", True), ("a", True)]  # nothing to bracket with
+    assert [mod.call_order(["a", "b"], s, bracket=True) for s in range(3)] == [  # nothing to bracket with
+        [("a", True), ("b", True)], [("b", True), ("a", True)], [("b", True), ("a", True)]]
     # one slot through which the machine slows by a tenth a call
     speed = {j: 1 - 0.1 * j for j in range(len(order))}
     own = {"none": 1.0, "none_sync": 1.0, "a": 0.9, "b": 1.2}
@@ -385,7 +390,7 @@ def test_vllm_bench_brackets_every_call_with_plain_decoding() -> None:
     assert res["none_sync"]["ratio"] == pytest.approx(1.0) and res["a"]["calls"] == 1
     assert res["b"]["cells"] == {"chat/b8": pytest.approx(1.2)}
     assert "none" not in res
-    # over the slot's counted plain call alone (the third call) "b" (the fourth) reads 1.2 x 0.7 / 0.8
+    # over the slot's counted plain call alone (the third call) "b" (the second) reads 1.2 x 0.9 / 0.8
     counted = next(x for x in calls if x["config"] == "none" and x["counted"])
     b = next(x for x in calls if x["config"] == "b")
-    assert (b["tokens"] / b["wall_s"]) / (counted["tokens"] / counted["wall_s"]) == pytest.approx(1.2 * 0.7 / 0.8)
+    assert (b["tokens"] / b["wall_s"]) / (counted["tokens"] / counted["wall_s"]) == pytest.approx(1.2 * 0.9 / 0.8)
