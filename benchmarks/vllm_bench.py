@@ -12,9 +12,9 @@ processes of its own (vLLM's multiprocess engine core, as ``vllm serve`` runs it
 platform then gives the model one core and keeps the other for the engine core), all of them
 alive at once, each after one untimed warm-up pass; every set runs at batch 1 (prompts one by
 one), batch 8 (all 8 at once) and batch 16 (both sets together), and each ``generate`` call (one
-batch of one cell) is run by every config back to back, the order rotated call by call, so a
-config and its baseline are timed seconds apart and a slow spell of a shared machine hits both;
-a round is one pass over every cell. Per config, set and batch: tokens/s per round (generated
+batch of one cell) is run by every config back to back, the order rotated and reversed call by
+call (:func:`call_order`), so a config and its baseline are timed seconds apart and a slow
+spell of a shared machine hits both; a round is one pass over every cell. Per config, set and batch: tokens/s per round (generated
 tokens over the wall time of ``LLM.generate``), their median and spread, tau (1 + accepted draft
 tokens per drafting step, from vLLM's spec-decode counters), drafting steps, the median over
 rounds of the per-round speedup against no speculation and against vLLM ``ngram``, and the share
@@ -193,8 +193,8 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
                 calls: list[dict[str, Any]] | None = None) -> list[dict[str, dict[str, Any]]]:
     """Every config's engine alive at once (each in processes of its own, or with ``in_process``
     all in this one), each ``generate`` call (one batch of one cell) run by every config back to
-    back, the order rotated call by call: a config and its baseline are timed seconds apart, so a
-    slow spell of a shared machine hits both. With ``bracket`` (and ``none`` among the configs)
+    back, the order rotated and reversed call by call: a config and its baseline are timed
+    seconds apart, so a slow spell of a shared machine hits both. With ``bracket`` (and ``none`` among the configs)
     plain decoding also runs right after every other config's call (:func:`call_order`): each
     call then has a plain call just before and just after it (:func:`bracketed`). Engines without
     speculation are built first (in one process they then keep vLLM's own attention backend),
@@ -247,10 +247,11 @@ def call_order(configs: list[str], shift: int, bracket: bool = False) -> list[tu
     """One ``generate`` call's configs in the order they run, each with whether its call counts
     in the round's tally: every config once, rotated by half of ``shift`` and reversed on odd
     shifts (every config takes every place, and its neighbours change from call to call, so
-    whatever one engine leaves behind for the next call does not always fall on the same config); with ``bracket`` (and ``none`` among
-    them) plain decoding first and again after every other config, the one plain call that
-    counts moving with ``shift`` too (the others only bracket their neighbours; a machine that
-    slows through a slot must not favour whichever call comes first)."""
+    whatever one engine leaves behind for the next call does not always fall on the same
+    config); with ``bracket`` (and ``none`` among them) plain decoding first and again after
+    every other config, the one plain call that counts moving with ``shift`` too (the others
+    only bracket their neighbours; a machine that slows through a slot must not favour
+    whichever call comes first)."""
     def turned(xs: list[str]) -> list[str]:
         k = shift // 2 % max(len(xs), 1)
         xs = xs[k:] + xs[:k]
