@@ -14,8 +14,8 @@ alive at once, each after one untimed warm-up pass; every set runs at batch 1 (p
 one), batch 8 (all 8 at once) and batch 16 (both sets together), and each ``generate`` call (one
 batch of one cell) is run by every config back to back, the order rotated and reversed call by
 call (:func:`call_order`), so a config and its baseline are timed seconds apart and a slow
-spell of a shared machine hits both; a round is one pass over every cell. Per config, set and batch: tokens/s per round (generated
-tokens over the wall time of ``LLM.generate``), their median and spread, tau (1 + accepted draft
+spell of a shared machine hits both; a round is one pass over every cell. Per config, set and
+batch: tokens/s per round (generated tokens over the wall time of ``LLM.generate``), their median and spread, tau (1 + accepted draft
 tokens per drafting step, from vLLM's spec-decode counters), drafting steps, the median over
 rounds of the per-round speedup against no speculation and against vLLM ``ngram``, and the share
 of outputs identical to no speculation's (token for token; in bf16 a verify pass may flip a
@@ -194,8 +194,8 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     """Every config's engine alive at once (each in processes of its own, or with ``in_process``
     all in this one), each ``generate`` call (one batch of one cell) run by every config back to
     back, the order rotated and reversed call by call: a config and its baseline are timed
-    seconds apart, so a slow spell of a shared machine hits both. With ``bracket`` (and ``none`` among the configs)
-    plain decoding also runs right after every other config's call (:func:`call_order`): each
+    seconds apart, so a slow spell of a shared machine hits both. With ``bracket`` (and ``none``
+    among the configs) plain decoding also runs right after every other config's call (:func:`call_order`): each
     call then has a plain call just before and just after it (:func:`bracketed`). Engines without
     speculation are built first (in one process they then keep vLLM's own attention backend),
     vLLM's ``ngram`` last. Returns per round, per config and cell, what :meth:`_Cell.result`
