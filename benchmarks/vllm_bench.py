@@ -9,25 +9,25 @@ and dyntree on a GPU (on a CPU it is always off: ``none_sync`` is then an A/A co
 Prompt sets (Spec-Bench, chat template, first turn): ``chat`` = 8 MT-Bench questions from its
 non-coding categories, ``code`` = 8 MT-Bench coding questions. Every config's ``LLM`` runs in
 processes of its own (vLLM's multiprocess engine core, as ``vllm serve`` runs it: vLLM's CPU
-platform then gives the model one core and keeps the other for the engine core), all of them
-alive at once, each after one untimed warm-up pass; every set runs at batch 1 (prompts one by
-one), batch 8 (all 8 at once) and batch 16 (both sets together), and each ``generate`` call (one
-batch of one cell) is run by every config back to back, the order rotated and reversed call by
-call (:func:`call_order`), so a config and its baseline are timed seconds apart and a slow
-spell of a shared machine hits both; a round is one pass over every cell. Per config, set and
-batch: tokens/s per round (generated tokens over the wall time of ``LLM.generate``), their median and spread, tau (1 + accepted draft
-tokens per drafting step, from vLLM's spec-decode counters), drafting steps, the median over
-rounds of the per-round speedup against no speculation and against vLLM ``ngram``, and the share
-of outputs identical to no speculation's (token for token; in bf16 a verify pass may flip a
-near-tied argmax, so only fp32 promises identity). ``--in-process`` runs every engine in this one
-process instead (vLLM's engine in-process: no core reserved, no threads bound), and adds each call's time
-inside vLLM's model forward, and per config the median over rounds of the time it spends outside
-the forward per token beyond plain decoding's, as a share of plain decoding's time per token
+platform then gives the model one core and keeps the other for the engine core), all of them alive
+at once, each after one untimed warm-up pass; every set runs at batch 1 (prompts one by one), batch
+8 (all 8 at once) and batch 16 (both sets together), and each ``generate`` call (one batch of one
+cell) is run by every config back to back, the order rotated and reversed call by call
+(:func:`call_order`), so a config and its baseline are timed seconds apart and a slow spell of a
+shared machine hits both; a round is one pass over every cell. Per config, set and batch: tokens/s
+per round (generated tokens over the wall time of ``LLM.generate``), their median and spread, tau (1
++ accepted draft tokens per drafting step, from vLLM's spec-decode counters), drafting steps, the
+median over rounds of the per-round speedup against no speculation and against vLLM ``ngram``, and
+the share of outputs identical to no speculation's (token for token; in bf16 a verify pass may flip
+a near-tied argmax, so only fp32 promises identity). ``--in-process`` runs every engine in this one
+process instead (vLLM's engine in-process: no core reserved, no threads bound), and adds each call's
+time inside vLLM's model forward, and per config the median over rounds of the time it spends
+outside the forward per token beyond plain decoding's, as a share of plain decoding's time per token
 (``outside_forward_vs_none``): drafting, verification and hooks. ``--bracket`` also runs plain
-decoding right after every other config's call and reads each call over the plain calls just
-before and after it (``bracketed``, with every call's record): at batch 8 and 16 a shared machine's
-speed drifts within a round by more than the few percent a config is judged by. Writes JSON (and
-a PNG of the speedups when matplotlib is installed).
+decoding right after every other config's call and reads each call over the plain calls just before
+and after it (``bracketed``, with every call's record): at batch 8 and 16 a shared machine's speed
+drifts within a round by more than the few percent a config is judged by. Writes JSON (and a PNG of
+the speedups when matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -191,16 +191,16 @@ class _Cell:
 def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
                 batches: tuple[int, ...] = BATCHES, in_process: bool = False, bracket: bool = False,
                 calls: list[dict[str, Any]] | None = None) -> list[dict[str, dict[str, Any]]]:
-    """Every config's engine alive at once (each in processes of its own, or with ``in_process``
-    all in this one), each ``generate`` call (one batch of one cell) run by every config back to
-    back, the order rotated and reversed call by call: a config and its baseline are timed
-    seconds apart, so a slow spell of a shared machine hits both. With ``bracket`` (and ``none``
-    among the configs) plain decoding also runs right after every other config's call (:func:`call_order`): each
-    call then has a plain call just before and just after it (:func:`bracketed`). Engines without
-    speculation are built first (in one process they then keep vLLM's own attention backend),
-    vLLM's ``ngram`` last. Returns per round, per config and cell, what :meth:`_Cell.result`
-    gives (a plain call that only brackets another is not in it); ``calls``, when given, gets a
-    record of every call in the order run (:func:`bracketed` reads them)."""
+    """Every config's engine alive at once (each in processes of its own, or with ``in_process`` all
+    in this one), each ``generate`` call (one batch of one cell) run by every config back to back,
+    the order rotated and reversed call by call: a config and its baseline are timed seconds apart,
+    so a slow spell of a shared machine hits both. With ``bracket`` (and ``none`` among the configs)
+    plain decoding also runs right after every other config's call (:func:`call_order`): each call
+    then has a plain call just before and just after it (:func:`bracketed`). Engines without
+    speculation are built first (in one process they then keep vLLM's own attention backend), vLLM's
+    ``ngram`` last. Returns per round, per config and cell, what :meth:`_Cell.result` gives (a plain
+    call that only brackets another is not in it); ``calls``, when given, gets a record of every
+    call in the order run (:func:`bracketed` reads them)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # vLLM's ngram drafts with numba; numba's default threading layer is an OpenMP pool whose
