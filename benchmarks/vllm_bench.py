@@ -15,9 +15,9 @@ at once, each after one untimed warm-up pass; every set runs at batch 1 (prompts
 cell) is run by every config back to back, the order rotated and reversed call by call
 (:func:`call_order`), so a config and its baseline are timed seconds apart and a slow spell of a
 shared machine hits both; a round is one pass over every cell. Per config, set and batch: tokens/s
-per round (generated tokens over the wall time of ``LLM.generate``), their median and spread,
-tau (1 + accepted draft tokens per drafting step, from vLLM's spec-decode counters), drafting
-steps, the median over rounds of the per-round speedup against no speculation and against vLLM ``ngram``, and
+per round (generated tokens over the wall time of ``LLM.generate``), their median and spread, tau
+(1 + accepted draft tokens per drafting step, from vLLM's spec-decode counters), drafting steps, the
+median over rounds of the per-round speedup against no speculation and against vLLM ``ngram``, and
 the share of outputs identical to no speculation's (token for token; in bf16 a verify pass may flip
 a near-tied argmax, so only fp32 promises identity). ``--in-process`` runs every engine in this one
 process instead (vLLM's engine in-process: no core reserved, no threads bound), and adds each call's
