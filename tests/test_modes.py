@@ -372,9 +372,13 @@ def test_vllm_bench_brackets_every_call_with_plain_decoding() -> None:
     order = mod.call_order(configs, 1, bracket=True)
     assert order == [("none", False), ("b", True), ("none", True), ("a", True), ("none", False),
                      ("none_sync", True), ("none", False)]
-    # every config takes every place, and has other neighbours from one call to the next
+    # a config has other neighbours from one call to the next
     assert [[c for c, _ in mod.call_order(configs, s, bracket=True)][1::2] for s in range(4)] == [
         ["none_sync", "a", "b"], ["b", "a", "none_sync"], ["a", "b", "none_sync"], ["none_sync", "b", "a"]]
+    # and over 2 n calls of n configs each takes every place twice
+    many = [f"c{i}" for i in range(5)]
+    places = [[c for c, _ in mod.call_order(many, s)].index("c0") for s in range(10)]
+    assert sorted(places) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     # the plain call that counts in the round's tally moves with the call, as the others do
     assert [[j for j, x in enumerate(mod.call_order(configs, s, bracket=True)) if x == ("none", True)]
             for s in range(4)] == [[0], [2], [4], [6]]
