@@ -248,10 +248,10 @@ def call_order(configs: list[str], shift: int, bracket: bool = False) -> list[tu
     in the round's tally: every config once, rotated by half of ``shift`` and reversed on odd
     shifts (over ``2 n`` calls of ``n`` configs each takes every place twice, and its neighbours
     change from call to call, so whatever one engine leaves behind for the next call does not
-    always fall on the same config); with ``bracket`` (and ``none`` among them) plain decoding first and again after
-    every other config, the one plain call that counts moving with ``shift`` too (the others
-    only bracket their neighbours; a machine that slows through a slot must not favour
-    whichever call comes first)."""
+    always fall on the same config); with ``bracket`` (and ``none`` among them) plain decoding
+    first and again after every other config, the one plain call that counts moving with
+    ``shift`` too (the others only bracket their neighbours; a machine that slows through a slot
+    must not favour whichever call comes first)."""
     def turned(xs: list[str]) -> list[str]:
         k = shift // 2 % max(len(xs), 1)
         xs = xs[k:] + xs[:k]
