@@ -217,13 +217,14 @@ def tree_rows_attention(plan: TreeAttentionPlan, layer_name: str, query: torch.T
             plan.mirror.copy_in(r.request_id, index, kv_cache, r.synced, r.prefix, r.sync_index)
         buf = plan.mirror.buffer(r.request_id)[index]  # [2, Hkv, capacity, D]
         nodes, end = slice(r.start, r.start + r.size), r.prefix + r.size
-        buf[:, :, r.prefix : end].copy_(torch.stack((key[nodes], value[nodes])).transpose(1, 2))  # the step's nodes
+        buf[0, :, r.prefix : end].copy_(key[nodes].transpose(0, 1))  # the step's nodes, no stacked temporary
+        buf[1, :, r.prefix : end].copy_(value[nodes].transpose(0, 1))
         kv = buf[:, :, :end].unsqueeze(1)  # [2, 1, Hkv, P + T, D]
         if plan.whole and r.first:  # the ``lead`` control: rows nobody computes are zero
             out[r.start : r.start + r.first] = 0
         rows = slice(r.start + r.first, r.start + r.size)
         res = attend(query[rows].transpose(0, 1).unsqueeze(0), kv[0], kv[1], r.bias, scale, plan.dispatch)  # [1, Hq, T', D]
-        out[rows] = res[0].transpose(0, 1).reshape((r.size - r.first, *out.shape[1:]))
+        out[rows].view(res.shape[2], res.shape[1], res.shape[3]).copy_(res[0].transpose(0, 1))  # one strided copy
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
