@@ -546,13 +546,25 @@ def test_a_request_with_positions_to_catch_up_pays_for_them_in_its_plan() -> Non
     plans = ctrl.plan([0, 1], catch_up=[0, 64])
     assert plans[0].max_nodes > 0 and plans[1].max_nodes == 0
     assert ctrl.plan([1], catch_up=[2])[0].max_nodes > 0  # two positions: worth it
-    # a ratio of EMAs: a prompt's 64 positions weigh by their count against small catch-ups,
-    # whose fixed cost per call would price every position far above what a prompt's costs
+
+def test_a_catch_up_is_priced_per_position_beyond_the_layers_fixed_cost() -> None:
+    # Catch-ups of one size cannot tell the layer's fixed cost from its cost per position: the
+    # price is their ratio (an upper bound). Sizes that spread give a line's slope; the fixed part
+    # is what the drafter pays on every drafting step, priced as drafting.
     ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET)
-    ctrl.observe_catch_up(64, 3.2)
     for _ in range(3):
-        ctrl.observe_catch_up(8, 1.6)
-    assert 0.05 < ctrl.catch_ms < 0.1  # per call it was 0.05 and 0.2
+        ctrl.observe_catch_up(8, 4.8)
+    assert ctrl.catch_ms == pytest.approx(0.6)
+    for n, ms in [(64, 22.0), (16, 6.4), (32, 12.9), (8, 4.9), (64, 22.0), (16, 6.4)]:
+        ctrl.observe_catch_up(n, ms)  # the prefix layer as measured: ~3 ms fixed, ~0.3 a position
+    assert 0.25 < ctrl.catch_ms < 0.35
+    # a line that rises faster than the ratio (a negative fixed part) or falls is noise: the ratio
+    for first, second in [((8, 0.1), (64, 40.0)), ((8, 10.0), (64, 5.0))]:
+        noisy = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET)
+        noisy.observe_catch_up(*first)
+        noisy.observe_catch_up(*second)
+        mx, my = noisy._caught[0], noisy._caught[1]  # type: ignore[index]
+        assert noisy.catch_ms == pytest.approx(my / mx)
 
 
 def test_sibling_gain_is_learned_from_trees() -> None:

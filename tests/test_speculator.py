@@ -367,12 +367,13 @@ def test_a_chain_planned_for_a_drafter_with_its_own_trees_is_drafted_as_a_chain(
 def test_a_drafters_catch_up_is_priced_per_position_not_as_drafting() -> None:
     """Time a drafter reports as catching up (``pop_catch_up``: a request's first draft, or a
     resume) is learned per position, not into the drafting cost; the same time unreported is
-    learned as drafting (the control)."""
+    learned as drafting (the control). Once catch-ups of several sizes show a fixed part (the
+    drafter's layer, which runs on every drafting step), that part stays in the drafting cost."""
     import time
 
     from dyntree.common.cost_model import CostModel
 
-    def learned(reported: tuple[float, int]) -> tuple[float, float]:
+    def learned(reported: tuple[float, int], before: tuple[tuple[int, float], ...] = ()) -> tuple[float, float]:
         drafter = make_drafter("ngram")
         can_draft = drafter.can_draft
 
@@ -384,6 +385,10 @@ def test_a_drafters_catch_up_is_priced_per_position_not_as_drafting() -> None:
         drafter.pop_catch_up = lambda: reported  # type: ignore[method-assign]
         sp = Speculator(drafter, SpecConfig(adaptive=True, max_nodes=4, max_depth=4), vocab_size=V,
                         cost_model=CostModel({1: 10.0, 16: 10.5}, lr=1.0))
+        sp.prepare()
+        assert sp.controller is not None
+        for positions, ms in before:
+            sp.controller.observe_catch_up(positions, ms)
         tokens = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
         batch = sp.propose([SpecRequest("a", tokens)])
         assert batch.num_drafts > 0
@@ -394,6 +399,11 @@ def test_a_drafters_catch_up_is_priced_per_position_not_as_drafting() -> None:
     assert learned((0.0, 0))[0] > 30.0
     drafting, per_position = learned((1000.0, 50))
     assert drafting < 10.0 and per_position == pytest.approx(20.0)
+    # 50 ms fixed and 5 a position: of a 6-position catch-up's 80 ms (within the ~100 ms the
+    # step took), 30 leave the drafting sample, not all 80 as when the fixed part is not known
+    whole = learned((80.0, 6))[0]
+    drafting, per_position = learned((80.0, 6), ((2, 60.0), (18, 140.0), (2, 60.0), (18, 140.0)))
+    assert per_position == pytest.approx(5.0) and drafting - whole == pytest.approx(50.0, abs=20.0)
 
 
 @pytest.mark.parametrize("rectangular", [False, True])

@@ -53,7 +53,8 @@
   layer, at a request's first draft or when it resumes after idle steps) reports the positions
   per request (``Drafter.catch_up``) and what catching up cost
   (:meth:`SpeculationController.observe_catch_up`): a plan that drafts for such a request pays
-  them at that step.
+  them at that step, at what a catch-up costs per position beyond the drafter's fixed cost of a
+  step, which drafting already prices.
   When a forward's cost grows in proportion to its
   tokens (compute-bound, high batch) no prefix pays and every request decodes plainly.
 * The objective (``ControllerOptions.objective``): committed tokens per ms while requests wait
@@ -238,9 +239,9 @@ class SpeculationController:
         # the plans since one was last reported (after probe_steps of them it drifts toward 0)
         self._branch_ms = 0.0
         self._branch_stale = 0
-        # ms a drafter spends per committed position it catches up (a ratio of EMAs of ms and
-        # positions; 0 until reported)
-        self._caught = (0.0, 0.0)
+        # a drafter's catch-ups: EMAs of positions, ms, positions^2 and positions x ms (None until
+        # one is reported), and the ms per position a plan is priced at (observe_catch_up)
+        self._caught: tuple[float, float, float, float] | None = None
         self._catch_ms = 0.0
         self._quiet = _Spell()  # the quiet spell (:meth:`quiet`), if any
         # per batch size (a power-of-two bucket): EMAs of the ms a plan saves over plain decoding
@@ -930,19 +931,33 @@ class SpeculationController:
 
     def observe_catch_up(self, positions: int, ms: float) -> None:
         """A drafter spent ``ms`` catching up ``positions`` committed positions (its state of
-        requests that start drafting or resume): the price per position of a plan that drafts for
-        a request with positions to catch up is the ratio of EMAs of both, so a large catch-up
-        weighs by its positions (a small one's fixed cost does not price a prompt's 64)."""
+        requests that start drafting or resume). A catch-up runs the drafter's layer over those
+        positions, which costs a fixed part plus a part per position; the fixed part is what the
+        drafter pays on every drafting step anyway (it runs the same layer over the step's own
+        positions, priced as drafting), so a plan pays only the part per position: the slope of a
+        least-squares line through the catch-ups (EMAs of the moments, so a prompt's 64 positions
+        and a resume's 8 both inform it). Until the catch-ups' sizes spread enough to tell slope
+        from fixed part (a standard deviation of at least a quarter of their mean), and where the
+        line falls (the sizes do not explain the times: noise) or rises faster than the ratio of
+        the EMAs of ms and positions, it is that ratio, which bounds the slope from above when the
+        fixed part is not negative."""
         if positions <= 0 or not ms >= 0:
             raise ValueError(f"observe_catch_up({positions}, {ms}): positions > 0 and ms >= 0 needed")
-        e = self.options.ema
-        spent, done = self._caught
-        self._caught = (ms, float(positions)) if done == 0 else (spent + e * (ms - spent), done + e * (positions - done))
-        self._catch_ms = self._caught[0] / self._caught[1]
+        e, x = self.options.ema, float(positions)
+        if self._caught is None:
+            mx, my, mxx, mxy = x, ms, x * x, x * ms
+        else:
+            mx, my, mxx, mxy = self._caught
+            mx, my, mxx, mxy = mx + e * (x - mx), my + e * (ms - my), mxx + e * (x * x - mxx), mxy + e * (x * ms - mxy)
+        self._caught = (mx, my, mxx, mxy)
+        ratio, var = my / mx, mxx - mx * mx
+        slope = (mxy - mx * my) / var if 16 * var >= mx * mx else ratio
+        self._catch_ms = slope if 0 <= slope <= ratio else ratio
 
     @property
     def catch_ms(self) -> float:
-        """The learned ms per position a drafter catches up (0 until one is reported)."""
+        """The learned ms a plan pays per position a drafter catches up (0 until one is
+        reported; :meth:`observe_catch_up`)."""
         return self._catch_ms
 
     @property

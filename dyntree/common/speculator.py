@@ -279,10 +279,13 @@ class Speculator:
         batch = DraftBatch.from_trees(ids, trees)
         for r in requests:
             self._params[r.request_id] = r.params
-        # a request's catch-up (its first draft, or a resume) is priced per position, not per draft
+        # a request's catch-up (its first draft, or a resume) is priced per position, not per
+        # draft: its part per position leaves the drafting sample, its fixed part (the drafter's
+        # layer runs on every drafting step) stays in it
         catch_ms, caught = self.drafter.pop_catch_up()
         if caught and self.controller is not None:
             self.controller.observe_catch_up(caught, catch_ms)
+            catch_ms = min(catch_ms, self.controller.catch_ms * caught)
         spent_ms = (time.perf_counter() - t0) * 1e3
         drafting = sum(t.size > 1 for t in trees)
         # priced at accept
