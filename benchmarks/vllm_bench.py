@@ -64,11 +64,13 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
 #: against ``none`` is the machine's noise.
 ENGINE_ARGS: dict[str, dict[str, Any]] = {"none_sync": {"async_scheduling": False}}
 CONFIGS["none_sync"] = None
-#: Controls for the adaptive controller, run only when named in ``--configs``: each drafter pinned
+#: Controls, run only when named in ``--configs``: for the adaptive controller, each drafter pinned
 #: to the shape vLLM's own n-gram verifies (a chain of 4, every step it can draft), and the default
-#: held to chains (the controller still picks their length, or no draft).
+#: held to chains (the controller still picks their length, or no draft); the default with vLLM's
+#: own LM head on every step (no fp16 screen for greedy steps).
 CONTROLS: dict[str, dict[str, Any]] = {
     "dyntree_chains": {"method": "dyntree", "tree": "chain"},
+    "dyntree_fullhead": {"method": "dyntree", "screened_head": False},
     "dyntree_chain4": {"method": "dyntree", "tree": "chain", "adaptive": False, "num_speculative_tokens": 4},
     "dyntree_ngram_chain4": {"method": "dyntree", "drafter": "ngram", "tree": "chain", "adaptive": False,
                              "num_speculative_tokens": 4},

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_bench import CONFIGS, ENGINE_ARGS, ROOT, prompt_rows  # noqa: E402
+from vllm_bench import CONFIGS, CONTROLS, ENGINE_ARGS, ROOT, prompt_rows  # noqa: E402
 
 
 def _timed(owner: Any, name: str, key: str, totals: dict[str, float], calls: dict[str, int]) -> None:
@@ -80,7 +80,7 @@ def worker(config: str, dtype: str, max_tokens: int, batch: int, prompt_set: str
     prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
                                        add_generation_prompt=True) for r in _rows(prompt_set)]
     llm = LLM(model=path, dtype=dtype, max_model_len=2048, seed=0, enforce_eager=True, disable_log_stats=False,
-              speculative_config=CONFIGS[config], **ENGINE_ARGS.get(config, {}))
+              speculative_config={**CONFIGS, **CONTROLS}[config], **ENGINE_ARGS.get(config, {}))
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     totals.clear()
     calls.clear()

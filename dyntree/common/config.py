@@ -28,6 +28,9 @@ class SpecConfig(BaseModel):
     controller, which sets each request's node and depth budget per step (at most ``max_nodes`` /
     ``max_depth``) and may fall back to plain decoding; ``controller`` tunes it. The budget and
     mode live here only (:meth:`budget`; the builder and the controller are handed them).
+    ``screened_head``: greedy steps find each row's argmax through an fp16 copy of an fp32 LM head
+    with an exact error bound, and run the head itself only on rows the copy cannot settle
+    (:mod:`dyntree.kernels.screened_head`; the vLLM plugin on x86 CPUs; outputs unchanged).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -39,6 +42,7 @@ class SpecConfig(BaseModel):
     adaptive: bool = False
     tree_options: TreeOptions = TreeOptions()
     controller: ControllerOptions = ControllerOptions()
+    screened_head: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -25,6 +25,7 @@ from dyntree.common.drafter import TargetInfo
 from dyntree.common.drafters import make_engine_drafter
 from dyntree.common.speculator import SpecRequest, Speculator
 from dyntree.common.tree import DraftTree
+from dyntree.vllm_plugin.logits import install_screen
 from dyntree.vllm_plugin.options import ENV
 from dyntree.vllm_plugin.step import StepRecord
 
@@ -67,12 +68,15 @@ class DynTreeProposer:
     def bind(self, runner: Any) -> None:
         """The model runner this proposer drafts for (its KV caches, block tables and dummy
         forwards); the first call also sets up the adaptive controller, timing vLLM's forwards now
-        that the KV cache exists."""
+        that the KV cache exists, and the LM head's screen for greedy steps
+        (:func:`~dyntree.vllm_plugin.logits.install_screen`)."""
         if self.runner is runner:
             return
         self.runner = runner
         assert self.speculator is not None
         self.speculator.prepare()
+        if self.spec.screened_head:
+            install_screen(runner.model, self)
 
     def begin_step(self, step: StepRecord) -> None:
         """The step vLLM is about to run: its batch (the next :meth:`propose` call's rows) and trees."""
