@@ -240,6 +240,7 @@ def runs(tmp_path_factory) -> dict:
         pytest.fail(f"vLLM runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     out = json.loads((work / "out.json").read_text())
     out["prompts"] = prompts
+    out["screens"] = proc.stderr.count("fp16 screen of the LM head")  # the plugin's start-up note
     return out
 
 
@@ -247,9 +248,12 @@ def runs(tmp_path_factory) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["ngram", "hydra", "qspec"])
 def test_greedy_trees_equal_vllm_without_speculation(runs, drafter: str) -> None:
+    """Every dyntree engine here reads its greedy steps' LM head through the fp16 screen (fp32 on
+    an x86 CPU), so these runs check it too."""
     assert runs[drafter]["tokens"] == runs["plain"]["tokens"]
     m = runs[drafter]["metrics"]
     assert m["vllm:spec_decode_num_drafts"] > 0 and m["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert runs["screens"] >= 10  # a note per dyntree engine (12 here, the sampled one too)
 
 
 @needs_vllm
