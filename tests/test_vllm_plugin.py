@@ -240,7 +240,7 @@ def runs(tmp_path_factory) -> dict:
         pytest.fail(f"vLLM runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     out = json.loads((work / "out.json").read_text())
     out["prompts"] = prompts
-    out["screens"] = proc.stderr.count("fp16 screen of the LM head")  # the plugin's start-up note
+    out["screens"] = (proc.stdout + proc.stderr).count("fp16 screen of the LM head")  # the plugin's note (vLLM's log)
     return out
 
 

@@ -77,7 +77,7 @@ class ScreenedHead:
     def build(cls, weight: torch.Tensor) -> "ScreenedHead | None":
         """The screen of an fp32 CPU head ``weight`` ``[V, d]``; ``None`` where it cannot serve
         (another dtype or device, no FBGEMM fp16 GEMM, or weights beyond fp16's range)."""
-        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" \
+        if weight.dim() != 2 or weight.shape[0] < 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" \
                 or not cls.available():
             return None
         w = weight.detach().contiguous()
