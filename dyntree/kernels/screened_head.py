@@ -20,8 +20,8 @@ candidates (the tokens whose upper bound reaches the best lower bound; the argma
 whose dot products :meth:`ScreenedHead.screen` computes in float64 from ``W``: each is within
 ``gamma_d sum_i |h_i W_ji|`` of the fp32 head's logit (any summation order), so a candidate whose
 float64 value beats every other's by more than both bounds is the fp32 head's argmax. A row
-left unsettled then holds a tie within the fp32 head's own rounding (or non-finite states:
-comparisons with NaN fail), and only the head can say which token its arithmetic picks:
+left unsettled then holds candidates closer than the fp32 head's worst-case rounding (or
+non-finite states: comparisons with NaN fail), and only the head can say which its arithmetic picks:
 :meth:`ScreenedHead.logits` runs the caller's head on those rows and returns logits whose argmax
 is the head's in every row (``-inf`` but ``0`` at the winner for the settled rows). Only the
 argmax is kept: sampling needs the full head.
