@@ -71,6 +71,7 @@ CONFIGS["none_sync"] = None
 CONTROLS: dict[str, dict[str, Any]] = {
     "dyntree_chains": {"method": "dyntree", "tree": "chain"},
     "dyntree_fullhead": {"method": "dyntree", "screened_head": False},
+    "dyntree_pooled": {"method": "dyntree", "controller": {"request_weight": 0.5, "level_scale": 0.0}},
     "dyntree_chain4": {"method": "dyntree", "tree": "chain", "adaptive": False, "num_speculative_tokens": 4},
     "dyntree_ngram_chain4": {"method": "dyntree", "drafter": "ngram", "tree": "chain", "adaptive": False,
                              "num_speculative_tokens": 4},

@@ -532,8 +532,9 @@ def test_a_class_above_its_prediction_does_not_scale_the_others_down() -> None:
 
 def test_a_request_with_positions_to_catch_up_pays_for_them_in_its_plan() -> None:
     # Two requests alike but for the positions their drafter must first catch up (Hydra's prefix
-    # layer at a first draft or a resume): priced at the learned ms per position, the one with 64
-    # positions at 1 ms each is not worth drafting for this step; the other still is.
+    # layer at a first draft or a resume): priced at the learned ms per position, over the steps
+    # the catch-up serves, the one with 64 positions at 1 ms each and 3 tokens left (one step
+    # served: 64 ms) is not worth drafting for this step; the other still is.
     ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET)
     for rid in (0, 1):
         for i in range(20):
@@ -543,9 +544,18 @@ def test_a_request_with_positions_to_catch_up_pays_for_them_in_its_plan() -> Non
         ctrl.observe_catch_up(0, 5.0)
     ctrl.observe_catch_up(32, 32.0)
     assert ctrl.catch_ms == pytest.approx(1.0)
-    plans = ctrl.plan([0, 1], catch_up=[0, 64])
+    plans = ctrl.plan([0, 1], catch_up=[0, 64], remaining=[3, 3])
     assert plans[0].max_nodes > 0 and plans[1].max_nodes == 0
-    assert ctrl.plan([1], catch_up=[2])[0].max_nodes > 0  # two positions: worth it
+    assert ctrl.plan([1], catch_up=[2], remaining=[3])[0].max_nodes > 0  # two positions: worth it
+    # a request with many tokens left pays once for the 16 steps (catch_up_steps) it serves: 4 ms
+    # each, worth it; priced whole at one step (catch_up_steps=1, the control), it is not
+    assert ctrl.plan([1], catch_up=[64], remaining=[500])[0].max_nodes > 0
+    assert ctrl.plan([1], catch_up=[64])[0].max_nodes > 0  # unknown: as many as catch_up_steps
+    whole = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET, ControllerOptions(catch_up_steps=1))
+    for i in range(20):
+        whole.observe(1, DraftTree.chain(0, [1, 2, 3, 4]), [0, 1, 2, 3, 4] if i % 2 else [0])
+    whole.observe_catch_up(32, 32.0)
+    assert whole.plan([1], catch_up=[64], remaining=[500])[0].max_nodes == 0
 
 def test_a_catch_up_is_priced_per_position_beyond_the_layers_fixed_cost() -> None:
     # Catch-ups of one size cannot tell the layer's fixed cost from its cost per position: the
@@ -898,16 +908,21 @@ def test_probe_after_a_plain_run() -> None:
 
 def test_probe_pays_a_catch_up_that_kept_speculation_off() -> None:
     """A drafter's one-time catch-up (Hydra's prefix layer over a new request's context) priced
-    into one step makes every plan lose to plain decoding, so the request never drafts and the
-    catch-up stays due. The probe pays it; from then on every step speculates."""
+    whole into one step (``catch_up_steps=1``) makes every plan lose to plain decoding, so the
+    request never drafts and the catch-up stays due. The probe pays it; from then on every step
+    speculates. Spread over the steps it serves (the default), the request drafts from its first step."""
     cost = CostModel({1: 10.0, 2: 11.0, 64: 11.0}, lr=0.0)
-    ctrl = SpeculationController(cost, Budget(1, 1), ControllerOptions(alpha_prior=0.9, probe_steps=64))
+    whole = ControllerOptions(alpha_prior=0.9, probe_steps=64, catch_up_steps=1)
+    ctrl = SpeculationController(cost, Budget(1, 1), whole)
     ctrl.observe_catch_up(64, 32.0)  # 0.5 ms a position: 32 ms for a 64-position catch-up
     spec = _engine_steps(ctrl, 100, catch_up=64)
     assert not any(spec[:64]) and all(spec[64:])
-    never = SpeculationController(cost, Budget(1, 1), ControllerOptions(alpha_prior=0.9, probe_steps=0))
+    never = SpeculationController(cost, Budget(1, 1), whole.model_copy(update={"probe_steps": 0}))
     never.observe_catch_up(64, 32.0)
     assert not any(_engine_steps(never, 100, catch_up=64))
+    spread = SpeculationController(cost, Budget(1, 1), ControllerOptions(alpha_prior=0.9, probe_steps=0))
+    spread.observe_catch_up(64, 32.0)  # 2 ms a step over the 16 steps it serves
+    assert all(_engine_steps(spread, 100, catch_up=64))
 
 
 def _first_probe(options: ControllerOptions, steps: int = 200) -> list[int]:

@@ -54,7 +54,10 @@
   per request (``Drafter.catch_up``) and what catching up cost
   (:meth:`SpeculationController.observe_catch_up`): a plan that drafts for such a request pays
   them at that step, at what a catch-up costs per position beyond the drafter's fixed cost of a
-  step, which drafting already prices.
+  step, which drafting already prices, spread over the steps the catch-up serves (the request's
+  remaining tokens over 2, at most ``catch_up_steps``): it is paid once, and priced whole against
+  one step's gain it kept a starting request from ever drafting (each quiet step adds a position
+  to catch up).
   When a forward's cost grows in proportion to its
   tokens (compute-bound, high batch) no prefix pays and every request decodes plainly.
 * The objective (``ControllerOptions.objective``): committed tokens per ms while requests wait
@@ -292,7 +295,11 @@ class SpeculationController:
     def alpha(self, request_id: Hashable) -> float:
         """Current top-1 acceptance estimate of a request, in the evidence class of its last plan."""
         hits, trials = self._acc(request_id)
-        return hits / trials
+        w = self.options.request_weight
+        if w >= 1:
+            return hits / trials
+        pop_hits, pop_trials = self._class_pop(self._state(request_id).cls)
+        return w * hits / trials + (1 - w) * pop_hits / pop_trials
 
     def _class_alpha(self, request_id: Hashable, cls: int) -> float:
         """What :meth:`alpha` would read for a request planned in evidence class ``cls`` (its own
@@ -329,14 +336,14 @@ class SpeculationController:
             levels.append((above, seen))
         return levels
 
-    @staticmethod
-    def _level_rates(alpha: float, levels: Sequence[tuple[float, float]]) -> list[float]:
+    def _level_rates(self, alpha: float, levels: Sequence[tuple[float, float]]) -> list[float]:
         """A request's acceptance per level, root's first child first: its ``alpha``, then each
-        deeper level's rate, half of it as measured over every request and half scaled by the
+        deeper level's rate as measured over every request, ``level_scale`` of it scaled by the
         request's alpha over theirs (partial pooling: measured in vLLM a reached level's rate
         hardly moves with the request's alpha, but a batch where one request copies a passage
         must not lend its deep levels whole to the others)."""
-        return [alpha] + [rate * (0.5 + 0.5 * alpha / max(seen, 1e-3)) for rate, seen in levels]
+        s = self.options.level_scale
+        return [alpha] + [rate * (1 - s + s * alpha / max(seen, 1e-3)) for rate, seen in levels]
 
     def outcome_factor(self, rows: int = 1, branching: bool = False, nodes: int | None = None) -> float:
         """At batches of ``rows`` requests, the measured over predicted throughput of speculative
@@ -490,7 +497,8 @@ class SpeculationController:
         this step, when it knows beforehand (``Drafter.can_draft``): the others are planned no
         draft, the rest at their delivery ratio among the steps it could draft; ``catch_up``: the
         positions each request's draft must first catch up with (``Drafter.catch_up``), priced
-        per position (:meth:`observe_catch_up`) in a plan that drafts for it; ``remaining``: the
+        per position (:meth:`observe_catch_up`) in a plan that drafts for it, spread over the steps
+        it serves (``catch_up_steps``); ``remaining``: the
         tokens each request may still commit (``None``: unknown) and ``waiting``: the requests the
         engine holds back for want of room (``None``: unknown), which choose the objective
         (:meth:`objective`); ``evidence``: each request's class of what the drafter knows before
@@ -503,7 +511,10 @@ class SpeculationController:
             for rid, cls in zip(request_ids, evidence):
                 self._state(rid).cls = int(cls)
         can = list(available) if available is not None else [True] * b
-        catch_ms = [self._catch_ms * n for n in catch_up] if catch_up is not None else [0.0] * b
+        # a catch-up is paid once and serves the request's later steps: priced spread over them
+        left = list(remaining) if remaining is not None else [None] * b
+        catch_ms = ([self._catch_ms * n / _served_steps(rest, o.catch_up_steps) for n, rest in zip(catch_up, left)]
+                    if catch_up is not None else [0.0] * b)
         # each request's table by its alpha, delivery and evidence class (whose level acceptance it reads)
         keys = [(self.alpha(r), self.delivery(r) if ok else 0.0, self._state(r).cls) for r, ok in zip(request_ids, can)]
         slack = _slack(remaining, b) if self.objective(waiting) == "batch" and b > 1 else None
@@ -1009,6 +1020,12 @@ def _factor(own: float | None, ratios: Iterable[float], bound: float) -> float:
         return 1.0
     best = min(max(max(ratios, default=own), own), 1.0)
     return min(max(own, 1 / bound), 1.0, max(best, 1 / bound) * own / best)
+
+
+def _served_steps(remaining: int | None, cap: int) -> int:
+    """The steps a request's catch-up serves: its remaining tokens over 2 (a speculating step
+    commits about two), at least 1 and at most ``cap`` (``cap`` when unknown)."""
+    return cap if remaining is None else min(max(remaining // 2, 1), cap)
 
 
 def _slack(remaining: Sequence[int | None] | None, batch: int) -> np.ndarray:

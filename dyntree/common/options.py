@@ -138,6 +138,18 @@ class ControllerOptions(BaseModel):
         0.1, gt=0, le=1, description="weight of the newest step in the acceptance EMA (a larger weight lets a "
         "few misses stop a request's speculation)"
     )
+    request_weight: float = Field(
+        1.0, ge=0, le=1,
+        description="how much a request's own top-1 acceptance (its EMA) counts in the alpha it is planned by, "
+        "the rest the acceptance over every request of its evidence class: an EMA of a few dozen steps reads "
+        "+-0.1 of noise, and plans chosen where it reads high deliver less than predicted, where it reads low "
+        "are cut short",
+    )
+    level_scale: float = Field(
+        0.5, ge=0, le=1,
+        description="how much a deeper tree level's acceptance (measured over every request that reached it) "
+        "is scaled by the request's alpha over those requests' (0: the level's rate as measured for every request)",
+    )
     alpha_prior: float = Field(
         0.5, ge=0, le=1, description="top-1 draft acceptance assumed before any is observed (then new "
         "requests start from the acceptance observed over all requests)"
@@ -206,6 +218,14 @@ class ControllerOptions(BaseModel):
     draft_ms_per_node: float = Field(0.0, ge=0, description="prior drafter cost per draft node in the batch (refined online)")
     draft_ms_per_depth_row: float = Field(
         0.0, ge=0, description="prior drafter cost per tree depth level and drafting request (refined online)"
+    )
+    catch_up_steps: int = Field(
+        16, ge=1,
+        description="a drafter's catch-up (Hydra's prefix layer over a request's positions, at its first draft or "
+        "after idle steps) is paid once and serves every later step that drafts: a plan prices it spread over the "
+        "steps it serves, the request's remaining tokens over 2 (a speculating step commits about two), at most "
+        "this many (1: all of it at the step that pays it, which keeps a request that starts or resumes from "
+        "ever drafting where one step's gain cannot cover it)",
     )
     cost_lr: float = Field(0.2, ge=0, le=1, description="online learning rate of the cost model")
     outcome_ema: float = Field(
