@@ -67,11 +67,13 @@ CONFIGS["none_sync"] = None
 #: Controls, run only when named in ``--configs``: for the adaptive controller, each drafter pinned
 #: to the shape vLLM's own n-gram verifies (a chain of 4, every step it can draft), and the default
 #: held to chains (the controller still picks their length, or no draft); the default with vLLM's
-#: own LM head on every step (no fp16 screen for greedy steps).
+#: own LM head on every step (no fp16 screen for greedy steps); the default with a drafter's
+#: catch-up priced whole at the step that pays it (``catch_up_steps: 1``, the pricing before it was
+#: spread over the steps it serves).
 CONTROLS: dict[str, dict[str, Any]] = {
     "dyntree_chains": {"method": "dyntree", "tree": "chain"},
     "dyntree_fullhead": {"method": "dyntree", "screened_head": False},
-    "dyntree_pooled": {"method": "dyntree", "controller": {"request_weight": 0.5, "level_scale": 0.0}},
+    "dyntree_catchup1": {"method": "dyntree", "controller": {"catch_up_steps": 1}},
     "dyntree_chain4": {"method": "dyntree", "tree": "chain", "adaptive": False, "num_speculative_tokens": 4},
     "dyntree_ngram_chain4": {"method": "dyntree", "drafter": "ngram", "tree": "chain", "adaptive": False,
                              "num_speculative_tokens": 4},

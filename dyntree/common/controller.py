@@ -295,11 +295,7 @@ class SpeculationController:
     def alpha(self, request_id: Hashable) -> float:
         """Current top-1 acceptance estimate of a request, in the evidence class of its last plan."""
         hits, trials = self._acc(request_id)
-        w = self.options.request_weight
-        if w >= 1:
-            return hits / trials
-        pop_hits, pop_trials = self._class_pop(self._state(request_id).cls)
-        return w * hits / trials + (1 - w) * pop_hits / pop_trials
+        return hits / trials
 
     def _class_alpha(self, request_id: Hashable, cls: int) -> float:
         """What :meth:`alpha` would read for a request planned in evidence class ``cls`` (its own
@@ -336,14 +332,14 @@ class SpeculationController:
             levels.append((above, seen))
         return levels
 
-    def _level_rates(self, alpha: float, levels: Sequence[tuple[float, float]]) -> list[float]:
+    @staticmethod
+    def _level_rates(alpha: float, levels: Sequence[tuple[float, float]]) -> list[float]:
         """A request's acceptance per level, root's first child first: its ``alpha``, then each
-        deeper level's rate as measured over every request, ``level_scale`` of it scaled by the
+        deeper level's rate, half of it as measured over every request and half scaled by the
         request's alpha over theirs (partial pooling: measured in vLLM a reached level's rate
         hardly moves with the request's alpha, but a batch where one request copies a passage
         must not lend its deep levels whole to the others)."""
-        s = self.options.level_scale
-        return [alpha] + [rate * (1 - s + s * alpha / max(seen, 1e-3)) for rate, seen in levels]
+        return [alpha] + [rate * (0.5 + 0.5 * alpha / max(seen, 1e-3)) for rate, seen in levels]
 
     def outcome_factor(self, rows: int = 1, branching: bool = False, nodes: int | None = None) -> float:
         """At batches of ``rows`` requests, the measured over predicted throughput of speculative

@@ -138,18 +138,6 @@ class ControllerOptions(BaseModel):
         0.1, gt=0, le=1, description="weight of the newest step in the acceptance EMA (a larger weight lets a "
         "few misses stop a request's speculation)"
     )
-    request_weight: float = Field(
-        1.0, ge=0, le=1,
-        description="how much a request's own top-1 acceptance (its EMA) counts in the alpha it is planned by, "
-        "the rest the acceptance over every request of its evidence class: an EMA of a few dozen steps reads "
-        "+-0.1 of noise, and plans chosen where it reads high deliver less than predicted, where it reads low "
-        "are cut short",
-    )
-    level_scale: float = Field(
-        0.5, ge=0, le=1,
-        description="how much a deeper tree level's acceptance (measured over every request that reached it) "
-        "is scaled by the request's alpha over those requests' (0: the level's rate as measured for every request)",
-    )
     alpha_prior: float = Field(
         0.5, ge=0, le=1, description="top-1 draft acceptance assumed before any is observed (then new "
         "requests start from the acceptance observed over all requests)"
