@@ -55,9 +55,9 @@
   (:meth:`SpeculationController.observe_catch_up`): a plan that drafts for such a request pays
   them at that step, at what a catch-up costs per position beyond the drafter's fixed cost of a
   step, which drafting already prices, spread over the steps the catch-up serves (the request's
-  remaining tokens over 2, at most ``catch_up_steps``): it is paid once, and priced whole against
-  one step's gain it kept a starting request from ever drafting (each quiet step adds a position
-  to catch up).
+  remaining tokens over 2, at most ``catch_up_steps``): it is paid once. Priced whole against one
+  step's gain it kept requests that start or resume from drafting, and each quiet step added a
+  position to catch up.
   When a forward's cost grows in proportion to its
   tokens (compute-bound, high batch) no prefix pays and every request decodes plainly.
 * The objective (``ControllerOptions.objective``): committed tokens per ms while requests wait
