@@ -557,6 +557,25 @@ def test_a_request_with_positions_to_catch_up_pays_for_them_in_its_plan() -> Non
     whole.observe_catch_up(32, 32.0)
     assert whole.plan([1], catch_up=[64], remaining=[500])[0].max_nodes == 0
 
+
+def test_a_batchs_catch_ups_are_spread_over_fewer_steps_the_larger_the_batch() -> None:
+    # catch_up_steps over the batch size: 16 requests catching up 64 positions each (0.1 ms a
+    # position, ~100 ms in all) pay it whole, as with catch_up_steps=1, and decline; spread over 16
+    # steps (catch_up_steps=256: 256 // 16), as one request alone would spread it, they would draft
+    def learned(options: ControllerOptions) -> SpeculationController:
+        ctrl = SpeculationController(CostModel({1: 10.0, 16: 10.4, 256: 12.0}), BUDGET, options)
+        for rid in range(16):
+            for i in range(20):
+                ctrl.observe(rid, DraftTree.chain(0, [1, 2, 3, 4]), [0, 1, 2, 3, 4] if i % 2 else [0])
+        ctrl.observe_catch_up(32, 3.2)
+        return ctrl
+
+    ids, batch = list(range(16)), dict(catch_up=[64] * 16, remaining=[500] * 16)
+    default = learned(ControllerOptions()).plan(ids, **batch)
+    assert default == learned(ControllerOptions(catch_up_steps=1)).plan(ids, **batch)
+    assert all(p.max_nodes == 0 for p in default)
+    assert all(p.max_nodes > 0 for p in learned(ControllerOptions(catch_up_steps=256)).plan(ids, **batch))
+
 def test_a_catch_up_is_priced_per_position_beyond_the_layers_fixed_cost() -> None:
     # Catch-ups of one size cannot tell the layer's fixed cost from its cost per position: the
     # price is their ratio (an upper bound). Sizes that spread give a line's slope; the fixed part

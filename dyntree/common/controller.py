@@ -55,9 +55,11 @@
   (:meth:`SpeculationController.observe_catch_up`): a plan that drafts for such a request pays
   them at that step, at what a catch-up costs per position beyond the drafter's fixed cost of a
   step, which drafting already prices, spread over the steps the catch-up serves (the request's
-  remaining tokens over 2, at most ``catch_up_steps``): it is paid once. Priced whole against one
-  step's gain it kept requests that start or resume from drafting, and each quiet step added a
-  position to catch up.
+  remaining tokens over 2, at most ``catch_up_steps`` over the batch size): it is paid once. Priced
+  whole against one step's gain it kept requests that start or resume from drafting, and each
+  quiet step added a position to catch up; a batch of several requests pays their catch-ups
+  together while all of them wait, and speculates on fewer of its later steps (on a CPU, at 8-16
+  requests, hardly any), so its horizon shrinks with the batch.
   When a forward's cost grows in proportion to its
   tokens (compute-bound, high batch) no prefix pays and every request decodes plainly.
 * The objective (``ControllerOptions.objective``): committed tokens per ms while requests wait
@@ -494,7 +496,7 @@ class SpeculationController:
         draft, the rest at their delivery ratio among the steps it could draft; ``catch_up``: the
         positions each request's draft must first catch up with (``Drafter.catch_up``), priced
         per position (:meth:`observe_catch_up`) in a plan that drafts for it, spread over the steps
-        it serves (``catch_up_steps``); ``remaining``: the
+        it serves (``catch_up_steps`` over the batch size); ``remaining``: the
         tokens each request may still commit (``None``: unknown) and ``waiting``: the requests the
         engine holds back for want of room (``None``: unknown), which choose the objective
         (:meth:`objective`); ``evidence``: each request's class of what the drafter knows before
@@ -509,7 +511,8 @@ class SpeculationController:
         can = list(available) if available is not None else [True] * b
         # a catch-up is paid once and serves the request's later steps: priced spread over them
         left = list(remaining) if remaining is not None else [None] * b
-        catch_ms = ([self._catch_ms * n / _served_steps(rest, o.catch_up_steps) for n, rest in zip(catch_up, left)]
+        cap = max(o.catch_up_steps // b, 1)
+        catch_ms = ([self._catch_ms * n / _served_steps(rest, cap) for n, rest in zip(catch_up, left)]
                     if catch_up is not None else [0.0] * b)
         # each request's table by its alpha, delivery and evidence class (whose level acceptance it reads)
         keys = [(self.alpha(r), self.delivery(r) if ok else 0.0, self._state(r).cls) for r, ok in zip(request_ids, can)]
