@@ -576,6 +576,7 @@ def test_a_batchs_catch_ups_are_spread_over_fewer_steps_the_larger_the_batch() -
     assert all(p.max_nodes == 0 for p in default)
     assert all(p.max_nodes > 0 for p in learned(ControllerOptions(catch_up_steps=256)).plan(ids, **batch))
 
+
 def test_a_catch_up_is_priced_per_position_beyond_the_layers_fixed_cost() -> None:
     # Catch-ups of one size cannot tell the layer's fixed cost from its cost per position: the
     # price is their ratio (an upper bound). Sizes that spread give a line's slope; the fixed part
