@@ -509,11 +509,12 @@ class SpeculationController:
             for rid, cls in zip(request_ids, evidence):
                 self._state(rid).cls = int(cls)
         can = list(available) if available is not None else [True] * b
-        # a catch-up is paid once and serves the request's later steps: priced spread over them
-        left = list(remaining) if remaining is not None else [None] * b
-        cap = max(o.catch_up_steps // b, 1)
-        catch_ms = ([self._catch_ms * n / _served_steps(rest, cap) for n, rest in zip(catch_up, left)]
-                    if catch_up is not None else [0.0] * b)
+        catch_ms = [0.0] * b
+        if catch_up is not None and self._catch_ms > 0:
+            # a catch-up is paid once and serves the request's later steps: priced spread over them
+            cap = max(o.catch_up_steps // b, 1)
+            catch_ms = [self._catch_ms * n / _served_steps(rest, cap)
+                        for n, rest in zip(catch_up, remaining if remaining is not None else [None] * b)]
         # each request's table by its alpha, delivery and evidence class (whose level acceptance it reads)
         keys = [(self.alpha(r), self.delivery(r) if ok else 0.0, self._state(r).cls) for r, ok in zip(request_ids, can)]
         slack = _slack(remaining, b) if self.objective(waiting) == "batch" and b > 1 else None
