@@ -77,6 +77,9 @@ CONTROLS: dict[str, dict[str, Any]] = {
     "dyntree_chain4": {"method": "dyntree", "tree": "chain", "adaptive": False, "num_speculative_tokens": 4},
     "dyntree_ngram_chain4": {"method": "dyntree", "drafter": "ngram", "tree": "chain", "adaptive": False,
                              "num_speculative_tokens": 4},
+    "dyntree_idle": {"method": "dyntree", "controller": {"min_gain": 1000, "probe_steps": 0}},
+    "vllm_ngram_idle": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4096,
+                        "prompt_lookup_min": 4096},
 }
 SETS = ("chat", "code")
 BATCHES = (1, 8, 16)

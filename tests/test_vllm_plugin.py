@@ -154,6 +154,69 @@ def test_the_scheduler_tells_the_worker_how_many_requests_wait() -> None:
 
 
 @needs_vllm
+def test_drafts_ride_back_with_the_output_and_vllms_rpc_stays_for_the_rest() -> None:
+    """The scheduler keeps the drafts an output carries and ``post_step`` hands them over without
+    asking the worker, under vLLM's own condition; an output without them (another engine's)
+    takes vLLM's RPC. vLLM's classes (when installed) have the seams."""
+    from types import SimpleNamespace
+
+    from dyntree.vllm_plugin import inline_drafts
+
+    class Sched:
+        def __init__(self) -> None:
+            self.got: list[object] = []
+
+        def update_from_output(self, scheduler_output: object, model_runner_output: object) -> str:
+            return "outputs"
+
+        def update_draft_token_ids(self, drafts: object) -> None:
+            self.got.append(drafts)
+
+    class Core:
+        def __init__(self, sync: bool = True) -> None:
+            self.scheduler, self.check_for_draft_tokens, self.async_scheduling, self.rpcs = Sched(), True, not sync, 0
+
+        def post_step(self, model_executed: bool) -> None:  # vLLM's: one RPC to the worker
+            self.rpcs += 1
+            if model_executed:
+                self.scheduler.update_draft_token_ids("asked")
+
+    inline_drafts.install(Core, Sched)
+    inline_drafts.install(Core, Sched)
+    core = Core()
+    step = lambda out, executed=True: (core.scheduler.update_from_output(None, out), core.post_step(executed))
+    step(SimpleNamespace(**{inline_drafts.DRAFTS: "carried"}))
+    step(SimpleNamespace(**{inline_drafts.DRAFTS: None}))  # nothing drafted: nothing to hand over, no RPC
+    step(SimpleNamespace(**{inline_drafts.DRAFTS: "not run"}), executed=False)
+    assert core.scheduler.got == ["carried"] and core.rpcs == 0
+    step(SimpleNamespace())  # an output without drafts on it: vLLM's own way
+    assert core.scheduler.got == ["carried", "asked"] and core.rpcs == 1
+    core.scheduler.update_from_output(None, SimpleNamespace(**{inline_drafts.DRAFTS: "kept once"}))
+    core.post_step(True), core.post_step(True)  # a kept answer serves one post_step only
+    assert core.scheduler.got[-2:] == ["kept once", "asked"] and core.rpcs == 2
+    with pytest.raises(RuntimeError, match="post_step"):
+        inline_drafts.install(type("OldCore", (), {}), Sched)
+    if HAS_VLLM:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        assert callable(EngineCore.post_step) and callable(Scheduler.update_from_output)
+        assert callable(GPUModelRunner.take_draft_token_ids) and callable(Scheduler.update_draft_token_ids)
+        from vllm.v1.outputs import DraftTokenIds
+
+        ids = ["a", "b"]
+        runner = SimpleNamespace(take_draft_token_ids=lambda: DraftTokenIds(ids, [[5, 6], []]))
+        out = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0})
+        inline_drafts.attach(runner, out)
+        ids.pop()  # the runner's live list changes with its next step; what rode back does not
+        drafts = getattr(out, inline_drafts.DRAFTS)
+        assert drafts.req_ids == ["a", "b"] and drafts.draft_token_ids == [[5, 6], []]
+        inline_drafts.attach(SimpleNamespace(take_draft_token_ids=lambda: None), out)
+        assert getattr(out, inline_drafts.DRAFTS) is None
+
+
 def test_cuda_start_up_picks_triton_attention_and_refuses_by_name() -> None:
     """On CUDA: TRITON_ATTN is chosen when no backend is; another backend, CUDA graphs and the CPU-only
     self-draft are refused, each by name."""

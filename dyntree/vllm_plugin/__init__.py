@@ -10,7 +10,8 @@ config is in use:
   (:func:`~dyntree.vllm_plugin.options.parse_options`) and refusing what cannot work; the options
   travel to the workers in ``DYNTREE_VLLM_OPTIONS``;
 * engine core and workers (only when that variable is set): the scheduler's count of waiting
-  requests on its output (:mod:`dyntree.vllm_plugin.scheduler`), the V1 runner hooks of
+  requests on its output (:mod:`dyntree.vllm_plugin.scheduler`), each step's drafts back on the
+  worker's output instead of a second RPC (:mod:`dyntree.vllm_plugin.inline_drafts`), the V1 runner hooks of
   :mod:`dyntree.vllm_plugin.runner` and the tree attention backend: over ``CPU_ATTN`` on a CPU
   (:mod:`~dyntree.vllm_plugin.attention`), over ``TRITON_ATTN`` on CUDA
   (:mod:`~dyntree.vllm_plugin.triton_attention`; chosen for the engine when no backend is, other
@@ -168,12 +169,14 @@ def _install_worker_side() -> None:
     from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from dyntree.vllm_plugin import runner, scheduler
+    from dyntree.vllm_plugin import inline_drafts, runner, scheduler
 
     runner.install(GPUModelRunner)
     scheduler.install(Scheduler)  # the engine core's scheduler: how many requests wait
+    inline_drafts.install(EngineCore, Scheduler)  # the drafts come back with the step's output
     if platform_name() == "cuda":
         register_backend(AttentionBackendEnum.TRITON_ATTN,
                          "dyntree.vllm_plugin.triton_attention.TreeTritonAttentionBackend")

@@ -1,4 +1,4 @@
-"""Tree verification inside vLLM's V1 model runner: three runner hooks.
+"""Tree verification inside vLLM's V1 model runner: four runner hooks.
 
 vLLM schedules each request's draft nodes (root first) as an ordinary run of query tokens with
 linear KV slots. Each step the hooks build one explicit
@@ -24,7 +24,9 @@ linear KV slots. Each step the hooks build one explicit
   each builder over its own cache layout; a depth-first tree whose accepted path is its
   first-child chain moves nothing);
 * ``propose_draft_token_ids`` (before vLLM's own): drafters that read hidden states get the
-  committed tokens' states, then vLLM calls the proposer, which reads the batch from the record.
+  committed tokens' states, then vLLM calls the proposer, which reads the batch from the record;
+* ``sample_tokens`` (after vLLM's own): the step's drafts go back on its output
+  (:mod:`dyntree.vllm_plugin.inline_drafts`), so the engine core need not ask for them.
 
 ``DYNTREE_VLLM_ABLATE`` (``mask``, ``positions``, ``compaction``, ``lead``: a step of branching
 trees only skips vLLM's kernel but leaves the trees' leading chains uncomputed; comma separated)
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dyntree.common.verify import pack_paths
+from dyntree.vllm_plugin.inline_drafts import attach
 from dyntree.vllm_plugin.scheduler import waiting
 from dyntree.vllm_plugin.step import StepRecord, TreeStep, ablations, layer_caches, plan_trees, tree_builders
 
@@ -194,7 +197,18 @@ def _push_hidden(step: StepRecord, hidden: torch.Tensor, proposer: "DynTreePropo
         proposer.speculator.observe_hidden(rid, states, start=int(step.computed[i]))
 
 
-_PATCHES = {"_prepare_inputs": _prepare_inputs, "_sample": _sample, "propose_draft_token_ids": _propose_draft_token_ids}
+def _sample_tokens(orig: Any) -> Any:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        if _proposer(self) is not None:
+            attach(self, out)  # the drafts ride back with the output: no second RPC (inline_drafts)
+        return out
+
+    return wrapper
+
+
+_PATCHES = {"_prepare_inputs": _prepare_inputs, "_sample": _sample, "propose_draft_token_ids": _propose_draft_token_ids,
+            "sample_tokens": _sample_tokens}
 
 
 def install(runner_cls: type) -> None:
