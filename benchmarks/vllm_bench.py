@@ -78,6 +78,7 @@ CONTROLS: dict[str, dict[str, Any]] = {
     "dyntree_ngram_chain4": {"method": "dyntree", "drafter": "ngram", "tree": "chain", "adaptive": False,
                              "num_speculative_tokens": 4},
     "dyntree_idle": {"method": "dyntree", "controller": {"min_gain": 1000, "probe_steps": 0}},
+    "dyntree_noprobe": {"method": "dyntree", "controller": {"probe_steps": 0}},
     "vllm_ngram_idle": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4096,
                         "prompt_lookup_min": 4096},
 }

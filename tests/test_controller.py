@@ -558,6 +558,24 @@ def test_a_request_with_positions_to_catch_up_pays_for_them_in_its_plan() -> Non
     assert whole.plan([1], catch_up=[64], remaining=[500])[0].max_nodes == 0
 
 
+def test_a_catch_up_is_spread_only_over_the_steps_that_will_draft() -> None:
+    # the same request and catch-up (64 positions at 1 ms each, 500 tokens left): spread over the
+    # 16 steps it serves, it is worth drafting for; once this batch size's plans have drafted
+    # nothing for a while (the drafter had nothing), the catch-up would serve about one step
+    # drafting, priced whole, and the plan declines; plans that draft again bring the spread back
+    ctrl = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET)
+    for i in range(20):
+        ctrl.observe(1, DraftTree.chain(0, [1, 2, 3, 4]), [0, 1, 2, 3, 4] if i % 2 else [0])
+    ctrl.observe_catch_up(32, 32.0)
+    assert ctrl.plan([1], catch_up=[64], remaining=[500])[0].max_nodes > 0
+    for _ in range(30):
+        assert ctrl.plan([1], available=[False])[0].max_nodes == 0
+    assert ctrl.plan([1], catch_up=[64], remaining=[500])[0].max_nodes == 0
+    for _ in range(30):
+        assert ctrl.plan([1])[0].max_nodes > 0
+    assert ctrl.plan([1], catch_up=[64], remaining=[500])[0].max_nodes > 0
+
+
 def test_a_batchs_catch_ups_are_spread_over_fewer_steps_the_larger_the_batch() -> None:
     # catch_up_steps over the batch size: 16 requests catching up 64 positions each (0.1 ms a
     # position, ~100 ms in all) pay it whole, as with catch_up_steps=1, and decline; spread over 16

@@ -55,11 +55,13 @@
   (:meth:`SpeculationController.observe_catch_up`): a plan that drafts for such a request pays
   them at that step, at what a catch-up costs per position beyond the drafter's fixed cost of a
   step, which drafting already prices, spread over the steps the catch-up serves (the request's
-  remaining tokens over 2, at most ``catch_up_steps`` over the batch size): it is paid once. Priced
+  remaining tokens over 2, at most ``catch_up_steps`` over the batch size, times the share of
+  the batch size's recent plans that drafted): it is paid once. Priced
   whole against one step's gain it kept requests that start or resume from drafting, and each
   quiet step added a position to catch up; a batch of several requests pays their catch-ups
   together while all of them wait, and speculates on fewer of its later steps (on a CPU, at 8-16
-  requests, hardly any), so its horizon shrinks with the batch.
+  requests, hardly any), so its horizon shrinks with the batch, and a catch-up at a batch size
+  whose plans seldom draft (a probe's) serves about one step.
   When a forward's cost grows in proportion to its
   tokens (compute-bound, high batch) no prefix pays and every request decodes plainly.
 * The objective (``ControllerOptions.objective``): committed tokens per ms while requests wait
@@ -511,9 +513,12 @@ class SpeculationController:
         can = list(available) if available is not None else [True] * b
         catch_ms = [0.0] * b
         if catch_up is not None and self._catch_ms > 0:
-            # a catch-up is paid once and serves the request's later steps: priced spread over them
+            # a catch-up is paid once and serves the request's later steps that draft: priced spread
+            # over them, at the share of this batch size's plans that drafted (where plans seldom
+            # draft, it serves about one)
             cap = max(o.catch_up_steps // b, 1)
-            catch_ms = [self._catch_ms * n / _served_steps(rest, cap)
+            drafting = 1.0 - self._plan_idle.get(batch_bucket(b), 0.0)
+            catch_ms = [self._catch_ms * n / max(_served_steps(rest, cap) * drafting, 1.0)
                         for n, rest in zip(catch_up, remaining if remaining is not None else [None] * b)]
         # each request's table by its alpha, delivery and evidence class (whose level acceptance it reads)
         keys = [(self.alpha(r), self.delivery(r) if ok else 0.0, self._state(r).cls) for r, ok in zip(request_ids, can)]
