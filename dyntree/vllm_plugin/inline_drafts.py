@@ -2,13 +2,14 @@
 
 With a speculative method and synchronous scheduling (dyntree's), vLLM's engine core asks the
 worker for the drafts in a second RPC after every step (``EngineCore.post_step`` calls the
-executor's ``take_draft_token_ids``), whether anything was drafted or not. Between processes
-that round trip costs about as much as dyntree's whole quiet step (``docs/vllm.md``). Here the
-worker puts the same :class:`DraftTokenIds` (what ``take_draft_token_ids`` would return then:
-the runner only reads them) on the step's ``ModelRunnerOutput`` (:func:`attach`), the scheduler
-keeps them as it takes the output in (``Scheduler.update_from_output``), and ``post_step`` hands
-them to the scheduler exactly as vLLM's own would, without the RPC (:func:`install`). A step whose
-output carries none (another engine's, an empty step's) goes vLLM's own way.
+executor's ``take_draft_token_ids``), whether anything was drafted or not: between processes
+(``vllm serve``) a round trip on every step (``docs/vllm.md`` has its cost). Here the worker
+puts the same :class:`DraftTokenIds` (what ``take_draft_token_ids`` would return then: the runner
+only reads them) on the step's ``ModelRunnerOutput`` (:func:`attach`), the scheduler keeps them as
+it takes the output in (``Scheduler.update_from_output``), and ``post_step`` hands them to the
+scheduler exactly as vLLM's own would, without the RPC (:func:`install`). A step whose output
+carries none (another engine's, an empty step's) goes vLLM's own way. vLLM 0.32 (CPU) and 0.26
+(CUDA) have the same ``post_step``.
 """
 
 from __future__ import annotations
