@@ -69,7 +69,9 @@ CONFIGS["none_sync"] = None
 #: held to chains (the controller still picks their length, or no draft); the default with vLLM's
 #: own LM head on every step (no fp16 screen for greedy steps); the default with a drafter's
 #: catch-up priced whole at the step that pays it (``catch_up_steps: 1``, the pricing before it was
-#: spread over the steps it serves).
+#: spread over the steps it serves); what a speculative config costs when it never drafts: dyntree
+#: with a bar no plan clears and no probes, vLLM's n-gram with a match length no prompt reaches; the
+#: default without probes.
 CONTROLS: dict[str, dict[str, Any]] = {
     "dyntree_chains": {"method": "dyntree", "tree": "chain"},
     "dyntree_fullhead": {"method": "dyntree", "screened_head": False},

@@ -153,7 +153,6 @@ def test_the_scheduler_tells_the_worker_how_many_requests_wait() -> None:
         assert callable(Scheduler.schedule) and callable(Scheduler.get_request_counts)
 
 
-@needs_vllm
 def test_drafts_ride_back_with_the_output_and_vllms_rpc_stays_for_the_rest() -> None:
     """The scheduler keeps the drafts an output carries and ``post_step`` hands them over without
     asking the worker, under vLLM's own condition; an output without them (another engine's)
@@ -194,6 +193,10 @@ def test_drafts_ride_back_with_the_output_and_vllms_rpc_stays_for_the_rest() -> 
     core.scheduler.update_from_output(None, SimpleNamespace(**{inline_drafts.DRAFTS: "kept once"}))
     core.post_step(True), core.post_step(True)  # a kept answer serves one post_step only
     assert core.scheduler.got[-2:] == ["kept once", "asked"] and core.rpcs == 2
+    asynchronous = Core(sync=False)  # vLLM's condition: async scheduling updates drafts in the worker
+    asynchronous.scheduler.update_from_output(None, SimpleNamespace(**{inline_drafts.DRAFTS: "carried"}))
+    asynchronous.post_step(True)
+    assert asynchronous.scheduler.got == [] and asynchronous.rpcs == 0
     with pytest.raises(RuntimeError, match="post_step"):
         inline_drafts.install(type("OldCore", (), {}), Sched)
     if HAS_VLLM:
@@ -217,6 +220,7 @@ def test_drafts_ride_back_with_the_output_and_vllms_rpc_stays_for_the_rest() -> 
         assert getattr(out, inline_drafts.DRAFTS) is None
 
 
+@needs_vllm
 def test_cuda_start_up_picks_triton_attention_and_refuses_by_name() -> None:
     """On CUDA: TRITON_ATTN is chosen when no backend is; another backend, CUDA graphs and the CPU-only
     self-draft are refused, each by name."""

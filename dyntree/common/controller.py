@@ -498,7 +498,8 @@ class SpeculationController:
         draft, the rest at their delivery ratio among the steps it could draft; ``catch_up``: the
         positions each request's draft must first catch up with (``Drafter.catch_up``), priced
         per position (:meth:`observe_catch_up`) in a plan that drafts for it, spread over the steps
-        it serves (``catch_up_steps`` over the batch size); ``remaining``: the
+        it serves (``catch_up_steps`` over the batch size, times the share of this batch size's
+        plans that drafted); ``remaining``: the
         tokens each request may still commit (``None``: unknown) and ``waiting``: the requests the
         engine holds back for want of room (``None``: unknown), which choose the objective
         (:meth:`objective`); ``evidence``: each request's class of what the drafter knows before
@@ -511,13 +512,14 @@ class SpeculationController:
             for rid, cls in zip(request_ids, evidence):
                 self._state(rid).cls = int(cls)
         can = list(available) if available is not None else [True] * b
+        bucket = batch_bucket(b)
         catch_ms = [0.0] * b
         if catch_up is not None and self._catch_ms > 0:
             # a catch-up is paid once and serves the request's later steps that draft: priced spread
             # over them, at the share of this batch size's plans that drafted (where plans seldom
             # draft, it serves about one)
             cap = max(o.catch_up_steps // b, 1)
-            drafting = 1.0 - self._plan_idle.get(batch_bucket(b), 0.0)
+            drafting = 1.0 - self._plan_idle.get(bucket, 0.0)
             catch_ms = [self._catch_ms * n / max(_served_steps(rest, cap) * drafting, 1.0)
                         for n, rest in zip(catch_up, remaining if remaining is not None else [None] * b)]
         # each request's table by its alpha, delivery and evidence class (whose level acceptance it reads)
@@ -531,7 +533,6 @@ class SpeculationController:
         # does alone (the other classes keep their measured shortfall against it)
         factors = self._outcome_factors(b, raise_bar / o.outcome_bound)
         factor = float(factors.max())  # for the bounds: no plan is scaled by more
-        bucket = batch_bucket(b)
         # a probe: after probe_steps without speculation, the best plan is taken even below the bar
         # (the models it was judged by were learned while it paid less, or with catch-up to pay)
         due = self._probe_due.get(bucket, o.probe_steps)

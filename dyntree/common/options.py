@@ -213,8 +213,9 @@ class ControllerOptions(BaseModel):
         "after idle steps) is paid once and serves every later step that drafts: a plan prices it spread over the "
         "steps it serves, the request's remaining tokens over 2 (a speculating step commits about two), at most "
         "this many over the batch size (a batch pays its catch-ups together and speculates on fewer of its later "
-        "steps; 1: all of it at the step that pays it, which keeps a request that starts or resumes from ever "
-        "drafting where one step's gain cannot cover it)",
+        "steps), times the share of that batch size's recent plans that drafted (where plans seldom draft, a "
+        "catch-up serves about one step; 1: all of it at the step that pays it, which keeps a request that starts "
+        "or resumes from ever drafting where one step's gain cannot cover it)",
     )
     cost_lr: float = Field(0.2, ge=0, le=1, description="online learning rate of the cost model")
     outcome_ema: float = Field(
