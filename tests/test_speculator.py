@@ -364,21 +364,26 @@ def test_a_chain_planned_for_a_drafter_with_its_own_trees_is_drafted_as_a_chain(
             assert sorted(tree.tokens[tree.parents == 0].tolist()) == [2, 3]
 
 
-def test_a_drafters_catch_up_is_priced_per_position_not_as_drafting() -> None:
+def test_a_drafters_catch_up_is_priced_per_position_not_as_drafting(monkeypatch: pytest.MonkeyPatch) -> None:
     """Time a drafter reports as catching up (``pop_catch_up``: a request's first draft, or a
     resume) is learned per position, not into the drafting cost; the same time unreported is
     learned as drafting (the control). Once catch-ups of several sizes show a fixed part (the
     drafter's layer, which runs on every drafting step), that part stays in the drafting cost."""
-    import time
+    import types
 
+    import dyntree.common.speculator as speculator_module
     from dyntree.common.cost_model import CostModel
+
+    # a clock that moves only where the drafter is slow, so every learned sample is exact
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(speculator_module, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
 
     def learned(reported: tuple[float, int], before: tuple[tuple[int, float], ...] = ()) -> tuple[float, float]:
         drafter = make_drafter("ngram")
         can_draft = drafter.can_draft
 
         def slow(*args: Any, **kwargs: Any) -> Any:
-            time.sleep(0.1)
+            clock.now += 0.1
             return can_draft(*args, **kwargs)
 
         drafter.can_draft = slow  # type: ignore[method-assign]
@@ -399,11 +404,11 @@ def test_a_drafters_catch_up_is_priced_per_position_not_as_drafting() -> None:
     assert learned((0.0, 0))[0] > 30.0
     drafting, per_position = learned((1000.0, 50))
     assert drafting < 10.0 and per_position == pytest.approx(20.0)
-    # 50 ms fixed and 5 a position: of a 6-position catch-up's 80 ms (within the ~100 ms the
+    # 50 ms fixed and 5 a position: of a 6-position catch-up's 80 ms (within the 100 ms the
     # step took), 30 leave the drafting sample, not all 80 as when the fixed part is not known
     whole = learned((80.0, 6))[0]
     drafting, per_position = learned((80.0, 6), ((2, 60.0), (18, 140.0), (2, 60.0), (18, 140.0)))
-    assert per_position == pytest.approx(5.0) and drafting - whole == pytest.approx(50.0, abs=20.0)
+    assert per_position == pytest.approx(5.0) and drafting - whole == pytest.approx(50.0, abs=1.0)
 
 
 @pytest.mark.parametrize("rectangular", [False, True])
