@@ -1148,16 +1148,16 @@ def test_what_is_left_of_a_quiet_batch_stays_quiet_at_its_batch_size() -> None:
     still there (a finished one's state is not brought back)."""
     cost = CostModel({1: 10.0, 64: 11.0}, lr=0.0)
     dear = SpeculationController(cost, BUDGET, ControllerOptions(draft_ms_fixed=50.0, quiet_steps=8, outcome_ema=0))
-    ids = list(range(7))
+    ids = list(range(8))
     assert _quiet_spells(dear, ids, 3) == [1, 2, 4]
     assert all(p.max_nodes == 0 for p in dear.plan(ids))  # a spell of 8
-    for left in (6, 5, 4):  # 7 -> 6 -> 5 -> 4 requests: one batch size (4-7), the spell goes on
+    for left in (7, 6):  # 8 -> 7 -> 6 requests: one batch size (nearer 8 than 4), the spell goes on
         dear.release(left)
         assert dear.quiet(ids[:left])
-    assert not {4, 5, 6} & set(dear._requests)
-    assert not dear.quiet(ids[:3])  # 3 requests: another batch size
-    assert not dear.quiet(ids[:4] + [9])  # a request joined
-    assert dear.quiet(ids[:4])  # the spell is the same batch's still
+    assert not {6, 7} & set(dear._requests)
+    assert not dear.quiet(ids[:5])  # 5 requests: nearer 4, another batch size
+    assert not dear.quiet(ids[:6] + [9])  # a request joined
+    assert dear.quiet(ids[:6])  # the spell is the same batch's still
 
 
 def test_a_quiet_spell_grows_until_the_plan_ending_it_costs_a_small_share_of_it() -> None:

@@ -223,7 +223,7 @@ class SpeculationController:
         self._lvl: dict[int, list[list[float]]] = {}
         # expected_table and its hull steps, by rounded inputs
         self._tables: dict[tuple, tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]] = {}
-        # The outcome check, per batch size (rounded down to a power of two): EMAs of the tokens
+        # The outcome check, per batch size (its power-of-two class, batch_bucket): EMAs of the tokens
         # speculative steps committed and of the tokens their plans predicted for the time they
         # took. Their ratio, below 1, scales a speculative plan's predicted rate down for whatever
         # the models miss (a verify shape the cost model prices too cheaply, an optimistic
@@ -643,8 +643,8 @@ class SpeculationController:
         this batch size: while its plans' saved milliseconds (an EMA, 0 for a plan without
         drafts) stay below what the plans without drafts cost (:meth:`observe_plan_cost`, times
         their share of the plans), such a batch goes quiet too. What is left of that batch when
-        some of its requests finish stays quiet while it keeps its batch size (rounded down to a
-        power of two, as plans are priced): the rest were planned in it and found wanting, and a
+        some of its requests finish stays quiet while it keeps its batch size (its power-of-two
+        class, as plans are priced): the rest were planned in it and found wanting, and a
         batch of 16 whose requests end one by one would otherwise plan at every ending. A request
         that joins ends the spell, and so does evidence that promises a better first draft than the
         best the spell's plan judged, in a class other than the one the request was judged in (an

@@ -36,9 +36,9 @@ class CostModel:
     query tokens to the knots. Without the row term the knots learned the batch's attention as
     the cost of any forward of that many tokens, so wider verifies looked free.
 
-    The knots are kept per batch size (the forward's requests, rounded down to a power of two):
-    each batch size's knots start as the measured ones and learn from that batch size's forwards
-    only. One request's tree of 16 tokens and 16 requests of one token each are both 16 query
+    The knots are kept per batch size (the forward's requests in their power-of-two class,
+    :func:`batch_bucket`): each batch size's knots start as the measured ones and learn from that
+    batch size's forwards only. One request's tree of 16 tokens and 16 requests of one token each are both 16 query
     tokens, but not the same forward: learned into one set of knots, a batch of one that
     speculates every step taught the knots that its 16-token verify costs what its plain step
     costs, and at batch 8 a verify of 8 roots and 8 drafts then looked as cheap as a plain step.
@@ -239,8 +239,13 @@ def knot_sizes(limit: int, dense: int = 16) -> list[int]:
 
 
 def batch_bucket(rows: int) -> int:
-    """A forward's batch size rounded down to a power of two (the knots' key)."""
-    return 1 << (max(int(rows), 1).bit_length() - 1)
+    """A forward's batch size rounded to the nearest power of two on a log scale (the knots' and
+    the controller's per-batch-size key): 3 -> 4, 5 -> 4, 6 -> 8, 11 -> 8, 12 -> 16. A batch that
+    shrinks from a power of two (8 requests of which one finished) stays in its class until it is
+    nearer the one below, where its forwards cost about the same."""
+    rows = max(int(rows), 1)
+    low = 1 << (rows.bit_length() - 1)
+    return 2 * low if rows * rows > 2 * low * low else low
 
 
 def _fastest_ms(calls: Sequence[Callable[[], object]], repeats: int) -> list[float]:
