@@ -38,10 +38,10 @@ class CostModel:
 
     The knots are kept per batch size (the forward's requests in their power-of-two class,
     :func:`batch_bucket`): each batch size's knots start as the measured ones and learn from that
-    batch size's forwards only. One request's tree of 16 tokens and 16 requests of one token each are both 16 query
-    tokens, but not the same forward: learned into one set of knots, a batch of one that
-    speculates every step taught the knots that its 16-token verify costs what its plain step
-    costs, and at batch 8 a verify of 8 roots and 8 drafts then looked as cheap as a plain step.
+    batch size's forwards only. One request's tree of 16 tokens and 16 requests of one token each
+    are both 16 query tokens, but not the same forward: learned into one set of knots, a batch of
+    one that speculates every step taught the knots that its 16-token verify costs what its plain
+    step costs, and at batch 8 a verify of 8 roots and 8 drafts then looked as cheap as a plain step.
     ``ys`` are one request's knots.
     """
 
