@@ -201,7 +201,7 @@ class _Cell:
 
 def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
                 batches: tuple[int, ...] = BATCHES, in_process: bool = False, bracket: bool = False,
-                calls: list[dict[str, Any]] | None = None) -> list[dict[str, dict[str, Any]]]:
+                calls: list[dict[str, Any]] | None = None, settle: float = 0.0) -> list[dict[str, dict[str, Any]]]:
     """Every config's engine alive at once (each in processes of its own, or with ``in_process`` all
     in this one), each ``generate`` call (one batch of one cell) run by every config back to back,
     the order rotated and reversed call by call: a config and its baseline are timed seconds apart,
@@ -209,7 +209,10 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     plain decoding also runs right after every other config's call (:func:`call_order`): each call
     then has a plain call just before and just after it (:func:`bracketed`). Engines without
     speculation are built first (in one process they then keep vLLM's own attention backend), vLLM's
-    ``ngram`` last. Returns per round, per config and cell, what :meth:`_Cell.result` gives (a plain
+    ``ngram`` last. ``settle``: seconds of sleep before each call, so the engine whose call just
+    ended has stopped spinning: vLLM's shared-memory message queue keeps a reader (each idle
+    engine's worker and engine core) busy-looping for a second after its last read, and on a CPU
+    every engine's worker is bound to the same core. Returns per round, per config and cell, what :meth:`_Cell.result` gives (a plain
     call that only brackets another is not in it); ``calls``, when given, gets a record of every
     call in the order run (:func:`bracketed` reads them)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
@@ -240,6 +243,8 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
             for k, i in enumerate(range(0, len(prompts), b)):
                 for c, counted in call_order(configs, r + k, bracket):
                     tally = acc[c] if counted else _Cell()
+                    if settle > 0:
+                        time.sleep(settle)
                     tokens, wall, start = tally.tokens, tally.wall, time.perf_counter()
                     tally.run(engines[c], prompts[i : i + b], params)
                     if calls is not None:
@@ -417,6 +422,9 @@ def main() -> int:
     ap.add_argument("--bracket", action="store_true",
                     help="plain decoding also right after every other config's call, each call read over its two "
                          "plain neighbours (bracketed in the JSON; see bracketed())")
+    ap.add_argument("--settle", type=float, default=0.0,
+                    help="seconds to wait before each generate call, past vLLM's 1 s busy-loop of the engine "
+                         "whose call just ended (see interleaved()); default 0")
     ap.add_argument("--in-process", action="store_true",
                     help="every config's engine in this one process (default: each in processes of its own; see interleaved())")
     args = ap.parse_args()
@@ -441,7 +449,10 @@ def main() -> int:
     if args.bracket and "none" not in configs:
         ap.error("--bracket: brackets every call with plain decoding, so --configs must include none")
     calls: list[dict[str, Any]] = []
-    rounds = interleaved(configs, args.dtype, args.max_tokens, args.rounds, batches, args.in_process, args.bracket, calls)
+    if args.settle < 0:
+        ap.error("--settle: seconds >= 0")
+    rounds = interleaved(configs, args.dtype, args.max_tokens, args.rounds, batches, args.in_process, args.bracket, calls,
+                         args.settle)
     import vllm
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
@@ -453,7 +464,8 @@ def main() -> int:
         "mode": ("in-process: every engine in one process" if args.in_process
                  else "engines: every config's engine in processes of its own (vLLM's multiprocess engine core)")
                 + ", all alive at once, each generate call run by every config back to back"
-                + (", plain decoding again after every other config's call (--bracket)" if args.bracket else ""),
+                + (", plain decoding again after every other config's call (--bracket)" if args.bracket else "")
+                + (f", {args.settle:g} s of sleep before each call (--settle)" if args.settle else ""),
         "prompts": {name: [r["question_id"] for r in rows] for name, rows in prompt_rows().items()},
         "speculative_configs": {c: CONFIGS[c] for c in configs}, "wall_s": round(time.time() - started),
         "configs": summarize(rounds, configs),
