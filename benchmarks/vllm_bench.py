@@ -212,9 +212,9 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     ``ngram`` last. ``settle``: seconds of sleep before each call, so the engine whose call just
     ended has stopped spinning: vLLM's shared-memory message queue keeps a reader (each idle
     engine's worker and engine core) busy-looping for a second after its last read, and on a CPU
-    every engine's worker is bound to the same core. Returns per round, per config and cell, what :meth:`_Cell.result` gives (a plain
-    call that only brackets another is not in it); ``calls``, when given, gets a record of every
-    call in the order run (:func:`bracketed` reads them)."""
+    every engine's worker is bound to the same core. Returns per round, per config and cell, what
+    :meth:`_Cell.result` gives (a plain call that only brackets another is not in it); ``calls``,
+    when given, gets a record of every call in the order run (:func:`bracketed` reads them)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # vLLM's ngram drafts with numba; numba's default threading layer is an OpenMP pool whose
