@@ -67,7 +67,8 @@ CONFIGS["none_sync"] = None
 #: Controls, run only when named in ``--configs``: for the adaptive controller, each drafter pinned
 #: to the shape vLLM's own n-gram verifies (a chain of 4, every step it can draft), and the default
 #: held to chains (the controller still picks their length, or no draft); the default with vLLM's
-#: own LM head on every step (no fp16 screen for greedy steps); the default with a drafter's
+#: own LM head on every step (no fp16 screen for greedy steps); the default with a node budget of 8
+#: (``dyntree_max8``); the default with a drafter's
 #: catch-up priced whole at the step that pays it (``catch_up_steps: 1``, the pricing before it was
 #: spread over the steps it serves); what a speculative config costs when it never drafts: dyntree
 #: with a bar no plan clears and no probes, vLLM's n-gram with a match length no prompt reaches; the
@@ -81,6 +82,7 @@ CONTROLS: dict[str, dict[str, Any]] = {
                              "num_speculative_tokens": 4},
     "dyntree_idle": {"method": "dyntree", "controller": {"min_gain": 1000, "probe_steps": 0}},
     "dyntree_noprobe": {"method": "dyntree", "controller": {"probe_steps": 0}},
+    "dyntree_max8": {"method": "dyntree", "max_nodes": 8},
     "vllm_ngram_idle": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4096,
                         "prompt_lookup_min": 4096},
 }
