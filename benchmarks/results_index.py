@@ -326,6 +326,8 @@ def engine_rows(folder: Path, what: str, results: Path) -> list[str]:
 
 #: ``vllm_bench.py`` configs behind the table's drafter columns (``dyntree``: the default, ``auto``).
 ENGINE_CONFIGS = {"ngram": "dyntree_ngram", "hydra": "dyntree_hydra", "qspec": "dyntree_qspec"}
+#: A run's ``--settle`` as the bench's JSON ``mode`` states it.
+_SETTLE = re.compile(r"(\d+(?:\.\d+)?) s of sleep before each call")
 
 
 def config_rows(doc: dict[str, Any], what: str, to: str) -> list[str]:
@@ -353,6 +355,7 @@ def config_rows(doc: dict[str, Any], what: str, to: str) -> list[str]:
                  + ("; engines in one process" if mode.startswith("in-process")
                     else "; each engine in its own processes, interleaved" if mode.startswith("engines")
                     else "; a process per config and round" if mode else "")
+                 + (f", {settle.group(1)} s of sleep before each call" if (settle := _SETTLE.search(mode)) else "")
                  + (f"; default (`auto`) {_x(default['speedup_vs_none'])} (tau {default['tau']:.2f})" if default else "")
                  + (f"; vLLM ngram {_x(own['speedup_vs_none'])}" if own else "")
                  + (f"; none again (A/A) {_x(sync['speedup_vs_none'])}" if sync else ""))
