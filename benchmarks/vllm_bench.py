@@ -450,9 +450,9 @@ def main() -> int:
     started = time.time()
     if args.bracket and "none" not in configs:
         ap.error("--bracket: brackets every call with plain decoding, so --configs must include none")
-    calls: list[dict[str, Any]] = []
     if args.settle < 0:
         ap.error("--settle: seconds >= 0")
+    calls: list[dict[str, Any]] = []
     rounds = interleaved(configs, args.dtype, args.max_tokens, args.rounds, batches, args.in_process, args.bracket, calls,
                          args.settle)
     import vllm
