@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import dyntree.common.cost_model as cost_module
 from dyntree.common.controller import Plan, SpeculationController
-from dyntree.common.cost_model import CostModel, DraftCost
+from dyntree.common.cost_model import CostModel, DraftCost, DraftCosts
 from dyntree.common.options import Budget, ControllerOptions
 from dyntree.common.tree import DraftTree
 
@@ -215,6 +215,26 @@ def test_draft_cost_starts_at_the_prior_and_learns_the_drafter() -> None:
         DraftCost((1.0, 0.0, 0.0))
     with pytest.raises(ValueError, match="depth, nodes, rows > 0"):
         dc.observe(0, 4, 1.0)
+
+
+def test_draft_costs_learn_each_class_of_drafting_requests_apart() -> None:
+    """One cold step of four requests (11 ms for two levels: a warm-up's), then one-node chains at
+    one request, 2.3 ms each: one fit over both prices a one-row level by the wide step's
+    depth x rows term, and the chains, all of one shape, cannot correct it. Per class the one-row
+    model starts from the four-row one's coefficients and learns from one-row steps only."""
+    one, per_class = DraftCost((0.0, 0.0, 0.0, 0.0)), DraftCosts((0.0, 0.0, 0.0, 0.0))
+    assert per_class(2, 8, 4) == 0.0  # nothing learned: the prior
+    for model in (one, per_class):
+        model.observe(2, 8, 11.0, 4)
+        assert model(2, 8, 16) > 11.0  # a class not seen yet is priced as the nearest (four rows)
+        for _ in range(30):
+            model.observe(1, 1, 2.3, 1)
+    assert one(4, 4, 1) > 2.5 * 2.3  # the trap: a chain of 4 looks dear, so it is never drafted
+    assert per_class(1, 1, 1) == pytest.approx(2.3, rel=0.05) and per_class(4, 4, 1) < 0.8 * one(4, 4, 1)
+    assert per_class(2, 8, 4) == pytest.approx(11.0, rel=0.1)  # the wide class keeps its own
+    depth, nodes, rows = np.array([1, 4, 2, 3]), np.array([1, 4, 8, 3]), np.array([1, 1, 4, 16])
+    assert per_class(depth, nodes, rows).tolist() == pytest.approx(
+        [per_class(int(d), int(n), int(r)) for d, n, r in zip(depth, nodes, rows)])
 
 
 def test_cost_model_prices_attention_over_the_cached_tokens(monkeypatch) -> None:

@@ -40,7 +40,8 @@
   priced that way, with attention over the cached tokens (the longest request's in an engine
   with one rectangular cache) as terms of their own: per query token and per request (each
   request's cache is read once, whatever its query tokens). Drafting is priced too: a :class:`DraftCost`
-  (ms vs. tree depth and batch draft nodes) starts from the ``draft_ms_*`` options (the drafter's
+  (ms vs. tree depth and batch draft nodes, one per class of drafting requests: :class:`DraftCosts`)
+  starts from the ``draft_ms_*`` options (the drafter's
   ``level_cost_share`` of a target forward per level, for a drafter that runs one) and is fitted
   online to the measured drafting time of each step (tree building included), so a drafter
   whose overhead eats the gain is turned down. An engine that spends time per branching tree
@@ -127,7 +128,7 @@ from typing import Callable, Hashable, Iterable, Literal, Sequence
 
 import numpy as np
 
-from dyntree.common.cost_model import CostModel, DraftCost, batch_bucket
+from dyntree.common.cost_model import CostModel, DraftCosts, batch_bucket
 from dyntree.common.options import Budget, ControllerOptions
 from dyntree.common.tree import DraftTree
 
@@ -185,8 +186,8 @@ class SpeculationController:
         self.padded = padded
         self.options = options or ControllerOptions()
         o = self.options
-        self.draft_cost = DraftCost((o.draft_ms_fixed, o.draft_ms_per_depth, o.draft_ms_per_node,
-                                     o.draft_ms_per_depth_row))
+        self.draft_cost = DraftCosts((o.draft_ms_fixed, o.draft_ms_per_depth, o.draft_ms_per_node,
+                                      o.draft_ms_per_depth_row))
         self._requests: dict[Hashable, _RequestState] = {}
         # Population acceptance (decayed hits, trials over every request): where a new request
         # starts, so a drafter that is good (or bad) for this workload is priced as such from a

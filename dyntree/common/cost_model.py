@@ -1,8 +1,9 @@
 """What a step costs, learned: the target's forward as a function of its query tokens
 (:class:`CostModel`) and the drafter's step as a function of tree depth and batch nodes
-(:class:`DraftCost`). The adaptive controller (:mod:`dyntree.common.controller`) prices plans
-with them; engines seed a :class:`CostModel` from their own timed forwards
-(:meth:`CostModel.measure`) or learn it online (:meth:`CostModel.online`).
+(:class:`DraftCost`, one per class of drafting requests: :class:`DraftCosts`). The adaptive
+controller (:mod:`dyntree.common.controller`) prices plans with them; engines seed a
+:class:`CostModel` from their own timed forwards (:meth:`CostModel.measure`) or learn it online
+(:meth:`CostModel.online`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Callable, Mapping, Sequence, overload
 
 import numpy as np
 
-__all__ = ["CostModel", "DraftCost", "batch_bucket", "knot_sizes"]
+__all__ = ["CostModel", "DraftCost", "DraftCosts", "batch_bucket", "knot_sizes"]
 
 
 class CostModel:
@@ -318,6 +319,61 @@ class DraftCost:
 
 #: DraftCost: the fixed cost's pull toward its prior, relative to the other terms'
 _FIXED_RIDGE = 0.01
+
+
+class DraftCosts:
+    """Drafting cost learned per class of drafting requests (:func:`batch_bucket` of the rows
+    that draft): one :class:`DraftCost` each, called and fed as one.
+
+    A drafter's step does not grow linearly with the requests it drafts for (Hydra's heads read
+    the same weights for one row as for sixteen), and in one least-squares fit over every batch
+    size a step of many rows weighs like dozens of one-row steps (its ``depth x rows`` term is
+    large): steps at batch 8 and 16 (or one warm-up step of four requests) then set the price of
+    each one-row level, and the one-node chains that price chose at batch 1, all of one shape,
+    could not correct it. A class that has not drafted yet is priced by the nearest class that
+    has (on a log scale; the prior, the ``draft_ms_*`` options, before any has) and starts its
+    own fit from that class's coefficients.
+    """
+
+    def __init__(self, prior: Sequence[float]) -> None:
+        self._prior = DraftCost(prior)  # validates the prior; never observes
+        self._models: dict[int, DraftCost] = {}
+
+    def model(self, rows: int = 1) -> DraftCost:
+        """The model that prices steps of ``rows`` drafting requests: their class's, else the
+        nearest learned class's, else the prior."""
+        cls = batch_bucket(rows)
+        if cls in self._models or not self._models:
+            return self._models.get(cls, self._prior)
+        return self._models[min(self._models, key=lambda k: (abs(math.log2(k / cls)), k))]
+
+    @overload
+    def __call__(self, depth: int, nodes: int, rows: int = 1) -> float: ...
+
+    @overload
+    def __call__(self, depth: np.ndarray, nodes: np.ndarray, rows: np.ndarray) -> np.ndarray: ...
+
+    def __call__(self, depth: int | np.ndarray, nodes: int | np.ndarray,
+                 rows: int | np.ndarray = 1) -> float | np.ndarray:
+        """Predicted ms (0 without nodes), each step by :meth:`model` of its rows; numbers, or
+        arrays of as many steps."""
+        if not isinstance(nodes, np.ndarray):
+            return self.model(int(rows))(int(depth), int(nodes), int(rows))  # type: ignore[arg-type]
+        depth, rows = np.broadcast_to(depth, nodes.shape), np.broadcast_to(rows, nodes.shape)
+        counts, where = np.unique(rows, return_inverse=True)  # a batch's few drafting counts
+        classes = np.array([batch_bucket(int(r)) for r in counts])[where].reshape(nodes.shape)
+        ms = np.zeros(nodes.shape)
+        for cls in np.unique(classes).tolist():
+            at = classes == cls
+            ms[at] = self.model(cls)(depth[at], nodes[at], rows[at])
+        return ms
+
+    def observe(self, depth: int, nodes: int, ms: float, rows: int = 1) -> None:
+        """One measured drafting step, learned by its class's model (:meth:`DraftCost.observe`)."""
+        cls = batch_bucket(rows)
+        if cls not in self._models:
+            self._models[cls] = DraftCost(self.model(cls).coef, self._prior.forget, self._prior.prior_weight)
+        self._models[cls].observe(depth, nodes, ms, rows)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
