@@ -328,8 +328,8 @@ class DraftCosts:
     A drafter's step does not grow linearly with the requests it drafts for (Hydra's heads read
     the same weights for one row as for sixteen), and in one least-squares fit over every batch
     size a step of many rows weighs like dozens of one-row steps (its ``depth x rows`` term is
-    large): steps at batch 8 and 16 (or one warm-up step of four requests) then set the price of
-    each one-row level, and the one-node chains that price chose at batch 1, all of one shape,
+    large): wide steps (in one vLLM engine, one warm-up step of four requests) then set the price
+    of each one-row level, and the one-node chains that price chose at batch 1, all of one shape,
     could not correct it. A class that has not drafted yet is priced by the nearest class that
     has (on a log scale; the prior, the ``draft_ms_*`` options, before any has) and starts its
     own fit from that class's coefficients.
@@ -361,11 +361,11 @@ class DraftCosts:
             return self.model(int(rows))(int(depth), int(nodes), int(rows))  # type: ignore[arg-type]
         depth, rows = np.broadcast_to(depth, nodes.shape), np.broadcast_to(rows, nodes.shape)
         counts, where = np.unique(rows, return_inverse=True)  # a batch's few drafting counts
-        classes = np.array([batch_bucket(int(r)) for r in counts])[where].reshape(nodes.shape)
+        where = where.reshape(nodes.shape)
         ms = np.zeros(nodes.shape)
-        for cls in np.unique(classes).tolist():
-            at = classes == cls
-            ms[at] = self.model(cls)(depth[at], nodes[at], rows[at])
+        for i, count in enumerate(counts.tolist()):
+            at = where == i
+            ms[at] = self.model(count)(depth[at], nodes[at], rows[at])
         return ms
 
     def observe(self, depth: int, nodes: int, ms: float, rows: int = 1) -> None:
