@@ -217,6 +217,21 @@ def test_draft_cost_starts_at_the_prior_and_learns_the_drafter() -> None:
         dc.observe(0, 4, 1.0)
 
 
+def test_draft_cost_fit_is_non_negative_least_squares_not_a_clipped_one() -> None:
+    # A first step that was one 11-node tree of 3 levels at 32.8 ms (an engine's first draft), then
+    # chains of 1-3 nodes at 2.4-3.5 ms: at one row a chain's nodes, depth and depth x rows move
+    # together, and the unconstrained fit offsets a large per-node cost with negative per-level
+    # ones. Clipping those to 0 kept the per-node cost alone (a chain of 3 at 10.5 ms, of 4 at 13.5
+    # ms, after 120 chains); the non-negative fit prices the chains near what they took.
+    cost = DraftCost((0.0, 0.0, 0.0, 0.0))
+    cost.observe(3, 11, 32.8)
+    for _ in range(40):
+        for k, ms in ((1, 2.4), (2, 2.9), (3, 3.5)):
+            cost.observe(k, k, ms)
+    assert min(cost.coef) >= 0
+    assert cost(1, 1) < 3.0 and cost(3, 3) < 4.5 and cost(4, 4) < 5.5
+
+
 def test_draft_costs_learn_each_class_of_drafting_requests_apart() -> None:
     """One cold step of four requests (11 ms for two levels: a warm-up's), then one-node chains at
     one request, 2.3 ms each: one fit over both prices a one-row level by the wide step's
@@ -665,6 +680,21 @@ def test_never_predicted_slower_than_plain(knee: int, base: float, slope: float,
     for p in plans:
         assert p.max_depth <= p.max_nodes and (p.mode == "none") == (p.max_nodes == 0)
         assert p.mode != "chain" or p.max_nodes == p.max_depth
+
+
+def test_the_engines_time_between_forwards_counts_against_every_step() -> None:
+    # Drafting that costs 8 ms a level against a 10 ms forward does not pay at acceptance 0.5 (1.5
+    # tokens in 18 ms against 1 in 10); when the engine spends 20 ms between forwards, which every
+    # step pays, it does (1.5 in 38 against 1 in 30), and deeper plans pay more than before.
+    opts = ControllerOptions(draft_ms_per_depth=8.0)
+    bare = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET, opts)
+    busy = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET, opts)
+    for _ in range(3):
+        busy.observe_cycle(1, 20.0)
+    assert bare.plan([0])[0].mode == "none"
+    assert busy.plan([0])[0].max_nodes >= 1
+    with pytest.raises(ValueError, match="ms >= 0"):
+        busy.observe_cycle(1, -1.0)
 
 
 def test_new_requests_start_from_the_population_acceptance() -> None:

@@ -244,6 +244,35 @@ def test_sampled_requests_verify_losslessly_on_the_first_token() -> None:
     assert chi2 < 18.5  # 4 degrees of freedom, p ~ 0.001
 
 
+def test_the_engines_time_between_forwards_reaches_the_controller(monkeypatch) -> None:
+    """Consecutive decoding steps of as many rows: the time between their reports that neither
+    the forward nor the drafting took is learned as the engine's time between forwards; a gap
+    that holds an unreported step (or an idle engine), or a step of another batch size, is not."""
+    from dyntree.common import speculator as module
+    from dyntree.common.cost_model import CostModel
+
+    clock = [100.0]
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
+    sp = Speculator(make_drafter("ngram"), SpecConfig(adaptive=True, max_nodes=4, max_depth=4), vocab_size=V,
+                    cost_model=CostModel({1: 10.0, 16: 20.0}))
+    sp.prepare()
+    assert sp.controller is not None
+
+    def step(after_ms: float, rows: int = 2) -> None:
+        clock[0] += after_ms / 1e3
+        sp.observe_forward(rows, 10.0, kv_lens=[5] * rows)
+
+    step(0.0)
+    step(13.0)  # 10 ms of forward, 3 ms between
+    assert sp.controller._between == {2: pytest.approx(3.0)}
+    step(40.0)  # 30 ms unaccounted for: a prefill step went unreported
+    step(1000.0)  # an idle engine
+    step(12.0, rows=1)  # another batch size: its first report
+    assert sp.controller._between == {2: pytest.approx(3.0)}
+    step(11.0, rows=1)
+    assert sp.controller._between[1] == pytest.approx(1.0)
+
+
 def test_engine_timings_reach_the_controller() -> None:
     """An engine that times whole forwards reports them with ``observe_forward``; time its trees
     add outside the target forward (``accept(overhead_ms=...)``) is priced with the drafting, or

@@ -258,6 +258,10 @@ class SpeculationController:
         self._plan_value: dict[int, float] = {}
         self._plan_idle: dict[int, float] = {}
         self._plan_cost: dict[int, float] = {}
+        # per batch size (a power-of-two bucket): the EMA of each step's time that neither the
+        # forward nor the drafting accounts for (observe_cycle): the engine's own work between
+        # forwards, which every step pays, speculating or not
+        self._between: dict[int, float] = {}
         # per batch size (a power-of-two bucket): steps since a plan last speculated, counting the
         # plans without drafts though the drafter could draft for every request and quiet steps,
         # and the run at which the next probe is due (``probe_steps``, doubling while probes
@@ -528,8 +532,9 @@ class SpeculationController:
         slack = _slack(remaining, b) if self.objective(waiting) == "batch" and b > 1 else None
         plain_ms = self.cost(b, kv, b)
         plain = b / plain_ms
+        between = self._between.get(bucket, 0.0)  # every step pays it: plans are ranked with it
         raise_bar = self.plain_factor(b)
-        bar = plain * raise_bar  # what plain decoding delivers, as measured
+        bar = b / (plain_ms + between) * raise_bar  # what plain decoding delivers, as measured
         # the two checks together move the best measured plan class by at most outcome_bound, as each
         # does alone (the other classes keep their measured shortfall against it)
         factors = self._outcome_factors(b, raise_bar / o.outcome_bound)
@@ -544,7 +549,7 @@ class SpeculationController:
         # no plan pays though the drafter could draft for every request, or could not pay if it could
         hopeless = False
         # the bound's least forward (a probe does not consult the bound)
-        floor_ms = plain_ms if probe else self._least_forward(b, kv, plain_ms)
+        floor_ms = plain_ms if probe else self._least_forward(b, kv, plain_ms) + between
         # trees; then, where the best plan holds branching trees that cost the engine extra, chains only
         for chains in (False, True):
             cache = {key: self._table(key[0], key[1], chains, shapes[key[2]]) for key in set(keys)}
@@ -562,7 +567,7 @@ class SpeculationController:
             else:  # the batch's pace: water-filling, the slowest request's next step first
                 segs.sort(key=lambda s: (slack[s[1]] * (1 + tabs[s[1]][0][s[2]]), s[1], s[2]))
             rate, k, branching, tokens_rate, f, w = self._scan(segs, tabs, keys, kv, plain_ms, factors, catch_ms, slack,
-                                                               o.probe_loss * plain_ms if probe else None)
+                                                               o.probe_loss * plain_ms if probe else None, between)
             if rate > best_rate:
                 best_rate, best_k, tables, segments, best_tokens, best_branching = rate, k, tabs, segs, tokens_rate, branching
                 used, widest = f, w
@@ -578,7 +583,7 @@ class SpeculationController:
         # what planning earns at this batch size: the ms a plan saves over plain decoding (0 when
         # it drafts nothing, or a probe's predicted loss), against what a plan that drafts nothing
         # costs (observe_plan_cost)
-        saved = plain_ms * max(best_rate / bar - 1, 0.0) if speculate else 0.0
+        saved = (plain_ms + between) * max(best_rate / bar - 1, 0.0) if speculate else 0.0
         earned, idle = self._plan_value.get(bucket), self._plan_idle.get(bucket)
         self._plan_value[bucket] = saved if earned is None else earned + o.ema * (saved - earned)
         missed = 0.0 if speculate else 1.0
@@ -744,7 +749,7 @@ class SpeculationController:
     def _scan(self, segments: list[tuple[float, int, int, int]], tables: list[tuple[list[float], list[int]]],
               keys: list[tuple[float, float, int]], kv: int | None, plain_ms: float,
               factors: np.ndarray, catch_ms: list[float], slack: np.ndarray | None = None,
-              max_loss_ms: float | None = None) -> tuple[float, int, int, float, float, int]:
+              max_loss_ms: float | None = None, between_ms: float = 0.0) -> tuple[float, int, int, float, float, int]:
         """The best prefix of ``segments`` (merged hull steps in the order they are taken): its
         predicted rate, length, branching trees, predicted committed tokens per ms, outcome
         factor and largest tree's nodes, the rates times the outcome factor of chains-only plans
@@ -756,7 +761,10 @@ class SpeculationController:
         catch-up of each request it drafts for (``catch_ms``) and, per branching tree in it, the
         engine's extra time for one (:meth:`observe_branching`). ``max_loss_ms`` (a probe's): only
         prefixes predicted to take at most that much longer than plain decoding takes for their
-        committed tokens are chosen from (or, if none, the one predicted to lose least)."""
+        committed tokens are chosen from (or, if none, the one predicted to lose least).
+        ``between_ms``: the engine's time between forwards (:meth:`observe_cycle`), which every
+        step pays: in the rate a plan is ranked by, not in the committed tokens per ms returned
+        for the outcome check (which measures the forward and the drafting only)."""
         if not segments:
             return 0.0, 0, 0, 0.0, 1.0, 0
         b, n = len(keys), len(segments)
@@ -788,9 +796,10 @@ class SpeculationController:
         factor = factors[(branching > 0).astype(np.int64), self._classes[widest]]
         tokens = factor * np.cumsum(np.concatenate(([float(b)], gained)))[1:]
         committed = tokens / spent
-        rate = committed if slack is None else factor * b * self._pace(r, lo, hi, tables, slack) / spent
+        paid = spent + between_ms
+        rate = tokens / paid if slack is None else factor * b * self._pace(r, lo, hi, tables, slack) / paid
         if max_loss_ms is not None:  # a probe: the best of the plans that lose little, else the least loss
-            loss = spent - tokens * plain_ms / b  # ms over plain decoding's for the same tokens
+            loss = paid - tokens * (plain_ms + between_ms) / b  # ms over plain decoding's for the same tokens
             rate = np.where(loss <= max(max_loss_ms, float(loss.min())), rate, -np.inf)
         k = int(np.argmax(rate))  # the first of the best
         return float(rate[k]), k + 1, int(branching[k]), float(committed[k]), float(factor[k]), int(widest[k])
@@ -921,6 +930,17 @@ class SpeculationController:
         bucket, e = batch_bucket(rows), self.options.ema
         spent = self._plan_cost.get(bucket)
         self._plan_cost[bucket] = ms if spent is None else spent + e * (ms - spent)
+
+    def observe_cycle(self, rows: int, ms: float) -> None:
+        """One step of ``rows`` requests spent ``ms`` outside its measured forward and drafting
+        (the engine's sampling, bookkeeping and scheduling between forwards), learned per batch
+        size (EMA): plans are ranked, and plain decoding's rate is taken, with it paid per step,
+        so a step's fixed cost counts against the tokens it commits."""
+        if not ms >= 0:
+            raise ValueError(f"observe_cycle({rows}, {ms}): ms >= 0 needed")
+        bucket, e = batch_bucket(rows), self.options.ema
+        seen = self._between.get(bucket)
+        self._between[bucket] = ms if seen is None else seen + e * (ms - seen)
 
     def observe_step(self, n_query_tokens: int, ms: float, kv: int | None = None, rows: int = 1) -> None:
         """Refine the cost model with one measured verify forward of ``rows`` requests (``kv``:

@@ -197,6 +197,7 @@ class Speculator:
         self._params: dict[Hashable, SamplingParams] = {}
         self._kv: int | None = None  # the last propose's cached tokens per verify row (the cost model's kv)
         self._draft_ms: tuple[int, int, float, int] | None = None  # the last propose: (depth, nodes, ms, drafting requests)
+        self._reported: tuple[float, int] | None = None  # the last decoding step's report: (perf_counter, rows)
 
     @property
     def needs_hidden(self) -> bool:
@@ -320,6 +321,10 @@ class Speculator:
         t0 = time.perf_counter()
         # a plan that drafted nothing: its cost (propose and this accept) is what planning costs
         planned_ms = self._draft_ms[2] if self._draft_ms is not None and batch.num_drafts == 0 else None
+        if forward_ms is None:  # not a step of decoding rows alone: the next step's cycle is not measured
+            self._reported = None
+        else:
+            self._cycle(t0, batch.batch_size, forward_ms + overhead_ms + (self._draft_ms[2] if self._draft_ms else 0.0))
         result = self._verify(batch, target, [self._params[rid] for rid in batch.request_ids], generator)
         self._learn(batch, result, forward_ms, overhead_ms)
         spent = time.perf_counter() - t0
@@ -402,6 +407,20 @@ class Speculator:
         if self.controller is not None and n_query_tokens > 0 and ms > 0:
             kv = self._attended(kv_lens) if kv_lens else None
             self.controller.observe_step(n_query_tokens, ms, kv, len(kv_lens) if kv_lens else 1)
+            self._cycle(time.perf_counter(), len(kv_lens) if kv_lens else n_query_tokens, ms)
+
+    def _cycle(self, now: float, rows: int, measured_ms: float) -> None:
+        """A decoding step of ``rows`` requests reported at ``now`` whose forward and drafting
+        took ``measured_ms``: the rest of the time since the previous step's report (a step of as
+        many rows) is the engine's between forwards (``observe_cycle``). A gap that holds a step
+        not reported (a prefill chunk), or the engine idle between requests, is left out: it
+        leaves more than half of the step unaccounted for."""
+        last, self._reported = self._reported, (now, rows)
+        if self.controller is None or last is None or last[1] != rows:
+            return
+        between = (now - last[0]) * 1e3 - measured_ms
+        if 0 <= between <= measured_ms / 2:
+            self.controller.observe_cycle(rows, between)
 
     def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         """The target's last-layer hidden states ``[n, d]`` (the LM-head input) of the request's
