@@ -584,10 +584,8 @@ class SpeculationController:
         # it drafts nothing, or a probe's predicted loss), against what a plan that drafts nothing
         # costs (observe_plan_cost)
         saved = (plain_ms + between) * max(best_rate / bar - 1, 0.0) if speculate else 0.0
-        earned, idle = self._plan_value.get(bucket), self._plan_idle.get(bucket)
-        self._plan_value[bucket] = saved if earned is None else earned + o.ema * (saved - earned)
-        missed = 0.0 if speculate else 1.0
-        self._plan_idle[bucket] = missed if idle is None else idle + o.ema * (missed - idle)
+        _ema_into(self._plan_value, bucket, saved, o.ema)
+        _ema_into(self._plan_idle, bucket, 0.0 if speculate else 1.0, o.ema)
         hopeless = not speculate and (hopeless or all(can))
         if not speculate and not hopeless:
             # held back by requests the drafter has nothing for (an n-gram lookup without a
@@ -927,9 +925,7 @@ class SpeculationController:
         than that (:meth:`quiet`)."""
         if not ms >= 0:
             raise ValueError(f"observe_plan_cost({rows}, {ms}): ms >= 0 needed")
-        bucket, e = batch_bucket(rows), self.options.ema
-        spent = self._plan_cost.get(bucket)
-        self._plan_cost[bucket] = ms if spent is None else spent + e * (ms - spent)
+        _ema_into(self._plan_cost, batch_bucket(rows), ms, self.options.ema)
 
     def observe_cycle(self, rows: int, ms: float) -> None:
         """One step of ``rows`` requests spent ``ms`` outside its measured forward and drafting
@@ -938,9 +934,7 @@ class SpeculationController:
         so a step's fixed cost counts against the tokens it commits."""
         if not ms >= 0:
             raise ValueError(f"observe_cycle({rows}, {ms}): ms >= 0 needed")
-        bucket, e = batch_bucket(rows), self.options.ema
-        seen = self._between.get(bucket)
-        self._between[bucket] = ms if seen is None else seen + e * (ms - seen)
+        _ema_into(self._between, batch_bucket(rows), ms, self.options.ema)
 
     def observe_step(self, n_query_tokens: int, ms: float, kv: int | None = None, rows: int = 1) -> None:
         """Refine the cost model with one measured verify forward of ``rows`` requests (``kv``:
@@ -1034,6 +1028,13 @@ def size_class(nodes: int) -> int:
     """A plan's size class for the outcome check: 0 without drafts, then 1, 2-3, 4-7, 8-15, ...
     draft nodes in its largest tree (``nodes.bit_length()``)."""
     return max(int(nodes), 0).bit_length()
+
+
+def _ema_into(store: dict[int, float], bucket: int, x: float, weight: float) -> None:
+    """``store[bucket]``, an EMA per batch size, moved toward ``x`` by ``weight`` (``x`` itself
+    at the first observation)."""
+    seen = store.get(bucket)
+    store[bucket] = x if seen is None else seen + weight * (x - seen)
 
 
 def _factor(own: float | None, ratios: Iterable[float], bound: float) -> float:

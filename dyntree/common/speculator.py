@@ -407,7 +407,8 @@ class Speculator:
         if self.controller is not None and n_query_tokens > 0 and ms > 0:
             kv = self._attended(kv_lens) if kv_lens else None
             self.controller.observe_step(n_query_tokens, ms, kv, len(kv_lens) if kv_lens else 1)
-            self._cycle(time.perf_counter(), len(kv_lens) if kv_lens else n_query_tokens, ms)
+            if kv_lens:  # the step's requests known: its cycle is measured against a step of as many
+                self._cycle(time.perf_counter(), len(kv_lens), ms)
 
     def _cycle(self, now: float, rows: int, measured_ms: float) -> None:
         """A decoding step of ``rows`` requests reported at ``now`` whose forward and drafting
