@@ -312,6 +312,35 @@ def test_catching_up_is_timed_apart_and_an_idle_request_starts_over_on_its_conte
 
 
 @pytest.mark.parametrize("prefix", [True, False])
+def test_a_plain_steps_rows_pushed_at_once_equal_pushes_one_by_one(prefix: bool) -> None:
+    """``observe_hidden_rows`` (one call for a plain decoding step's batch, one row per request)
+    leaves each request where one ``observe_hidden`` per request does: the same drafts and the
+    same heads' input, a position skip (``start``) included; a row count that is not the
+    requests' is refused."""
+    heads = _prefix_heads()
+    if not prefix:
+        heads = HydraHeads(replace(heads.config, prefix_attention=False, prefix_heads=0), *_target())
+    h = [_history(12, seed=s) for s in (5, 6)]
+    one, rows = HydraDrafter(heads, width=2, topk=2, context=5), HydraDrafter(heads, width=2, topk=2, context=5)
+    for d in (one, rows):
+        d.observe_hidden(0, h[0][:3])
+        d.observe_hidden(1, h[1][:2])
+    for step in range(8):  # request 1 skips a position at step 4 (a prefix-cache hit's start)
+        starts = [3 + step, 2 + step + (step >= 4)]
+        step_rows = torch.stack([h[0][starts[0]], h[1][starts[1]]])
+        for b in (0, 1):
+            one.observe_hidden(b, step_rows[b : b + 1], starts[b])
+        rows.observe_hidden_rows([0, 1], step_rows, starts)
+    requests = [SpecRequest(0, [3] * 12), SpecRequest(1, [3] * 12)]
+    got = [_speculator(d).propose(requests).trees for d in (one, rows)]
+    assert [t.tokens.tolist() for t in got[0]] == [t.tokens.tolist() for t in got[1]]
+    for b in (0, 1):
+        assert torch.equal(one._state[b].last, rows._state[b].last) and one._state[b].pushed == rows._state[b].pushed
+    with pytest.raises(ValueError, match=r"2 requests but 1 rows"):
+        rows.observe_hidden_rows([0, 1], h[0][:1], [None, None])
+
+
+@pytest.mark.parametrize("prefix", [True, False])
 def test_drafter_refuses_missing_rows(prefix: bool) -> None:
     heads = _prefix_heads()
     if not prefix:  # the plain heads check the rows the same way

@@ -123,7 +123,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Literal, Sequence
 
 import numpy as np
@@ -154,13 +154,14 @@ class _RequestState:
     cls: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Spell:
     """A quiet spell (:meth:`SpeculationController.quiet`): the batch whose plan could not pay,
     the steps it may still skip planning, the backoff that granted them, its requests the drafter
     could draft for, and the best first-draft acceptance that plan judged with each request's
     evidence class then, as ``(request, class)`` pairs (evidence of another class promising more
-    ends the spell)."""
+    ends the spell). Only ``left`` changes while it lasts (:meth:`SpeculationController.quiet`
+    counts it down every step)."""
 
     ids: frozenset = frozenset()
     left: int = 0
@@ -669,7 +670,7 @@ class SpeculationController:
             if any(ok and int(cls) != was.get(rid) and self._class_alpha(rid, int(cls)) > spell.judged
                    for rid, cls, ok in zip(request_ids, evidence, can)):
                 return False
-        self._quiet = replace(spell, left=spell.left - 1)
+        spell.left -= 1
         self._plain_run[bucket] = self._plain_run.get(bucket, 0) + 1
         for rid in spell.could:  # an idle step, as a plan without drafts would count it
             if rid in now:

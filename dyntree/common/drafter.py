@@ -340,6 +340,14 @@ class Drafter:
         accepted nodes, root first); ``start`` is the first row's position when the engine says
         it. Only called when ``needs_hidden``."""
 
+    def observe_hidden_rows(self, request_ids: Sequence[Hashable], states: torch.Tensor,
+                            starts: Sequence[int | None]) -> None:
+        """One committed position per request (a plain decoding step's): row ``i`` of ``states``
+        ``[len(request_ids), d]`` is request ``request_ids[i]``'s, at position ``starts[i]``
+        when the engine says it, as :meth:`observe_hidden` takes them one by one (the default)."""
+        for i, (rid, start) in enumerate(zip(request_ids, starts)):
+            self.observe_hidden(rid, states[i : i + 1], start)
+
     def catch_up(self, requests: Sequence[DraftRequest]) -> list[int]:
         """Per request, the committed positions its next draft must first bring the drafter's own
         state up to date with (its first draft, or its first after steps it did not draft):

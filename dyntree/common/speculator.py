@@ -433,6 +433,14 @@ class Speculator:
         if self.drafter.needs_hidden:
             self.drafter.observe_hidden(request_id, states, start)
 
+    def observe_hidden_rows(self, request_ids: Sequence[Hashable], states: torch.Tensor,
+                            starts: Sequence[int | None]) -> None:
+        """:meth:`observe_hidden` of a plain decoding step, one call for the batch: row ``i`` of
+        ``states`` ``[len(request_ids), d]`` is the one position request ``request_ids[i]``
+        committed, at position ``starts[i]`` (``None``: not said)."""
+        if self.drafter.needs_hidden:
+            self.drafter.observe_hidden_rows(request_ids, states, starts)
+
     def release(self, request_id: Hashable) -> RequestStats:
         """The request ended: drop its state everywhere; returns its statistics."""
         self.drafter.release(request_id)

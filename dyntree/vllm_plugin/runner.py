@@ -5,7 +5,8 @@ linear KV slots. Each step the hooks build one explicit
 :class:`~dyntree.vllm_plugin.step.StepRecord` (with its
 :class:`~dyntree.vllm_plugin.step.TreeStep`) and hand it on by argument:
 
-* ``_prepare_inputs`` (after vLLM's own): the proposer opens the step
+* ``_prepare_inputs`` (after vLLM's own, which builds plain decoding's inputs for a step without
+  drafts rather than spec-decode metadata of zero drafts): the proposer opens the step
   (:meth:`~dyntree.vllm_plugin.proposer.DynTreeProposer.begin_step`, with each request's sampling
   and token limit, and the scheduler's count of waiting requests); tree rows get RoPE positions
   ``prefix + depth`` (slots stay linear); the tree attention builders
@@ -62,11 +63,17 @@ def _proposer(runner: Any) -> "DynTreeProposer | None":
 def _prepare_inputs(orig: Any) -> Any:
     def wrapper(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
         proposer = _proposer(self)
-        if proposer is not None:
-            proposer.bind(self)
-        out = orig(self, scheduler_output, num_scheduled_tokens)
         if proposer is None:
-            return out
+            return orig(self, scheduler_output, num_scheduled_tokens)
+        proposer.bind(self)
+        if any(scheduler_output.scheduled_spec_decode_tokens.values()):
+            out = orig(self, scheduler_output, num_scheduled_tokens)
+        else:  # no drafts this step: vLLM's plain-decoding inputs, not spec-decode metadata of zero drafts
+            spec, self.speculative_config = self.speculative_config, None
+            try:
+                out = orig(self, scheduler_output, num_scheduled_tokens)
+            finally:
+                self.speculative_config = spec
         builders = tree_builders(self)
         num_reqs = self.input_batch.num_reqs
         req_ids = list(self.input_batch.req_ids[:num_reqs])
@@ -114,10 +121,6 @@ def _sample(orig: Any) -> Any:
             # a forward with rows outside the trees (or a quiet step's) refines the cost model only
             proposer.speculator.observe_forward(step.decode_tokens, forward_ms, step.computed.tolist())
         if tree is None or logits is None or proposer is None or (spec_decode_metadata is None and not whole):
-            if proposer is not None and spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
-                # no drafts scheduled (a quiet step): vLLM's plain sampler, which its rejection sampler
-                # would run anyway for one token per request, with more bookkeeping
-                spec_decode_metadata = None
             return orig(self, logits, spec_decode_metadata)
         if spec_decode_metadata is None:  # nobody drafted: a step of plain decoding, by vLLM's own sampler
             out = orig(self, logits, spec_decode_metadata)
@@ -183,6 +186,9 @@ def _push_hidden(step: StepRecord, hidden: torch.Tensor, proposer: "DynTreePropo
     prefill chunk or plain decode, the accepted nodes of a tree."""
     tree = step.tree
     drafted = tree is not None and tree.accept is not None and tree.batch.num_drafts > 0
+    if not drafted and step.decode_tokens == len(step.req_ids):  # plain decoding: one row per request, in order
+        proposer.speculator.observe_hidden_rows(step.req_ids, hidden[: len(step.req_ids)], step.computed.tolist())
+        return
     tree_of = {i: b for b, i in enumerate(tree.rows)} if drafted else {}  # else: every row is a plain step's
     for i, rid in enumerate(step.req_ids):
         n = int(step.scheduled[i])

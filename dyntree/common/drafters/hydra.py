@@ -139,11 +139,27 @@ class HydraDrafter(Drafter):
         self._catch_up = (0.0, 0)  # prefix-layer seconds and positions spent catching up since pop_catch_up
 
     def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
+        self._check_hidden(request_id, states)
+        if states.shape[0]:  # copies: never hold a view of the engine's forward output
+            self._push(request_id, states.to(self.device, self.dtype, copy=True), start)
+
+    def observe_hidden_rows(self, request_ids: Sequence[Hashable], states: torch.Tensor,
+                            starts: Sequence[int | None]) -> None:
+        """One copy of the step's rows; each request keeps its row of it."""
+        self._check_hidden(request_ids[0] if request_ids else None, states)
+        if states.shape[0] != len(request_ids):
+            raise ValueError(f"{len(request_ids)} requests but {states.shape[0]} rows of hidden states")
+        rows = states.to(self.device, self.dtype, copy=True)
+        for i, (rid, start) in enumerate(zip(request_ids, starts)):
+            self._push(rid, rows[i : i + 1], start)
+
+    def _check_hidden(self, request_id: Hashable, states: torch.Tensor) -> None:
         d = self.heads.config.hidden_size
         if states.dim() != 2 or states.shape[1] != d:
             raise ValueError(f"request {request_id!r}: hidden states of shape {tuple(states.shape)}; expected [n, {d}]")
-        if states.shape[0] == 0:
-            return
+
+    def _push(self, request_id: Hashable, rows: torch.Tensor, start: int | None) -> None:
+        """The request's next committed positions' states ``rows`` (already the drafter's own copy)."""
         s = self._state.setdefault(request_id, _State())
         if start is not None and start != s.pushed:
             # the engine skipped positions (a prefix-cache hit) or recomputes some (preemption) and
@@ -153,20 +169,20 @@ class HydraDrafter(Drafter):
             if self.heads.prefix is not None:
                 s.kv, s.pending, s.pending_rows, s.last = None, [], 0, None
             s.pushed = start
-        s.pushed += states.shape[0]
-        if self.heads.prefix is None:  # copies: never hold a view of the engine's forward output
-            s.last = states[-1].to(self.device, self.dtype, copy=True)
+        s.pushed += rows.shape[0]
+        if self.heads.prefix is None:
+            s.last = rows[-1]
             return
-        s.pending.append(states.to(self.device, self.dtype, copy=True))
-        s.pending_rows += states.shape[0]
+        s.pending.append(rows)
+        s.pending_rows += rows.shape[0]
         if self.context and s.pending_rows > self.context:
             # idle past the context: the layer starts over on the last ``context`` positions (it
             # reads no more when it starts); the rows before them are dropped once they are as
             # many again, so an idle request costs one copy per ``context`` pushes, not per push
             s.kv = None
             if s.pending_rows > 2 * self.context:
-                rows = torch.cat(s.pending)[-self.context :]
-                s.pending, s.pending_rows = [rows], rows.shape[0]
+                kept = torch.cat(s.pending)[-self.context :]
+                s.pending, s.pending_rows = [kept], kept.shape[0]
 
     def catch_up(self, requests: Sequence[DraftRequest]) -> list[int]:
         if self.heads.prefix is None:

@@ -97,6 +97,12 @@ class UnionDrafter(Drafter):
             if p.needs_hidden:
                 p.observe_hidden(request_id, states, start)
 
+    def observe_hidden_rows(self, request_ids: Sequence[Hashable], states: torch.Tensor,
+                            starts: Sequence[int | None]) -> None:
+        for p in self.parts:
+            if p.needs_hidden:
+                p.observe_hidden_rows(request_ids, states, starts)
+
     def catch_up(self, requests: Sequence[DraftRequest]) -> list[int]:
         return [sum(col) for col in zip(*(p.catch_up(requests) for p in self.parts))]
 
