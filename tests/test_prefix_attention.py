@@ -331,6 +331,7 @@ def test_a_plain_steps_rows_pushed_at_once_equal_pushes_one_by_one(prefix: bool)
         for b in (0, 1):
             one.observe_hidden(b, step_rows[b : b + 1], starts[b])
         rows.observe_hidden_rows([0, 1], step_rows, starts)
+        step_rows.fill_(float("nan"))  # the engine reuses its output buffer: both kept copies
     requests = [SpecRequest(0, [3] * 12), SpecRequest(1, [3] * 12)]
     got = [_speculator(d).propose(requests).trees for d in (one, rows)]
     assert [t.tokens.tolist() for t in got[0]] == [t.tokens.tolist() for t in got[1]]
@@ -338,6 +339,8 @@ def test_a_plain_steps_rows_pushed_at_once_equal_pushes_one_by_one(prefix: bool)
         assert torch.equal(one._state[b].last, rows._state[b].last) and one._state[b].pushed == rows._state[b].pushed
     with pytest.raises(ValueError, match=r"2 requests but 1 rows"):
         rows.observe_hidden_rows([0, 1], h[0][:1], [None, None])
+    with pytest.raises(ValueError, match=r"a step of 2 requests: hidden states of shape \(2, 17\)"):
+        rows.observe_hidden_rows([0, 1], torch.randn(2, D + 1), [None, None])
 
 
 @pytest.mark.parametrize("prefix", [True, False])

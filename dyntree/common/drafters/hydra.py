@@ -139,24 +139,24 @@ class HydraDrafter(Drafter):
         self._catch_up = (0.0, 0)  # prefix-layer seconds and positions spent catching up since pop_catch_up
 
     def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
-        self._check_hidden(request_id, states)
+        self._check_hidden(f"request {request_id!r}", states)
         if states.shape[0]:  # copies: never hold a view of the engine's forward output
             self._push(request_id, states.to(self.device, self.dtype, copy=True), start)
 
     def observe_hidden_rows(self, request_ids: Sequence[Hashable], states: torch.Tensor,
                             starts: Sequence[int | None]) -> None:
         """One copy of the step's rows; each request keeps its row of it."""
-        self._check_hidden(request_ids[0] if request_ids else None, states)
+        self._check_hidden(f"a step of {len(request_ids)} requests", states)
         if states.shape[0] != len(request_ids):
             raise ValueError(f"{len(request_ids)} requests but {states.shape[0]} rows of hidden states")
         rows = states.to(self.device, self.dtype, copy=True)
         for i, (rid, start) in enumerate(zip(request_ids, starts)):
             self._push(rid, rows[i : i + 1], start)
 
-    def _check_hidden(self, request_id: Hashable, states: torch.Tensor) -> None:
+    def _check_hidden(self, whose: str, states: torch.Tensor) -> None:
         d = self.heads.config.hidden_size
         if states.dim() != 2 or states.shape[1] != d:
-            raise ValueError(f"request {request_id!r}: hidden states of shape {tuple(states.shape)}; expected [n, {d}]")
+            raise ValueError(f"{whose}: hidden states of shape {tuple(states.shape)}; expected [n, {d}]")
 
     def _push(self, request_id: Hashable, rows: torch.Tensor, start: int | None) -> None:
         """The request's next committed positions' states ``rows`` (already the drafter's own copy)."""
