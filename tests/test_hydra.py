@@ -692,3 +692,37 @@ def test_a_request_idle_past_the_context_restarts_on_its_last_context_positions(
         trees.append(sp.propose([SpecRequest(0, tokens)]).trees[0])
     assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
     assert torch.allclose(trees[0].draft_probs, trees[1].draft_probs)
+
+
+@pytest.mark.parametrize("context", [8, 0])
+def test_pushed_rows_are_written_in_place_in_storage_kept_per_request(context: int) -> None:
+    """Decoding steps' pushes write into storage the request keeps (with a bounded context, one
+    buffer for the request's life: nothing a step allocates outlives it; unbounded, storage that
+    at least doubles when it grows), and the pending rows are always the newest ones pushed since
+    the layer last ran, whatever the mix of push sizes and of the two push calls (past
+    ``2 * context`` pending positions, the newest ``context``)."""
+    heads = _perturbed_heads()
+    drafter = HydraDrafter(heads, context=context)
+    pushed: list[torch.Tensor] = []
+    storages: list[torch.Tensor] = []  # each storage the request's rows were written to, in order
+    expected = 0  # pending positions: all of them, or past 2 * context the newest context
+    for step, n in enumerate([1] * 5 + [3] + [1] * 20 + [11] + [1] * 9 + [2, 1, 1]):
+        rows = torch.randn(n, heads.config.hidden_size)
+        if n == 1 and step % 2:  # a plain decoding step's batch call
+            drafter.observe_hidden_rows(["a"], rows, [None])
+        else:
+            drafter.observe_hidden("a", rows)
+        pushed.append(rows.to(drafter.dtype))
+        s = drafter._state["a"]
+        if not storages or s.rows is not storages[-1]:
+            storages.append(s.rows)
+        assert torch.equal(s.pending(), torch.cat(pushed)[-s.pending_rows :])
+        expected += n
+        if context and expected > 2 * context:
+            expected = context
+        assert s.pending_rows == expected
+    sizes = [x.shape[0] for x in storages]
+    if context:
+        assert sizes == [2 * context]
+    else:
+        assert len(sizes) > 1 and all(b >= 2 * a for a, b in zip(sizes, sizes[1:]))

@@ -35,7 +35,7 @@ Pure torch: the target's weights and identity arrive as a :class:`~dyntree.commo
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Hashable, Sequence
 
@@ -108,14 +108,20 @@ def parse_hydra_options(options: str | None) -> HydraOptions:
 
 @dataclass
 class _State:
-    """One request's hidden states: rows pushed but not yet consumed, how many were pushed in
-    all, the heads' current input, and (prefix attention) the prefix layer's cache."""
+    """One request's hidden states: rows pushed but not yet consumed (the first ``pending_rows``
+    rows of storage kept for the request, see :meth:`HydraDrafter._append`), how many were pushed
+    in all, the heads' current input, and (prefix attention) the prefix layer's cache."""
 
-    pending: list[torch.Tensor] = field(default_factory=list)
+    rows: torch.Tensor | None = None
     pending_rows: int = 0
     pushed: int = 0
     last: torch.Tensor | None = None
     kv: PrefixKV | None = None
+
+    def pending(self) -> torch.Tensor:
+        """``[pending_rows, d]``: the rows pushed since the prefix layer last ran (a view)."""
+        assert self.rows is not None or not self.pending_rows
+        return self.rows[: self.pending_rows] if self.rows is not None else torch.empty(0, 0)
 
 
 class HydraDrafter(Drafter):
@@ -167,22 +173,36 @@ class HydraDrafter(Drafter):
             # starts over there, at those absolute positions (less context for the drafts, which
             # verification keeps lossless)
             if self.heads.prefix is not None:
-                s.kv, s.pending, s.pending_rows, s.last = None, [], 0, None
+                s.kv, s.pending_rows, s.last = None, 0, None
             s.pushed = start
         s.pushed += rows.shape[0]
         if self.heads.prefix is None:
             s.last = rows[-1]
             return
-        s.pending.append(rows)
-        s.pending_rows += rows.shape[0]
+        self._append(s, rows)
         if self.context and s.pending_rows > self.context:
-            # idle past the context: the layer starts over on the last ``context`` positions (it
-            # reads no more when it starts); the rows before them are dropped once they are as
-            # many again, so an idle request costs one copy per ``context`` pushes, not per push
-            s.kv = None
-            if s.pending_rows > 2 * self.context:
-                kept = torch.cat(s.pending)[-self.context :]
-                s.pending, s.pending_rows = [kept], kept.shape[0]
+            s.kv = None  # idle past the context: the layer starts over on the last ``context`` positions
+
+    def _append(self, s: _State, rows: torch.Tensor) -> None:
+        """Write ``rows`` after the request's pending rows, in place in storage kept for the
+        request, so a decoding step's push leaves no allocation behind (small buffers that outlive
+        every step fragment the allocator's heap: the engine's large per-step buffers then keep
+        landing on fresh pages). With a bounded ``context`` the storage holds ``2 * context`` rows;
+        a push past them keeps only the newest ``context`` positions (the layer reads no more when
+        it starts), so an idle request copies rows once per ``context`` pushes. Unbounded, the
+        storage doubles when it is full."""
+        c, n = self.context, s.pending_rows
+        if c and n + rows.shape[0] > 2 * c:
+            rows = torch.cat([s.pending(), rows])[-c:] if rows.shape[0] < c else rows[-c:]
+            n = 0
+        m = rows.shape[0]
+        if s.rows is None or n + m > s.rows.shape[0]:
+            grown = rows.new_empty(2 * c if c else 2 * (n + m), rows.shape[1])
+            if n:
+                grown[:n] = s.pending()
+            s.rows = grown
+        s.rows[n : n + m] = rows
+        s.pending_rows = n + m
 
     def catch_up(self, requests: Sequence[DraftRequest]) -> list[int]:
         if self.heads.prefix is None:
@@ -202,7 +222,7 @@ class HydraDrafter(Drafter):
     def _catching(self, s: _State) -> bool:
         """The request's layer starts, or it has more positions pending than one step commits
         (it did not draft for a while): a few idle steps' positions ride with the step's batch."""
-        return bool(s.pending) and (s.kv is None or s.pending_rows > self.max_depth + 1)
+        return s.pending_rows > 0 and (s.kv is None or s.pending_rows > self.max_depth + 1)
 
     def release(self, request_id: Hashable) -> None:
         self._state.pop(request_id, None)
@@ -234,13 +254,13 @@ class HydraDrafter(Drafter):
             self._forward_pending(catching)
             spent, done = self._catch_up
             self._catch_up = (spent + time.perf_counter() - started, done + positions)
-        self._forward_pending([s for s in states if s.pending])
+        self._forward_pending([s for s in states if s.pending_rows])
 
     def _forward_pending(self, todo: list[_State]) -> None:
         """Run the prefix layer over the pending positions of ``todo``, in one batch."""
         if not todo:
             return
-        rows = [torch.cat(s.pending)[-self._to_run(s) :] for s in todo]
+        rows = [s.pending()[s.pending_rows - self._to_run(s) :] for s in todo]
         width = max(x.shape[0] for x in rows)
         if all(x.shape[0] == width for x in rows):  # no padding (a lone request, every decoding step)
             hidden, valid = torch.stack(rows), None
@@ -257,7 +277,7 @@ class HydraDrafter(Drafter):
         with torch.inference_mode():
             out, kv = self.heads.prefix_forward(hidden, positions, past, valid)
         for b, (s, x) in enumerate(zip(todo, rows)):
-            s.kv, s.last, s.pending, s.pending_rows = kv.row(b), out[b, x.shape[0] - 1].clone(), [], 0
+            s.kv, s.last, s.pending_rows = kv.row(b), out[b, x.shape[0] - 1].clone(), 0
 
     @torch.inference_mode()
     def expand(self, requests: Sequence[DraftRequest], frontiers: Sequence[Sequence[int]],
