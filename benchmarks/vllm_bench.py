@@ -26,8 +26,9 @@ outside the forward per token beyond plain decoding's, as a share of plain decod
 (``outside_forward_vs_none``): drafting, verification and hooks. ``--bracket`` also runs plain
 decoding right after every other config's call and reads each call over the plain calls just before
 and after it (``bracketed``, with every call's record): at batch 8 and 16 a shared machine's speed
-drifts within a round by more than the few percent a config is judged by. Writes JSON (and a PNG of
-the speedups when matplotlib is installed).
+drifts within a round by more than the few percent a config is judged by. ``--preload`` runs every
+engine with the libraries vLLM's CPU install guide preloads (tcmalloc, Intel OpenMP). Writes JSON
+(and a PNG of the speedups when matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -413,6 +414,29 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def preload_libraries() -> list[str]:
+    """What vLLM's CPU install guide puts in ``LD_PRELOAD``: tcmalloc (the system's, e.g. Debian's
+    ``libtcmalloc-minimal4``) and Intel's OpenMP runtime (``libiomp5.so``, which the ``intel-openmp``
+    wheel installs under the environment's ``lib``); vLLM's CPU worker warns when either is missing
+    (without Intel's runtime, for speculative decoding). Raises ``FileNotFoundError`` naming what is
+    not installed."""
+    import ctypes.util
+    import glob
+    import sys
+
+    found = []
+    for name, candidates in (
+            ("tcmalloc (apt install libtcmalloc-minimal4)",
+             [ctypes.util.find_library("tcmalloc_minimal"), ctypes.util.find_library("tcmalloc"),
+              *sorted(glob.glob("/usr/lib/*-linux-gnu/libtcmalloc_minimal.so*"))]),
+            ("Intel OpenMP (pip install intel-openmp)", sorted(glob.glob(os.path.join(sys.prefix, "lib", "libiomp5.so"))))):
+        path = next((c for c in candidates if c), None)
+        if path is None:
+            raise FileNotFoundError(f"{name} is not installed")
+        found.append(path)
+    return found
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="default: benchmarks/results/vllm/<machine>_<dtype>.json")
@@ -427,6 +451,9 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=0.0,
                     help="seconds to wait before each generate call, past vLLM's 1 s busy-loop of the engine "
                          "whose call just ended (see interleaved()); default 0")
+    ap.add_argument("--preload", action="store_true",
+                    help="run the engines with the libraries vLLM's CPU install guide preloads (tcmalloc and Intel "
+                         "OpenMP, see preload_libraries()); default: vLLM's own preload (PyTorch's libgomp)")
     ap.add_argument("--in-process", action="store_true",
                     help="every config's engine in this one process (default: each in processes of its own; see interleaved())")
     args = ap.parse_args()
@@ -452,6 +479,14 @@ def main() -> int:
         ap.error("--bracket: brackets every call with plain decoding, so --configs must include none")
     if args.settle < 0:
         ap.error("--settle: seconds >= 0")
+    if args.preload:
+        if args.in_process:
+            ap.error("--preload: the libraries load when an engine's process starts, so not with --in-process")
+        try:
+            os.environ["LD_PRELOAD"] = ":".join(preload_libraries())
+        except FileNotFoundError as e:
+            ap.error(f"--preload: {e}")
+        print(f"engines run with LD_PRELOAD={os.environ['LD_PRELOAD']}", flush=True)
     calls: list[dict[str, Any]] = []
     rounds = interleaved(configs, args.dtype, args.max_tokens, args.rounds, batches, args.in_process, args.bracket, calls,
                          args.settle)
@@ -467,7 +502,9 @@ def main() -> int:
                  else "engines: every config's engine in processes of its own (vLLM's multiprocess engine core)")
                 + ", all alive at once, each generate call run by every config back to back"
                 + (", plain decoding again after every other config's call (--bracket)" if args.bracket else "")
-                + (f", {args.settle:g} s of sleep before each call (--settle)" if args.settle else ""),
+                + (f", {args.settle:g} s of sleep before each call (--settle)" if args.settle else "")
+                + (", engines with tcmalloc and Intel OpenMP preloaded (--preload)" if args.preload else ""),
+        "ld_preload": os.environ.get("LD_PRELOAD", "") if args.preload else None,
         "prompts": {name: [r["question_id"] for r in rows] for name, rows in prompt_rows().items()},
         "speculative_configs": {c: CONFIGS[c] for c in configs}, "wall_s": round(time.time() - started),
         "configs": summarize(rounds, configs),
