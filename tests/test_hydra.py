@@ -726,3 +726,24 @@ def test_pushed_rows_are_written_in_place_in_storage_kept_per_request(context: i
         assert sizes == [2 * context]
     else:
         assert len(sizes) > 1 and all(b >= 2 * a for a, b in zip(sizes, sizes[1:]))
+
+
+def test_one_push_past_twice_the_context_restarts_a_layer_that_has_run() -> None:
+    """A request whose prefix layer has run, then pushed more than ``2 * context`` positions at
+    once, starts its layer over on the last ``context`` of them, as a fresh drafter handed only
+    those (at their absolute positions) does."""
+    heads = _perturbed_heads()
+    rows = torch.randn(30, heads.config.hidden_size)
+    drafter, fresh = HydraDrafter(heads, context=8), HydraDrafter(heads, context=8)
+    vocab = heads.config.target.vocab_size
+    drafter.observe_hidden(0, rows[:5])
+    Speculator(drafter, SpecConfig(max_nodes=6, max_depth=3), vocab_size=vocab).propose([SpecRequest(0, list(range(1, 7)))])
+    drafter.observe_hidden(0, rows[5:])  # 25 positions in one push
+    fresh.observe_hidden(0, rows[-8:], start=22)
+    tokens = list(range(1, 32))  # the root after 30 committed positions
+    trees = []
+    for d in (drafter, fresh):
+        assert d.catch_up([DraftRequest(0, tokens, 6, 3)]) == [8]
+        trees.append(Speculator(d, SpecConfig(max_nodes=6, max_depth=3), vocab_size=vocab).propose([SpecRequest(0, tokens)]).trees[0])
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
+    assert torch.allclose(trees[0].draft_probs, trees[1].draft_probs)

@@ -120,8 +120,8 @@ class _State:
 
     def pending(self) -> torch.Tensor:
         """``[pending_rows, d]``: the rows pushed since the prefix layer last ran (a view)."""
-        assert self.rows is not None or not self.pending_rows
-        return self.rows[: self.pending_rows] if self.rows is not None else torch.empty(0, 0)
+        assert self.rows is not None
+        return self.rows[: self.pending_rows]
 
 
 class HydraDrafter(Drafter):
@@ -179,9 +179,9 @@ class HydraDrafter(Drafter):
         if self.heads.prefix is None:
             s.last = rows[-1]
             return
-        self._append(s, rows)
-        if self.context and s.pending_rows > self.context:
+        if self.context and s.pending_rows + rows.shape[0] > self.context:
             s.kv = None  # idle past the context: the layer starts over on the last ``context`` positions
+        self._append(s, rows)
 
     def _append(self, s: _State, rows: torch.Tensor) -> None:
         """Write ``rows`` after the request's pending rows, in place in storage kept for the
