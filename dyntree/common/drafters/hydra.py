@@ -146,18 +146,24 @@ class HydraDrafter(Drafter):
 
     def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         self._check_hidden(f"request {request_id!r}", states)
-        if states.shape[0]:  # copies: never hold a view of the engine's forward output
-            self._push(request_id, states.to(self.device, self.dtype, copy=True), start)
+        if states.shape[0]:
+            self._push(request_id, self._own(states), start)
 
     def observe_hidden_rows(self, request_ids: Sequence[Hashable], states: torch.Tensor,
                             starts: Sequence[int | None]) -> None:
-        """One copy of the step's rows; each request keeps its row of it."""
+        """The step's rows in one call; each request takes its row."""
         self._check_hidden(f"a step of {len(request_ids)} requests", states)
         if states.shape[0] != len(request_ids):
             raise ValueError(f"{len(request_ids)} requests but {states.shape[0]} rows of hidden states")
-        rows = states.to(self.device, self.dtype, copy=True)
+        rows = self._own(states)
         for i, (rid, start) in enumerate(zip(request_ids, starts)):
             self._push(rid, rows[i : i + 1], start)
+
+    def _own(self, states: torch.Tensor) -> torch.Tensor:
+        """``states`` on the drafter's device, in its dtype, never a view of the engine's forward
+        output kept past the call: a copy where the heads keep a row as it is (no prefix layer);
+        with a prefix layer :meth:`_append` copies the rows into the request's storage itself."""
+        return states.to(self.device, self.dtype, copy=self.heads.prefix is None)
 
     def _check_hidden(self, whose: str, states: torch.Tensor) -> None:
         d = self.heads.config.hidden_size
@@ -165,7 +171,7 @@ class HydraDrafter(Drafter):
             raise ValueError(f"{whose}: hidden states of shape {tuple(states.shape)}; expected [n, {d}]")
 
     def _push(self, request_id: Hashable, rows: torch.Tensor, start: int | None) -> None:
-        """The request's next committed positions' states ``rows`` (already the drafter's own copy)."""
+        """The request's next committed positions' states ``rows`` (:meth:`_own`)."""
         s = self._state.setdefault(request_id, _State())
         if start is not None and start != s.pushed:
             # the engine skipped positions (a prefix-cache hit) or recomputes some (preemption) and
