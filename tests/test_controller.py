@@ -685,7 +685,7 @@ def test_never_predicted_slower_than_plain(knee: int, base: float, slope: float,
 def test_the_engines_time_between_forwards_counts_against_every_step() -> None:
     # Drafting that costs 8 ms a level against a 10 ms forward does not pay at acceptance 0.5 (1.5
     # tokens in 18 ms against 1 in 10); when the engine spends 20 ms between forwards, which every
-    # step pays, it does (1.5 in 38 against 1 in 30), and deeper plans pay more than before.
+    # step pays, it does (1.5 in 38 against 1 in 30).
     opts = ControllerOptions(draft_ms_per_depth=8.0)
     bare = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET, opts)
     busy = SpeculationController(CostModel({1: 10.0, 256: 10.5}), BUDGET, opts)
@@ -693,6 +693,13 @@ def test_the_engines_time_between_forwards_counts_against_every_step() -> None:
         busy.observe_cycle(1, 20.0)
     assert bare.plan([0])[0].mode == "none"
     assert busy.plan([0])[0].max_nodes >= 1
+    # steps with drafts are measured apart: when the engine spends 100 ms between them (more rows
+    # to prepare, verify and roll back) and 20 between plain ones, no draft pays (the best, 32
+    # nodes 5 deep, ~4 tokens in ~150 ms against 1 in 30)
+    for _ in range(3):
+        busy.observe_cycle(1, 100.0, drafted=True)
+    assert busy.between_ms(1, False) == 20.0 and busy.between_ms(1, True) == 100.0
+    assert busy.plan([0])[0].mode == "none"
     with pytest.raises(ValueError, match="ms >= 0"):
         busy.observe_cycle(1, -1.0)
 

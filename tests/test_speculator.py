@@ -246,8 +246,9 @@ def test_sampled_requests_verify_losslessly_on_the_first_token() -> None:
 
 def test_the_engines_time_between_forwards_reaches_the_controller(monkeypatch) -> None:
     """Consecutive decoding steps of as many rows: the time between their reports that neither
-    the forward nor the drafting took is learned as the engine's time between forwards; a gap
-    that holds an unreported step (or an idle engine), or a step of another batch size, is not."""
+    the forward nor the drafting took is learned as the engine's time between forwards, that of
+    a step with drafts when the step or the one before it had drafts; a gap that holds an
+    unreported step (or an idle engine), or a step of another batch size, is not."""
     from dyntree.common import speculator as module
     from dyntree.common.cost_model import CostModel
 
@@ -264,13 +265,31 @@ def test_the_engines_time_between_forwards_reaches_the_controller(monkeypatch) -
 
     step(0.0)
     step(13.0)  # 10 ms of forward, 3 ms between
-    assert sp.controller._between == {2: pytest.approx(3.0)}
+    assert sp.controller._between == {(2, False): pytest.approx(3.0)}
     step(40.0)  # 30 ms unaccounted for: a prefill step went unreported
     step(1000.0)  # an idle engine
     step(12.0, rows=1)  # another batch size: its first report
-    assert sp.controller._between == {2: pytest.approx(3.0)}
+    assert sp.controller._between == {(2, False): pytest.approx(3.0)}
     step(11.0, rows=1)
-    assert sp.controller._between[1] == pytest.approx(1.0)
+    assert sp.controller._between[(1, False)] == pytest.approx(1.0)
+    assert sp.controller.between_ms(1, True) == pytest.approx(1.0)  # drafted steps: the plain ones' until measured
+
+    # steps with drafts (10 ms forward; drafting took no time on the stopped clock) and the plain
+    # step after each: every span that holds drafts (their preparation, or their verification)
+    # is a drafted step's, 4 ms; the plain steps' stay at 1 ms
+    tokens = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+    for before_ms in (11.0, 14.0):
+        step(before_ms, rows=1)
+        for _ in range(20):
+            batch = sp.propose([SpecRequest("a", tokens)])
+            if batch.num_drafts:
+                break
+        assert batch.num_drafts > 0
+        clock[0] += 14.0 / 1e3
+        sp.accept(batch, toy_logits(batch, {"a": tokens}), forward_ms=10.0)
+    step(14.0, rows=1)
+    assert sp.controller._between[(1, True)] == pytest.approx(4.0)
+    assert sp.controller._between[(1, False)] == pytest.approx(1.0)
 
 
 def test_engine_timings_reach_the_controller() -> None:

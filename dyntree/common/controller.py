@@ -124,7 +124,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Literal, Sequence
+from typing import Any, Callable, Hashable, Iterable, Literal, Sequence
 
 import numpy as np
 
@@ -259,10 +259,11 @@ class SpeculationController:
         self._plan_value: dict[int, float] = {}
         self._plan_idle: dict[int, float] = {}
         self._plan_cost: dict[int, float] = {}
-        # per batch size (a power-of-two bucket): the EMA of each step's time that neither the
-        # forward nor the drafting accounts for (observe_cycle): the engine's own work between
-        # forwards, which every step pays, speculating or not
-        self._between: dict[int, float] = {}
+        # per batch size (a power-of-two bucket) and apart for steps with drafts (theirs or the
+        # previous step's) and without: the EMA of each step's time that neither the forward nor
+        # the drafting accounts for (observe_cycle): the engine's own work between forwards, which
+        # every step pays, more of it with drafts to prepare, verify and roll back
+        self._between: dict[tuple[int, bool], float] = {}
         # per batch size (a power-of-two bucket): steps since a plan last speculated, counting the
         # plans without drafts though the drafter could draft for every request and quiet steps,
         # and the run at which the next probe is due (``probe_steps``, doubling while probes
@@ -533,9 +534,10 @@ class SpeculationController:
         slack = _slack(remaining, b) if self.objective(waiting) == "batch" and b > 1 else None
         plain_ms = self.cost(b, kv, b)
         plain = b / plain_ms
-        between = self._between.get(bucket, 0.0)  # every step pays it: plans are ranked with it
+        # every step pays it: plans are ranked with it (a plain step's, a step with drafts')
+        between = (self.between_ms(b, False), self.between_ms(b, True))
         raise_bar = self.plain_factor(b)
-        bar = b / (plain_ms + between) * raise_bar  # what plain decoding delivers, as measured
+        bar = b / (plain_ms + between[0]) * raise_bar  # what plain decoding delivers, as measured
         # the two checks together move the best measured plan class by at most outcome_bound, as each
         # does alone (the other classes keep their measured shortfall against it)
         factors = self._outcome_factors(b, raise_bar / o.outcome_bound)
@@ -550,7 +552,7 @@ class SpeculationController:
         # no plan pays though the drafter could draft for every request, or could not pay if it could
         hopeless = False
         # the bound's least forward (a probe does not consult the bound)
-        floor_ms = plain_ms if probe else self._least_forward(b, kv, plain_ms) + between
+        floor_ms = plain_ms if probe else self._least_forward(b, kv, plain_ms) + min(between)
         # trees; then, where the best plan holds branching trees that cost the engine extra, chains only
         for chains in (False, True):
             cache = {key: self._table(key[0], key[1], chains, shapes[key[2]]) for key in set(keys)}
@@ -584,7 +586,7 @@ class SpeculationController:
         # what planning earns at this batch size: the ms a plan saves over plain decoding (0 when
         # it drafts nothing, or a probe's predicted loss), against what a plan that drafts nothing
         # costs (observe_plan_cost)
-        saved = (plain_ms + between) * max(best_rate / bar - 1, 0.0) if speculate else 0.0
+        saved = (plain_ms + between[0]) * max(best_rate / bar - 1, 0.0) if speculate else 0.0
         _ema_into(self._plan_value, bucket, saved, o.ema)
         _ema_into(self._plan_idle, bucket, 0.0 if speculate else 1.0, o.ema)
         hopeless = not speculate and (hopeless or all(can))
@@ -748,7 +750,8 @@ class SpeculationController:
     def _scan(self, segments: list[tuple[float, int, int, int]], tables: list[tuple[list[float], list[int]]],
               keys: list[tuple[float, float, int]], kv: int | None, plain_ms: float,
               factors: np.ndarray, catch_ms: list[float], slack: np.ndarray | None = None,
-              max_loss_ms: float | None = None, between_ms: float = 0.0) -> tuple[float, int, int, float, float, int]:
+              max_loss_ms: float | None = None,
+              between_ms: tuple[float, float] = (0.0, 0.0)) -> tuple[float, int, int, float, float, int]:
         """The best prefix of ``segments`` (merged hull steps in the order they are taken): its
         predicted rate, length, branching trees, predicted committed tokens per ms, outcome
         factor and largest tree's nodes, the rates times the outcome factor of chains-only plans
@@ -761,9 +764,11 @@ class SpeculationController:
         engine's extra time for one (:meth:`observe_branching`). ``max_loss_ms`` (a probe's): only
         prefixes predicted to take at most that much longer than plain decoding takes for their
         committed tokens are chosen from (or, if none, the one predicted to lose least).
-        ``between_ms``: the engine's time between forwards (:meth:`observe_cycle`), which every
-        step pays: in the rate a plan is ranked by, not in the committed tokens per ms returned
-        for the outcome check (which measures the forward and the drafting only)."""
+        ``between_ms``: the engine's time between forwards (:meth:`observe_cycle`) of a plain step
+        and of a step with drafts, which every step pays (a plan's at the chance that some planned
+        tree arrives, else a plain step's): in the rate a plan is ranked by, not in the committed
+        tokens per ms returned for the outcome check (which measures the forward and the drafting
+        only)."""
         if not segments:
             return 0.0, 0, 0, 0.0, 1.0, 0
         b, n = len(keys), len(segments)
@@ -795,10 +800,10 @@ class SpeculationController:
         factor = factors[(branching > 0).astype(np.int64), self._classes[widest]]
         tokens = factor * np.cumsum(np.concatenate(([float(b)], gained)))[1:]
         committed = tokens / spent
-        paid = spent + between_ms
+        paid = spent + (1.0 - no_tree) * between_ms[1] + no_tree * between_ms[0]
         rate = tokens / paid if slack is None else factor * b * self._pace(r, lo, hi, tables, slack) / paid
         if max_loss_ms is not None:  # a probe: the best of the plans that lose little, else the least loss
-            loss = paid - tokens * (plain_ms + between_ms) / b  # ms over plain decoding's for the same tokens
+            loss = paid - tokens * (plain_ms + between_ms[0]) / b  # ms over plain decoding's for the same tokens
             rate = np.where(loss <= max(max_loss_ms, float(loss.min())), rate, -np.inf)
         k = int(np.argmax(rate))  # the first of the best
         return float(rate[k]), k + 1, int(branching[k]), float(committed[k]), float(factor[k]), int(widest[k])
@@ -928,14 +933,24 @@ class SpeculationController:
             raise ValueError(f"observe_plan_cost({rows}, {ms}): ms >= 0 needed")
         _ema_into(self._plan_cost, batch_bucket(rows), ms, self.options.ema)
 
-    def observe_cycle(self, rows: int, ms: float) -> None:
+    def observe_cycle(self, rows: int, ms: float, drafted: bool = False) -> None:
         """One step of ``rows`` requests spent ``ms`` outside its measured forward and drafting
         (the engine's sampling, bookkeeping and scheduling between forwards), learned per batch
-        size (EMA): plans are ranked, and plain decoding's rate is taken, with it paid per step,
-        so a step's fixed cost counts against the tokens it commits."""
+        size (EMA) and apart for steps ``drafted`` (with drafts of their own or after a step
+        with drafts: the engine prepares, verifies and rolls back more rows) and plain ones:
+        plans that draft are ranked with the first paid per step, plain decoding's rate is taken
+        with the second, so a step's fixed cost counts against the tokens it commits, and what
+        drafts add to it against the drafts."""
         if not ms >= 0:
             raise ValueError(f"observe_cycle({rows}, {ms}): ms >= 0 needed")
-        _ema_into(self._between, batch_bucket(rows), ms, self.options.ema)
+        _ema_into(self._between, (batch_bucket(rows), bool(drafted)), ms, self.options.ema)
+
+    def between_ms(self, rows: int, drafted: bool) -> float:
+        """The learned time between forwards (:meth:`observe_cycle`) of a step of ``rows``
+        requests with drafts (``drafted``) or without: the other kind's until this kind is
+        measured at that batch size, 0 until either is."""
+        bucket = batch_bucket(rows)
+        return self._between.get((bucket, drafted), self._between.get((bucket, not drafted), 0.0))
 
     def observe_step(self, n_query_tokens: int, ms: float, kv: int | None = None, rows: int = 1) -> None:
         """Refine the cost model with one measured verify forward of ``rows`` requests (``kv``:
@@ -1031,9 +1046,9 @@ def size_class(nodes: int) -> int:
     return max(int(nodes), 0).bit_length()
 
 
-def _ema_into(store: dict[int, float], bucket: int, x: float, weight: float) -> None:
-    """``store[bucket]``, an EMA per batch size, moved toward ``x`` by ``weight`` (``x`` itself
-    at the first observation)."""
+def _ema_into(store: dict[Any, float], bucket: Hashable, x: float, weight: float) -> None:
+    """``store[bucket]``, an EMA per batch size (or per key of it), moved toward ``x`` by
+    ``weight`` (``x`` itself at the first observation)."""
     seen = store.get(bucket)
     store[bucket] = x if seen is None else seen + weight * (x - seen)
 

@@ -197,7 +197,8 @@ class Speculator:
         self._params: dict[Hashable, SamplingParams] = {}
         self._kv: int | None = None  # the last propose's cached tokens per verify row (the cost model's kv)
         self._draft_ms: tuple[int, int, float, int] | None = None  # the last propose: (depth, nodes, ms, drafting requests)
-        self._reported: tuple[float, int] | None = None  # the last decoding step's report: (perf_counter, rows)
+        # the last decoding step's report: (perf_counter, rows, whether it had drafts)
+        self._reported: tuple[float, int, bool] | None = None
 
     @property
     def needs_hidden(self) -> bool:
@@ -324,7 +325,8 @@ class Speculator:
         if forward_ms is None:  # not a step of decoding rows alone: the next step's cycle is not measured
             self._reported = None
         else:
-            self._cycle(t0, batch.batch_size, forward_ms + overhead_ms + (self._draft_ms[2] if self._draft_ms else 0.0))
+            self._cycle(t0, batch.batch_size, forward_ms + overhead_ms + (self._draft_ms[2] if self._draft_ms else 0.0),
+                        batch.num_drafts > 0)
         result = self._verify(batch, target, [self._params[rid] for rid in batch.request_ids], generator)
         self._learn(batch, result, forward_ms, overhead_ms)
         spent = time.perf_counter() - t0
@@ -408,20 +410,22 @@ class Speculator:
             kv = self._attended(kv_lens) if kv_lens else None
             self.controller.observe_step(n_query_tokens, ms, kv, len(kv_lens) if kv_lens else 1)
             if kv_lens:  # the step's requests known: its cycle is measured against a step of as many
-                self._cycle(time.perf_counter(), len(kv_lens), ms)
+                self._cycle(time.perf_counter(), len(kv_lens), ms, False)
 
-    def _cycle(self, now: float, rows: int, measured_ms: float) -> None:
+    def _cycle(self, now: float, rows: int, measured_ms: float, drafted: bool) -> None:
         """A decoding step of ``rows`` requests reported at ``now`` whose forward and drafting
         took ``measured_ms``: the rest of the time since the previous step's report (a step of as
-        many rows) is the engine's between forwards (``observe_cycle``). A gap that holds a step
-        not reported (a prefill chunk), or the engine idle between requests, is left out: it
-        leaves more than half of the step unaccounted for."""
-        last, self._reported = self._reported, (now, rows)
+        many rows) is the engine's between forwards (``observe_cycle``), that of a step with
+        drafts when this step (``drafted``) or the previous one had some: the span holds this
+        step's input preparation and the previous step's verification and bookkeeping. A gap
+        that holds a step not reported (a prefill chunk), or the engine idle between requests, is
+        left out: it leaves more than half of the step unaccounted for."""
+        last, self._reported = self._reported, (now, rows, drafted)
         if self.controller is None or last is None or last[1] != rows:
             return
         between = (now - last[0]) * 1e3 - measured_ms
         if 0 <= between <= measured_ms / 2:
-            self.controller.observe_cycle(rows, between)
+            self.controller.observe_cycle(rows, between, drafted or last[2])
 
     def observe_hidden(self, request_id: Hashable, states: torch.Tensor, start: int | None = None) -> None:
         """The target's last-layer hidden states ``[n, d]`` (the LM-head input) of the request's
