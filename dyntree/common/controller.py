@@ -44,9 +44,12 @@
   starts from the ``draft_ms_*`` options (the drafter's
   ``level_cost_share`` of a target forward per level, for a drafter that runs one) and is fitted
   online to the measured drafting time of each step (tree building included), so a drafter
-  whose overhead eats the gain is turned down. An engine that spends time per branching tree
-  outside the target's forward (vLLM's CPU tree attention beside its own kernel; a chain needs
-  none) reports it (:meth:`SpeculationController.observe_branching`): each branching tree of a
+  whose overhead eats the gain is turned down. Every step also pays the engine's time between
+  forwards (:meth:`SpeculationController.observe_cycle`: its sampling, bookkeeping and input
+  preparation), learned apart for steps with drafts, which prepare, verify and roll back more
+  rows, and plain ones: a plan that drafts pays the first, plain decoding the second. An engine
+  that spends time per branching tree outside the target's forward (vLLM's CPU tree attention
+  beside its own kernel; a chain needs none) reports it (:meth:`SpeculationController.observe_branching`): each branching tree of a
   plan is then priced with it, and a chains-only plan is weighed against the plan with trees.
   Only planned trees are timed, so after ``probe_steps`` plans without one the price drifts
   toward 0 until trees are planned and timed anew (an engine's first tree pays one-time costs).
