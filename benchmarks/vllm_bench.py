@@ -34,6 +34,7 @@ engine with the libraries vLLM's CPU install guide preloads (tcmalloc, Intel Ope
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -204,7 +205,8 @@ class _Cell:
 
 def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
                 batches: tuple[int, ...] = BATCHES, in_process: bool = False, bracket: bool = False,
-                calls: list[dict[str, Any]] | None = None, settle: float = 0.0) -> list[dict[str, dict[str, Any]]]:
+                calls: list[dict[str, Any]] | None = None, settle: float = 0.0,
+                fresh: bool = False) -> list[dict[str, dict[str, Any]]]:
     """Every config's engine alive at once (each in processes of its own, or with ``in_process`` all
     in this one), each ``generate`` call (one batch of one cell) run by every config back to back,
     the order rotated and reversed call by call: a config and its baseline are timed seconds apart,
@@ -217,7 +219,14 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     engine's worker and engine core) busy-looping for a second after its last read, and on a CPU
     every engine's worker is bound to the same core. Returns per round, per config and cell, what
     :meth:`_Cell.result` gives (a plain call that only brackets another is not in it); ``calls``,
-    when given, gets a record of every call in the order run (:func:`bracketed` reads them)."""
+    when given, gets a record of every call in the order run (:func:`bracketed` reads them).
+    ``fresh`` (engines in processes of their own): every round shuts the engines down and builds
+    new ones, so each round reads another engine of every config: two engines of one config,
+    built one after the other, run at speeds that differ by several percent for as long as they
+    live (a plain engine and its A/A twin read 1.061x over a whole run), which rounds over the same
+    engines cannot average out."""
+    if fresh and in_process:
+        raise ValueError("interleaved: fresh engines are shut down by ending their processes, not with in_process")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # vLLM's ngram drafts with numba; numba's default threading layer is an OpenMP pool whose
@@ -230,15 +239,13 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     _time_forwards()
     sets = _prompt_sets()
     build = sorted(configs, key=lambda c: (CONFIGS[c] is not None, c == "vllm_ngram"))
-    engines = {}
-    for c in build:
-        t = time.time()
-        engines[c] = _engine(c, dtype, sets)
-        print(f"built {c} ({time.time() - t:.0f} s)", flush=True)
+    engines: dict[str, Any] = {}
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     out: list[dict[str, dict[str, Any]]] = []
     origin = time.perf_counter()
     for r in range(rounds):
+        if r == 0 or fresh:
+            _build_engines(engines, build, dtype, sets)
         t = time.time()
         out.append({c: {} for c in configs})
         for cell, prompts, b in _cells(sets, batches):
@@ -260,6 +267,19 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
                           for cell, v in out[-1].get("dyntree", {}).items()) if "none" in configs else ""
         print(f"round {r + 1}/{rounds} ({time.time() - t:.0f} s)  dyntree over none: {cells}", flush=True)
     return out
+
+
+def _build_engines(engines: dict[str, Any], configs: list[str], dtype: str, sets: dict[str, list[str]]) -> None:
+    """``engines`` (config -> ``LLM``) built anew for ``configs`` in that order, any there before
+    shut down first (their engine-core and worker processes end)."""
+    for llm in engines.values():
+        llm.llm_engine.engine_core.shutdown()
+    engines.clear()
+    gc.collect()
+    for c in configs:
+        t = time.time()
+        engines[c] = _engine(c, dtype, sets)
+        print(f"built {c} ({time.time() - t:.0f} s)", flush=True)
 
 
 def call_order(configs: list[str], shift: int, bracket: bool = False) -> list[tuple[str, bool]]:
@@ -454,6 +474,9 @@ def main() -> int:
     ap.add_argument("--preload", action="store_true",
                     help="run the engines with the libraries vLLM's CPU install guide preloads (tcmalloc and Intel "
                          "OpenMP, see preload_libraries()); default: vLLM's own preload (PyTorch's libgomp)")
+    ap.add_argument("--fresh-engines", action="store_true",
+                    help="build every config's engine anew at each round (see interleaved()); default: one engine "
+                         "per config for the whole run")
     ap.add_argument("--in-process", action="store_true",
                     help="every config's engine in this one process (default: each in processes of its own; see interleaved())")
     args = ap.parse_args()
@@ -479,6 +502,8 @@ def main() -> int:
         ap.error("--bracket: brackets every call with plain decoding, so --configs must include none")
     if args.settle < 0:
         ap.error("--settle: seconds >= 0")
+    if args.fresh_engines and args.in_process:
+        ap.error("--fresh-engines: engines are shut down by ending their processes, so not with --in-process")
     if args.preload:
         if args.in_process:
             ap.error("--preload: the libraries load when an engine's process starts, so not with --in-process")
@@ -489,7 +514,7 @@ def main() -> int:
         print(f"engines run with LD_PRELOAD={os.environ['LD_PRELOAD']}", flush=True)
     calls: list[dict[str, Any]] = []
     rounds = interleaved(configs, args.dtype, args.max_tokens, args.rounds, batches, args.in_process, args.bracket, calls,
-                         args.settle)
+                         args.settle, args.fresh_engines)
     import vllm
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
@@ -500,6 +525,7 @@ def main() -> int:
         "model": "SmolLM2-135M-Instruct", "max_tokens": args.max_tokens, "rounds": args.rounds, "batches": list(batches),
         "mode": ("in-process: every engine in one process" if args.in_process
                  else "engines: every config's engine in processes of its own (vLLM's multiprocess engine core)")
+                + (", built anew at each round (--fresh-engines)" if args.fresh_engines else "")
                 + ", all alive at once, each generate call run by every config back to back"
                 + (", plain decoding again after every other config's call (--bracket)" if args.bracket else "")
                 + (f", {args.settle:g} s of sleep before each call (--settle)" if args.settle else "")

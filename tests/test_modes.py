@@ -339,6 +339,30 @@ def _vllm_bench():
     return mod
 
 
+def test_vllm_bench_fresh_engines_replace_the_old_ones(monkeypatch) -> None:
+    """``--fresh-engines``: each round's engines are built anew in the build order, every old one
+    shut down first; refused with every engine in one process."""
+    mod = _vllm_bench()
+    built: list[str] = []
+
+    class Fake:
+        def __init__(self, config: str) -> None:
+            self.config, self.down = config, False
+            core = type("Core", (), {"shutdown": lambda _: setattr(self, "down", True)})()
+            self.llm_engine = type("Engine", (), {"engine_core": core})()
+
+    monkeypatch.setattr(mod, "_engine", lambda c, dtype, sets: built.append(c) or Fake(c))
+    engines: dict = {}
+    mod._build_engines(engines, ["none", "dyntree"], "float32", {})
+    first = dict(engines)
+    mod._build_engines(engines, ["none", "dyntree"], "float32", {})
+    assert built == ["none", "dyntree", "none", "dyntree"]
+    assert all(e.down for e in first.values()) and not any(e.down for e in engines.values())
+    assert all(engines[c] is not first[c] for c in first)
+    with pytest.raises(ValueError, match="in_process"):
+        mod.interleaved(["none"], "float32", 8, 1, (1,), in_process=True, fresh=True)
+
+
 def test_vllm_bench_pools_every_call_over_the_plain_engines_of_its_round() -> None:
     """The pooled ratio is each call's tokens/s over the plain engines' in the same cell and round
     (a slow round hits them all), the geometric mean over calls with a bootstrap interval; the
