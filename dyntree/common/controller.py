@@ -49,8 +49,9 @@
   preparation), learned apart for steps with drafts, which prepare, verify and roll back more
   rows, and plain ones: a plan that drafts pays the first, plain decoding the second. An engine
   that spends time per branching tree outside the target's forward (vLLM's CPU tree attention
-  beside its own kernel; a chain needs none) reports it (:meth:`SpeculationController.observe_branching`): each branching tree of a
-  plan is then priced with it, and a chains-only plan is weighed against the plan with trees.
+  beside its own kernel; a chain needs none) reports it
+  (:meth:`SpeculationController.observe_branching`): each branching tree of a plan is then
+  priced with it, and a chains-only plan is weighed against the plan with trees.
   Only planned trees are timed, so after ``probe_steps`` plans without one the price drifts
   toward 0 until trees are planned and timed anew (an engine's first tree pays one-time costs).
   A drafter with state of its own to bring up to date before a request's draft (Hydra's prefix
