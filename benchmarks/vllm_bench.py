@@ -27,7 +27,11 @@ outside the forward per token beyond plain decoding's, as a share of plain decod
 decoding right after every other config's call and reads each call over the plain calls just before
 and after it (``bracketed``, with every call's record): at batch 8 and 16 a shared machine's speed
 drifts within a round by more than the few percent a config is judged by. ``--preload`` runs every
-engine with the libraries vLLM's CPU install guide preloads (tcmalloc, Intel OpenMP). Writes JSON
+engine with the libraries vLLM's CPU install guide preloads (tcmalloc, Intel OpenMP).
+``--fresh-engines`` builds every config's engines anew at each round; ``--warm-up`` has each new
+engine run every call of the run once before its counted calls (tokens/s of those first calls
+kept as ``first_calls``): the adaptive controller's first learning, a served engine's first
+seconds, is then not in every round of a fresh-engine run. Writes JSON
 (and a PNG of the speedups when matplotlib is installed).
 """
 
@@ -206,7 +210,8 @@ class _Cell:
 def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
                 batches: tuple[int, ...] = BATCHES, in_process: bool = False, bracket: bool = False,
                 calls: list[dict[str, Any]] | None = None, settle: float = 0.0,
-                fresh: bool = False) -> list[dict[str, dict[str, Any]]]:
+                fresh: bool = False, warm_up: bool = False,
+                first_calls: dict[str, list[list[float]]] | None = None) -> list[dict[str, dict[str, Any]]]:
     """Every config's engine alive at once (each in processes of its own, or with ``in_process`` all
     in this one), each ``generate`` call (one batch of one cell) run by every config back to back,
     the order rotated and reversed call by call: a config and its baseline are timed seconds apart,
@@ -224,7 +229,8 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     new ones, so each round reads another engine of every config: two engines of one config,
     built one after the other, run at speeds that differ by several percent for as long as they
     live (a plain engine and its A/A twin read 1.061x over a whole run), which rounds over the same
-    engines cannot average out."""
+    engines cannot average out. ``warm_up``: every new engine first runs each of the run's calls
+    once, untimed for the results (:func:`_build_engines`; their tokens/s go to ``first_calls``)."""
     if fresh and in_process:
         raise ValueError("interleaved: fresh engines are shut down by ending their processes, not with in_process")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
@@ -245,7 +251,9 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     origin = time.perf_counter()
     for r in range(rounds):
         if r == 0 or fresh:
-            _build_engines(engines, build, dtype, sets)
+            warm = [prompts[i : i + b] for _, prompts, b in _cells(sets, batches)
+                    for i in range(0, len(prompts), b)] if warm_up else []
+            _build_engines(engines, build, dtype, sets, warm, params, first_calls)
         t = time.time()
         out.append({c: {} for c in configs})
         for cell, prompts, b in _cells(sets, batches):
@@ -269,9 +277,15 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     return out
 
 
-def _build_engines(engines: dict[str, Any], configs: list[str], dtype: str, sets: dict[str, list[str]]) -> None:
+def _build_engines(engines: dict[str, Any], configs: list[str], dtype: str, sets: dict[str, list[str]],
+                   warm: list[list[str]] | None = None, params: Any = None,
+                   first_calls: dict[str, list[list[float]]] | None = None) -> None:
     """``engines`` (config -> ``LLM``) built anew for ``configs`` in that order, any there before
-    shut down first (their engine-core and worker processes end)."""
+    shut down first (their engine-core and worker processes end). Each new engine then runs the
+    ``warm`` calls (prompt lists, at ``params``) untimed for the results: the run's own calls, so
+    an adaptive controller has seen every batch size before its first counted call, as a served
+    engine has after its first seconds; their tokens/s go to ``first_calls`` (config -> one list
+    per build), so what that learning costs stays in the record."""
     for llm in engines.values():
         llm.llm_engine.engine_core.shutdown()
     engines.clear()
@@ -279,7 +293,15 @@ def _build_engines(engines: dict[str, Any], configs: list[str], dtype: str, sets
     for c in configs:
         t = time.time()
         engines[c] = _engine(c, dtype, sets)
-        print(f"built {c} ({time.time() - t:.0f} s)", flush=True)
+        rates = []
+        for prompts in warm or ():
+            start = time.perf_counter()
+            res = engines[c].generate(prompts, params, use_tqdm=False)
+            rates.append(round(sum(len(o.outputs[0].token_ids) for o in res) / (time.perf_counter() - start), 3))
+        if first_calls is not None and warm:
+            first_calls.setdefault(c, []).append(rates)
+        print(f"built {c} ({time.time() - t:.0f} s)" + (f"; first calls at {', '.join(map(str, rates))} tokens/s" if rates else ""),
+              flush=True)
 
 
 def call_order(configs: list[str], shift: int, bracket: bool = False) -> list[tuple[str, bool]]:
@@ -477,6 +499,9 @@ def main() -> int:
     ap.add_argument("--fresh-engines", action="store_true",
                     help="build every config's engine anew at each round (see interleaved()); default: one engine "
                          "per config for the whole run")
+    ap.add_argument("--warm-up", action="store_true",
+                    help="every new engine first runs each of the run's calls once, untimed for the results (their "
+                         "tokens/s are in the JSON as first_calls); default: one short pass over both prompt sets")
     ap.add_argument("--in-process", action="store_true",
                     help="every config's engine in this one process (default: each in processes of its own; see interleaved())")
     args = ap.parse_args()
@@ -513,8 +538,9 @@ def main() -> int:
             ap.error(f"--preload: {e}")
         print(f"engines run with LD_PRELOAD={os.environ['LD_PRELOAD']}", flush=True)
     calls: list[dict[str, Any]] = []
+    first_calls: dict[str, list[list[float]]] = {}
     rounds = interleaved(configs, args.dtype, args.max_tokens, args.rounds, batches, args.in_process, args.bracket, calls,
-                         args.settle, args.fresh_engines)
+                         args.settle, args.fresh_engines, args.warm_up, first_calls)
     import vllm
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
@@ -529,12 +555,15 @@ def main() -> int:
                 + ", all alive at once, each generate call run by every config back to back"
                 + (", plain decoding again after every other config's call (--bracket)" if args.bracket else "")
                 + (f", {args.settle:g} s of sleep before each call (--settle)" if args.settle else "")
+                + (", every new engine first ran each call once, untimed (--warm-up; first_calls)" if args.warm_up else "")
                 + (", engines with tcmalloc and Intel OpenMP preloaded (--preload)" if args.preload else ""),
         "ld_preload": os.environ.get("LD_PRELOAD", "") if args.preload else None,
         "prompts": {name: [r["question_id"] for r in rows] for name, rows in prompt_rows().items()},
         "speculative_configs": {c: CONFIGS[c] for c in configs}, "wall_s": round(time.time() - started),
         "configs": summarize(rounds, configs),
     }
+    if first_calls:  # tokens/s of each new engine's untimed first calls (--warm-up), per build
+        doc["first_calls"] = first_calls
     if args.bracket:  # each call over its own plain neighbours; the cells' speedups read the same way
         doc["bracketed"] = bracketed(calls)
         doc["calls"] = calls

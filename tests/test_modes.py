@@ -363,6 +363,33 @@ def test_vllm_bench_fresh_engines_replace_the_old_ones(monkeypatch) -> None:
         mod.interleaved(["none"], "float32", 8, 1, (1,), in_process=True, fresh=True)
 
 
+def test_vllm_bench_warm_up_runs_every_call_on_each_new_engine(monkeypatch) -> None:
+    """``--warm-up``: each new engine runs the given calls once before it is used, and their
+    tokens/s are kept per config and build (``first_calls``)."""
+    mod = _vllm_bench()
+    ran: list[tuple[str, list[str]]] = []
+    out = type("Out", (), {"token_ids": [1, 2, 3]})()
+
+    class Fake:
+        def __init__(self, config: str) -> None:
+            self.config = config
+            self.llm_engine = type("Engine", (), {"engine_core": type("Core", (), {"shutdown": lambda _: None})()})()
+
+        def generate(self, prompts: list[str], params: object, use_tqdm: bool) -> list:
+            ran.append((self.config, prompts))
+            return [type("Res", (), {"outputs": [out]})() for _ in prompts]
+
+    monkeypatch.setattr(mod, "_engine", lambda c, dtype, sets: Fake(c))
+    engines: dict = {}
+    first: dict = {}
+    warm = [["a"], ["b", "c"]]
+    for _ in range(2):
+        mod._build_engines(engines, ["none", "dyntree"], "float32", {}, warm, None, first)
+    assert ran == [(c, p) for c in ("none", "dyntree") for p in warm] * 2
+    assert sorted(first) == ["dyntree", "none"] and all(len(v) == 2 and all(len(r) == 2 and min(r) > 0 for r in v)
+                                                        for v in first.values())
+
+
 def test_vllm_bench_pools_every_call_over_the_plain_engines_of_its_round() -> None:
     """The pooled ratio is each call's tokens/s over the plain engines' in the same cell and round
     (a slow round hits them all), the geometric mean over calls with a bootstrap interval; the
