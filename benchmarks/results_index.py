@@ -356,6 +356,7 @@ def config_rows(doc: dict[str, Any], what: str, to: str) -> list[str]:
                     else "; each engine in its own processes, interleaved" if mode.startswith("engines")
                     else "; a process per config and round" if mode else "")
                  + (", new engines each round" if "--fresh-engines" in mode else "")
+                 + (", each engine's calls run once before they count" if "--warm-up" in mode else "")
                  + (f", {settle.group(1)} s of sleep before each call" if (settle := _SETTLE.search(mode)) else "")
                  + (f"; default (`auto`) {_x(default['speedup_vs_none'])} (tau {default['tau']:.2f})" if default else "")
                  + (f"; vLLM ngram {_x(own['speedup_vs_none'])}" if own else "")
