@@ -217,10 +217,9 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     the order rotated and reversed call by call: a config and its baseline are timed seconds apart,
     so a slow spell of a shared machine hits both. With ``bracket`` (and ``none`` among the configs)
     plain decoding also runs right after every other config's call (:func:`call_order`): each call
-    then has a plain call just before and just after it (:func:`bracketed`). Engines without
-    speculation are built first (in one process they then keep vLLM's own attention backend), vLLM's
-    ``ngram`` last. ``settle``: seconds of sleep before each call, so the engine whose call just
-    ended has stopped spinning: vLLM's shared-memory message queue keeps a reader (each idle
+    then has a plain call just before and just after it (:func:`bracketed`). Engines are built
+    in :func:`build_order`. ``settle``: seconds of sleep before each call, so the engine whose
+    call just ended has stopped spinning: vLLM's shared-memory message queue keeps a reader (each idle
     engine's worker and engine core) busy-looping for a second after its last read, and on a CPU
     every engine's worker is bound to the same core. Returns per round, per config and cell, what
     :meth:`_Cell.result` gives (a plain call that only brackets another is not in it); ``calls``,
@@ -244,7 +243,6 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
 
     _time_forwards()
     sets = _prompt_sets()
-    build = sorted(configs, key=lambda c: (CONFIGS[c] is not None, c == "vllm_ngram"))
     engines: dict[str, Any] = {}
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     out: list[dict[str, dict[str, Any]]] = []
@@ -253,7 +251,7 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
         if r == 0 or fresh:
             warm = [prompts[i : i + b] for _, prompts, b in _cells(sets, batches)
                     for i in range(0, len(prompts), b)] if warm_up else []
-            _build_engines(engines, build, dtype, sets, warm, params, first_calls)
+            _build_engines(engines, build_order(configs, r, fresh), dtype, sets, warm, params, first_calls)
         t = time.time()
         out.append({c: {} for c in configs})
         for cell, prompts, b in _cells(sets, batches):
@@ -275,6 +273,18 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
                           for cell, v in out[-1].get("dyntree", {}).items()) if "none" in configs else ""
         print(f"round {r + 1}/{rounds} ({time.time() - t:.0f} s)  dyntree over none: {cells}", flush=True)
     return out
+
+
+def build_order(configs: list[str], round_: int, fresh: bool = False) -> list[str]:
+    """The order a round builds its engines in: engines without speculation first (in one
+    process they then keep vLLM's own attention backend), vLLM's ``ngram`` last; with ``fresh``
+    engines (processes of their own) that order rotated by the round, so the engine built first
+    is not always plain decoding's: two fresh-engine runs that always built it first read its A/A
+    twin 1.025x and 1.054x over it, and of four plain engines alive together the first built ran
+    slowest in 4 of 6 rounds."""
+    build = sorted(configs, key=lambda c: (CONFIGS[c] is not None, c == "vllm_ngram"))
+    k = round_ % len(build) if fresh and build else 0
+    return build[k:] + build[:k]
 
 
 def _build_engines(engines: dict[str, Any], configs: list[str], dtype: str, sets: dict[str, list[str]],

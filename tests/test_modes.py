@@ -390,6 +390,17 @@ def test_vllm_bench_warm_up_runs_every_call_on_each_new_engine(monkeypatch) -> N
                                                         for v in first.values())
 
 
+def test_vllm_bench_fresh_engines_rotate_the_build_order() -> None:
+    """Plain decoding's engines are built first and vLLM's n-gram last; with fresh engines each
+    round starts one config further on, so no config is always built first."""
+    mod = _vllm_bench()
+    configs = ["vllm_ngram", "dyntree", "none", "none_sync"]
+    assert mod.build_order(configs, 0) == mod.build_order(configs, 3) == ["none", "none_sync", "dyntree", "vllm_ngram"]
+    firsts = [mod.build_order(configs, r, fresh=True)[0] for r in range(4)]
+    assert firsts == ["none", "none_sync", "dyntree", "vllm_ngram"]
+    assert mod.build_order(configs, 5, fresh=True) == ["none_sync", "dyntree", "vllm_ngram", "none"]
+
+
 def test_vllm_bench_pools_every_call_over_the_plain_engines_of_its_round() -> None:
     """The pooled ratio is each call's tokens/s over the plain engines' in the same cell and round
     (a slow round hits them all), the geometric mean over calls with a bootstrap interval; the
