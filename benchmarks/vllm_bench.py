@@ -305,9 +305,9 @@ def _build_engines(engines: dict[str, Any], configs: list[str], dtype: str, sets
         engines[c] = _engine(c, dtype, sets)
         rates = []
         for prompts in warm or ():
-            start = time.perf_counter()
-            res = engines[c].generate(prompts, params, use_tqdm=False)
-            rates.append(round(sum(len(o.outputs[0].token_ids) for o in res) / (time.perf_counter() - start), 3))
+            tally = _Cell()
+            tally.run(engines[c], prompts, params)
+            rates.append(round(tally.tokens / tally.wall, 3))
         if first_calls is not None and warm:
             first_calls.setdefault(c, []).append(rates)
         print(f"built {c} ({time.time() - t:.0f} s)" + (f"; first calls at {', '.join(map(str, rates))} tokens/s" if rates else ""),

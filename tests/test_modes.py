@@ -373,7 +373,8 @@ def test_vllm_bench_warm_up_runs_every_call_on_each_new_engine(monkeypatch) -> N
     class Fake:
         def __init__(self, config: str) -> None:
             self.config = config
-            self.llm_engine = type("Engine", (), {"engine_core": type("Core", (), {"shutdown": lambda _: None})()})()
+            self.llm_engine = type("Engine", (), {"engine_core": type("Core", (), {"shutdown": lambda _: None})(),
+                                                  "logger_manager": type("Loggers", (), {"stat_loggers": []})()})()
 
         def generate(self, prompts: list[str], params: object, use_tqdm: bool) -> list:
             ran.append((self.config, prompts))
