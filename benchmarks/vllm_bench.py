@@ -31,7 +31,8 @@ engine with the libraries vLLM's CPU install guide preloads (tcmalloc, Intel Ope
 ``--fresh-engines`` builds every config's engines anew at each round; ``--warm-up`` has each new
 engine run every call of the run once before its counted calls (tokens/s of those first calls
 kept as ``first_calls``): the adaptive controller's first learning, a served engine's first
-seconds, is then not in every round of a fresh-engine run. Writes JSON
+seconds, is then not in every round of a fresh-engine run. Engines in processes of their own are
+built after a spare plain engine that is never called: the first engine built runs slow. Writes JSON
 (and a PNG of the speedups when matplotlib is installed).
 """
 
@@ -94,6 +95,8 @@ CONTROLS: dict[str, dict[str, Any]] = {
 }
 SETS = ("chat", "code")
 BATCHES = (1, 8, 16)
+#: ``engines`` key of the plain engine built first and never called (:func:`_build_engines`)
+SPARE = "_spare"
 
 
 def prompt_rows(n: int = 8) -> dict[str, list[dict[str, Any]]]:
@@ -218,7 +221,8 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     so a slow spell of a shared machine hits both. With ``bracket`` (and ``none`` among the configs)
     plain decoding also runs right after every other config's call (:func:`call_order`): each call
     then has a plain call just before and just after it (:func:`bracketed`). Engines are built
-    in :func:`build_order`. ``settle``: seconds of sleep before each call, so the engine whose
+    in :func:`build_order`, after a spare plain engine that is never called (engines in processes of their own;
+    :func:`_build_engines`). ``settle``: seconds of sleep before each call, so the engine whose
     call just ended has stopped spinning: vLLM's shared-memory message queue keeps a reader (each idle
     engine's worker and engine core) busy-looping for a second after its last read, and on a CPU
     every engine's worker is bound to the same core. Returns per round, per config and cell, what
@@ -251,7 +255,8 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
         if r == 0 or fresh:
             warm = [prompts[i : i + b] for _, prompts, b in _cells(sets, batches)
                     for i in range(0, len(prompts), b)] if warm_up else []
-            _build_engines(engines, build_order(configs, r, fresh), dtype, sets, warm, params, first_calls)
+            _build_engines(engines, build_order(configs, r, fresh), dtype, sets, warm, params, first_calls,
+                           spare=not in_process)
         t = time.time()
         out.append({c: {} for c in configs})
         for cell, prompts, b in _cells(sets, batches):
@@ -278,10 +283,10 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
 def build_order(configs: list[str], round_: int, fresh: bool = False) -> list[str]:
     """The order a round builds its engines in: engines without speculation first (in one
     process they then keep vLLM's own attention backend), vLLM's ``ngram`` last; with ``fresh``
-    engines (processes of their own) that order rotated by the round, so the engine built first
-    is not always plain decoding's: two fresh-engine runs that always built it first read its A/A
-    twin 1.025x and 1.054x over it, and of four plain engines alive together the first built ran
-    slowest in 4 of 6 rounds."""
+    engines (processes of their own) that order rotated by the round, so whatever an engine's place
+    in the build costs falls on every config in turn: two fresh-engine runs that always built plain
+    decoding's first read its A/A twin 1.025x and 1.054x over it, and a rotated run (no spare
+    engine yet) read each round's first-built engine at 0.73x-1.00x of the plain calls around it."""
     build = sorted(configs, key=lambda c: (CONFIGS[c] is not None, c == "vllm_ngram"))
     k = round_ % len(build) if fresh and build else 0
     return build[k:] + build[:k]
@@ -289,9 +294,13 @@ def build_order(configs: list[str], round_: int, fresh: bool = False) -> list[st
 
 def _build_engines(engines: dict[str, Any], configs: list[str], dtype: str, sets: dict[str, list[str]],
                    warm: list[list[str]] | None = None, params: Any = None,
-                   first_calls: dict[str, list[list[float]]] | None = None) -> None:
+                   first_calls: dict[str, list[list[float]]] | None = None, spare: bool = False) -> None:
     """``engines`` (config -> ``LLM``) built anew for ``configs`` in that order, any there before
-    shut down first (their engine-core and worker processes end). Each new engine then runs the
+    shut down first (their engine-core and worker processes end). With ``spare``, a plain engine
+    that is never called is built before them (``engines[SPARE]``): the first engine built ran
+    slow for its whole life (four plain engines alive together, called in turn: the first
+    slowest in every round, 154.6 against 159.6-162.6 tokens/s; with a spare built first, 158.2
+    against 151.2-154.2), so no config's engine is that one. Each new engine then runs the
     ``warm`` calls (prompt lists, at ``params``) untimed for the results: the run's own calls, so
     an adaptive controller has seen every batch size before its first counted call, as a served
     engine has after its first seconds; their tokens/s go to ``first_calls`` (config -> one list
@@ -300,6 +309,10 @@ def _build_engines(engines: dict[str, Any], configs: list[str], dtype: str, sets
         llm.llm_engine.engine_core.shutdown()
     engines.clear()
     gc.collect()
+    if spare:
+        t = time.time()
+        engines[SPARE] = _engine("none", dtype, sets)
+        print(f"built a spare plain engine, never called ({time.time() - t:.0f} s)", flush=True)
     for c in configs:
         t = time.time()
         engines[c] = _engine(c, dtype, sets)
@@ -560,7 +573,8 @@ def main() -> int:
         "cores": os.cpu_count(), "dtype": short, "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         "model": "SmolLM2-135M-Instruct", "max_tokens": args.max_tokens, "rounds": args.rounds, "batches": list(batches),
         "mode": ("in-process: every engine in one process" if args.in_process
-                 else "engines: every config's engine in processes of its own (vLLM's multiprocess engine core)")
+                 else "engines: every config's engine in processes of its own (vLLM's multiprocess engine core), "
+                     "after a spare plain engine that is never called")
                 + (", built anew at each round (--fresh-engines)" if args.fresh_engines else "")
                 + ", all alive at once, each generate call run by every config back to back"
                 + (", plain decoding again after every other config's call (--bracket)" if args.bracket else "")

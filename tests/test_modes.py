@@ -341,7 +341,7 @@ def _vllm_bench():
 
 def test_vllm_bench_fresh_engines_replace_the_old_ones(monkeypatch) -> None:
     """``--fresh-engines``: each round's engines are built anew in the build order, every old one
-    shut down first; refused with every engine in one process."""
+    (the spare plain engine too) shut down first; refused with every engine in one process."""
     mod = _vllm_bench()
     built: list[str] = []
 
@@ -359,6 +359,14 @@ def test_vllm_bench_fresh_engines_replace_the_old_ones(monkeypatch) -> None:
     assert built == ["none", "dyntree", "none", "dyntree"]
     assert all(e.down for e in first.values()) and not any(e.down for e in engines.values())
     assert all(engines[c] is not first[c] for c in first)
+    # a spare plain engine first, never handed a config's calls, shut down with the rest
+    built.clear()
+    mod._build_engines(engines, ["dyntree", "none"], "float32", {}, spare=True)
+    spare = engines[mod.SPARE]
+    assert built == ["none", "dyntree", "none"] and list(engines) == [mod.SPARE, "dyntree", "none"]
+    assert engines["none"] is not spare and not spare.down
+    mod._build_engines(engines, ["none"], "float32", {})
+    assert spare.down and mod.SPARE not in engines
     with pytest.raises(ValueError, match="in_process"):
         mod.interleaved(["none"], "float32", 8, 1, (1,), in_process=True, fresh=True)
 
