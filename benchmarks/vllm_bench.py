@@ -221,8 +221,8 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     so a slow spell of a shared machine hits both. With ``bracket`` (and ``none`` among the configs)
     plain decoding also runs right after every other config's call (:func:`call_order`): each call
     then has a plain call just before and just after it (:func:`bracketed`). Engines are built
-    in :func:`build_order`, after a spare plain engine that is never called (engines in processes of their own;
-    :func:`_build_engines`). ``settle``: seconds of sleep before each call, so the engine whose
+    in :func:`build_order`, after a spare plain engine that is never called (engines in processes
+    of their own; :func:`_build_engines`). ``settle``: seconds of sleep before each call, so the engine whose
     call just ended has stopped spinning: vLLM's shared-memory message queue keeps a reader (each idle
     engine's worker and engine core) busy-looping for a second after its last read, and on a CPU
     every engine's worker is bound to the same core. Returns per round, per config and cell, what
@@ -284,9 +284,8 @@ def build_order(configs: list[str], round_: int, fresh: bool = False) -> list[st
     """The order a round builds its engines in: engines without speculation first (in one
     process they then keep vLLM's own attention backend), vLLM's ``ngram`` last; with ``fresh``
     engines (processes of their own) that order rotated by the round, so whatever an engine's place
-    in the build costs falls on every config in turn: two fresh-engine runs that always built plain
-    decoding's first read its A/A twin 1.025x and 1.054x over it, and a rotated run (no spare
-    engine yet) read each round's first-built engine at 0.73x-1.00x of the plain calls around it."""
+    in the build costs falls on every config in turn (docs/vllm.md: runs that always built plain
+    decoding's engine first read it slow against its A/A twin)."""
     build = sorted(configs, key=lambda c: (CONFIGS[c] is not None, c == "vllm_ngram"))
     k = round_ % len(build) if fresh and build else 0
     return build[k:] + build[:k]
@@ -297,10 +296,8 @@ def _build_engines(engines: dict[str, Any], configs: list[str], dtype: str, sets
                    first_calls: dict[str, list[list[float]]] | None = None, spare: bool = False) -> None:
     """``engines`` (config -> ``LLM``) built anew for ``configs`` in that order, any there before
     shut down first (their engine-core and worker processes end). With ``spare``, a plain engine
-    that is never called is built before them (``engines[SPARE]``): the first engine built ran
-    slow for its whole life (four plain engines alive together, called in turn: the first
-    slowest in every round, 154.6 against 159.6-162.6 tokens/s; with a spare built first, 158.2
-    against 151.2-154.2), so no config's engine is that one. Each new engine then runs the
+    that is never called is built before them (``engines[SPARE]``), so no config's engine is the
+    first built, which runs slow for its whole life (docs/vllm.md). Each new engine then runs the
     ``warm`` calls (prompt lists, at ``params``) untimed for the results: the run's own calls, so
     an adaptive controller has seen every batch size before its first counted call, as a served
     engine has after its first seconds; their tokens/s go to ``first_calls`` (config -> one list
