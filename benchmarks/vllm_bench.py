@@ -28,10 +28,10 @@ decoding right after every other config's call and reads each call over the plai
 and after it (``bracketed``, with every call's record): at batch 8 and 16 a shared machine's speed
 drifts within a round by more than the few percent a config is judged by. ``--preload`` runs every
 engine with the libraries vLLM's CPU install guide preloads (tcmalloc, Intel OpenMP).
-``--fresh-engines`` builds every config's engines anew at each round; ``--warm-up`` has each new
-engine run every call of the run once before its counted calls (tokens/s of those first calls
-kept as ``first_calls``): the adaptive controller's first learning, a served engine's first
-seconds, is then not in every round of a fresh-engine run. Engines in processes of their own are
+``--fresh-engines`` builds every config's engines anew at each round; ``--warm-up N`` has each new
+engine run every call of the run N times (1 when no N is given) before its counted calls
+(tokens/s of those first calls kept as ``first_calls``): the adaptive controller's first learning,
+a served engine's first seconds, is then not in every round of a fresh-engine run. Engines in processes of their own are
 built after a spare plain engine that is never called: the first engine built runs slow. Writes JSON
 (and a PNG of the speedups when matplotlib is installed).
 """
@@ -213,7 +213,7 @@ class _Cell:
 def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
                 batches: tuple[int, ...] = BATCHES, in_process: bool = False, bracket: bool = False,
                 calls: list[dict[str, Any]] | None = None, settle: float = 0.0,
-                fresh: bool = False, warm_up: bool = False,
+                fresh: bool = False, warm_up: int = 0,
                 first_calls: dict[str, list[list[float]]] | None = None) -> list[dict[str, dict[str, Any]]]:
     """Every config's engine alive at once (each in processes of its own, or with ``in_process`` all
     in this one), each ``generate`` call (one batch of one cell) run by every config back to back,
@@ -233,7 +233,8 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     built one after the other, run at speeds that differ by several percent for as long as they
     live (a plain engine and its A/A twin read 1.061x over a whole run), which rounds over the same
     engines cannot average out. ``warm_up``: every new engine first runs each of the run's calls
-    once, untimed for the results (:func:`_build_engines`; their tokens/s go to ``first_calls``)."""
+    that many times, untimed for the results (:func:`warm_calls`, :func:`_build_engines`; their
+    tokens/s go to ``first_calls``)."""
     if fresh and in_process:
         raise ValueError("interleaved: fresh engines are shut down by ending their processes, not with in_process")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
@@ -253,8 +254,7 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     origin = time.perf_counter()
     for r in range(rounds):
         if r == 0 or fresh:
-            warm = [prompts[i : i + b] for _, prompts, b in _cells(sets, batches)
-                    for i in range(0, len(prompts), b)] if warm_up else []
+            warm = warm_calls(sets, batches, warm_up)
             _build_engines(engines, build_order(configs, r, fresh), dtype, sets, warm, params, first_calls,
                            spare=not in_process)
         t = time.time()
@@ -278,6 +278,13 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
                           for cell, v in out[-1].get("dyntree", {}).items()) if "none" in configs else ""
         print(f"round {r + 1}/{rounds} ({time.time() - t:.0f} s)  dyntree over none: {cells}", flush=True)
     return out
+
+
+def warm_calls(sets: dict[str, list[str]], batches: tuple[int, ...], passes: int) -> list[list[str]]:
+    """A new engine's untimed calls: every call of the run (each cell's batches, in order), ``passes``
+    times over."""
+    return [prompts[i : i + b] for _ in range(passes) for _, prompts, b in _cells(sets, batches)
+            for i in range(0, len(prompts), b)]
 
 
 def build_order(configs: list[str], round_: int, fresh: bool = False) -> list[str]:
@@ -519,9 +526,10 @@ def main() -> int:
     ap.add_argument("--fresh-engines", action="store_true",
                     help="build every config's engine anew at each round (see interleaved()); default: one engine "
                          "per config for the whole run")
-    ap.add_argument("--warm-up", action="store_true",
-                    help="every new engine first runs each of the run's calls once, untimed for the results (their "
-                         "tokens/s are in the JSON as first_calls); default: one short pass over both prompt sets")
+    ap.add_argument("--warm-up", type=int, nargs="?", const=1, default=0, metavar="PASSES",
+                    help="every new engine first runs each of the run's calls PASSES times (1 if not given), untimed "
+                         "for the results (their tokens/s are in the JSON as first_calls); default: one short pass "
+                         "over both prompt sets")
     ap.add_argument("--in-process", action="store_true",
                     help="every config's engine in this one process (default: each in processes of its own; see interleaved())")
     args = ap.parse_args()
@@ -547,6 +555,8 @@ def main() -> int:
         ap.error("--bracket: brackets every call with plain decoding, so --configs must include none")
     if args.settle < 0:
         ap.error("--settle: seconds >= 0")
+    if args.warm_up < 0:
+        ap.error("--warm-up: passes >= 0")
     if args.fresh_engines and args.in_process:
         ap.error("--fresh-engines: engines are shut down by ending their processes, so not with --in-process")
     if args.preload:
@@ -576,7 +586,8 @@ def main() -> int:
                 + ", all alive at once, each generate call run by every config back to back"
                 + (", plain decoding again after every other config's call (--bracket)" if args.bracket else "")
                 + (f", {args.settle:g} s of sleep before each call (--settle)" if args.settle else "")
-                + (", every new engine first ran each call once, untimed (--warm-up; first_calls)" if args.warm_up else "")
+                + (f", every new engine first ran each call {'once' if args.warm_up == 1 else f'{args.warm_up} times'}, "
+                   "untimed (--warm-up; first_calls)" if args.warm_up else "")
                 + (", engines with tcmalloc and Intel OpenMP preloaded (--preload)" if args.preload else ""),
         "ld_preload": os.environ.get("LD_PRELOAD", "") if args.preload else None,
         "prompts": {name: [r["question_id"] for r in rows] for name, rows in prompt_rows().items()},

@@ -399,6 +399,18 @@ def test_vllm_bench_warm_up_runs_every_call_on_each_new_engine(monkeypatch) -> N
                                                         for v in first.values())
 
 
+def test_vllm_bench_warm_up_passes_repeat_every_call_of_the_run() -> None:
+    """``--warm-up N``: a new engine's untimed calls are every call of the run (each cell's
+    batches in order), N times over; none without warm-up."""
+    mod = _vllm_bench()
+    sets = {"chat": [f"c{i}" for i in range(8)], "code": [f"k{i}" for i in range(8)]}
+    once = mod.warm_calls(sets, (8, 16), 1)
+    assert once == [sets["chat"], sets["code"], sets["chat"] + sets["code"]]
+    assert mod.warm_calls(sets, (8, 16), 3) == once * 3
+    assert mod.warm_calls(sets, (1,), 1) == [[p] for p in sets["chat"] + sets["code"]]
+    assert mod.warm_calls(sets, (8, 16), 0) == []
+
+
 def test_vllm_bench_fresh_engines_rotate_the_build_order() -> None:
     """Plain decoding's engines are built first and vLLM's n-gram last; with fresh engines each
     round starts one config further on, so no config is always built first."""
