@@ -328,6 +328,7 @@ def engine_rows(folder: Path, what: str, results: Path) -> list[str]:
 ENGINE_CONFIGS = {"ngram": "dyntree_ngram", "hydra": "dyntree_hydra", "qspec": "dyntree_qspec"}
 #: A run's ``--settle`` as the bench's JSON ``mode`` states it.
 _SETTLE = re.compile(r"(\d+(?:\.\d+)?) s of sleep before each call")
+_WARM = re.compile(r"ran each call (once|\d+ times), untimed")  # --warm-up [N] in a vLLM run's mode
 
 
 def config_rows(doc: dict[str, Any], what: str, to: str) -> list[str]:
@@ -356,7 +357,7 @@ def config_rows(doc: dict[str, Any], what: str, to: str) -> list[str]:
                     else "; each engine in its own processes, interleaved" if mode.startswith("engines")
                     else "; a process per config and round" if mode else "")
                  + (", new engines each round" if "--fresh-engines" in mode else "")
-                 + (", each engine's calls run once before they count" if "--warm-up" in mode else "")
+                 + (f", each engine's calls run {warm.group(1)} before they count" if (warm := _WARM.search(mode)) else "")
                  + (f", {settle.group(1)} s of sleep before each call" if (settle := _SETTLE.search(mode)) else "")
                  + (f"; default (`auto`) {_x(default['speedup_vs_none'])} (tau {default['tau']:.2f})" if default else "")
                  + (f"; vLLM ngram {_x(own['speedup_vs_none'])}" if own else "")
