@@ -31,9 +31,9 @@ engine with the libraries vLLM's CPU install guide preloads (tcmalloc, Intel Ope
 ``--fresh-engines`` builds every config's engines anew at each round; ``--warm-up N`` has each new
 engine run every call of the run N times (1 when no N is given) before its counted calls
 (tokens/s of those first calls kept as ``first_calls``): the adaptive controller's first learning,
-a served engine's first seconds, is then not in every round of a fresh-engine run. Engines in processes of their own are
-built after a spare plain engine that is never called: the first engine built runs slow. Writes JSON
-(and a PNG of the speedups when matplotlib is installed).
+a served engine's first seconds, is then not in every round of a fresh-engine run. Engines in
+processes of their own are built after a spare plain engine that is never called: the first engine
+built runs slow. Writes JSON (and a PNG of the speedups when matplotlib is installed).
 """
 
 from __future__ import annotations
