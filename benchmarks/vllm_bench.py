@@ -91,6 +91,7 @@ CONTROLS: dict[str, dict[str, Any]] = {
     "dyntree_noprobe": {"method": "dyntree", "controller": {"probe_steps": 0}},
     "dyntree_hydra_idle": {"method": "dyntree", "drafter": "hydra", "controller": {"min_gain": 1000, "probe_steps": 0}},
     "dyntree_hydra_noprobe": {"method": "dyntree", "drafter": "hydra", "controller": {"probe_steps": 0}},
+    "dyntree_qspec_idle": {"method": "dyntree", "drafter": "qspec", "controller": {"min_gain": 1000, "probe_steps": 0}},
     "dyntree_max8": {"method": "dyntree", "max_nodes": 8},
     "vllm_ngram_idle": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4096,
                         "prompt_lookup_min": 4096},
