@@ -328,7 +328,8 @@ def engine_rows(folder: Path, what: str, results: Path) -> list[str]:
 ENGINE_CONFIGS = {"ngram": "dyntree_ngram", "hydra": "dyntree_hydra", "qspec": "dyntree_qspec"}
 #: A run's ``--settle`` as the bench's JSON ``mode`` states it.
 _SETTLE = re.compile(r"(\d+(?:\.\d+)?) s of sleep before each call")
-_WARM = re.compile(r"ran each call (once|\d+ times), untimed")  # --warm-up [N] in a vLLM run's mode
+#: A run's ``--warm-up`` passes as the bench's JSON ``mode`` states them.
+_WARM = re.compile(r"ran each call (once|\d+ times), untimed")
 
 
 def config_rows(doc: dict[str, Any], what: str, to: str) -> list[str]:

@@ -80,6 +80,8 @@ CONFIGS["none_sync"] = None
 #: spread over the steps it serves); what a speculative config costs when it never drafts: dyntree
 #: with a bar no plan clears and no probes, vLLM's n-gram with a match length no prompt reaches; the
 #: default without probes.
+#: a controller held to no drafting (plans never pass the bar, no probes): what an engine costs every step
+_NO_DRAFTING = {"min_gain": 1000, "probe_steps": 0}
 CONTROLS: dict[str, dict[str, Any]] = {
     "dyntree_chains": {"method": "dyntree", "tree": "chain"},
     "dyntree_fullhead": {"method": "dyntree", "screened_head": False},
@@ -87,11 +89,11 @@ CONTROLS: dict[str, dict[str, Any]] = {
     "dyntree_chain4": {"method": "dyntree", "tree": "chain", "adaptive": False, "num_speculative_tokens": 4},
     "dyntree_ngram_chain4": {"method": "dyntree", "drafter": "ngram", "tree": "chain", "adaptive": False,
                              "num_speculative_tokens": 4},
-    "dyntree_idle": {"method": "dyntree", "controller": {"min_gain": 1000, "probe_steps": 0}},
+    "dyntree_idle": {"method": "dyntree", "controller": _NO_DRAFTING},
     "dyntree_noprobe": {"method": "dyntree", "controller": {"probe_steps": 0}},
-    "dyntree_hydra_idle": {"method": "dyntree", "drafter": "hydra", "controller": {"min_gain": 1000, "probe_steps": 0}},
+    "dyntree_hydra_idle": {"method": "dyntree", "drafter": "hydra", "controller": _NO_DRAFTING},
     "dyntree_hydra_noprobe": {"method": "dyntree", "drafter": "hydra", "controller": {"probe_steps": 0}},
-    "dyntree_qspec_idle": {"method": "dyntree", "drafter": "qspec", "controller": {"min_gain": 1000, "probe_steps": 0}},
+    "dyntree_qspec_idle": {"method": "dyntree", "drafter": "qspec", "controller": _NO_DRAFTING},
     "dyntree_max8": {"method": "dyntree", "max_nodes": 8},
     "vllm_ngram_idle": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4096,
                         "prompt_lookup_min": 4096},
@@ -225,8 +227,8 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     plain decoding also runs right after every other config's call (:func:`call_order`): each call
     then has a plain call just before and just after it (:func:`bracketed`). Engines are built
     in :func:`build_order`, after a spare plain engine that is never called (engines in processes
-    of their own; :func:`_build_engines`). ``settle``: seconds of sleep before each call, so the engine whose
-    call just ended has stopped spinning: vLLM's shared-memory message queue keeps a reader (each idle
+    of their own; :func:`_build_engines`). ``settle``: seconds of sleep before each call, so the
+    engine whose call just ended has stopped spinning: vLLM's shared-memory message queue keeps a reader (each idle
     engine's worker and engine core) busy-looping for a second after its last read, and on a CPU
     every engine's worker is bound to the same core. Returns per round, per config and cell, what
     :meth:`_Cell.result` gives (a plain call that only brackets another is not in it); ``calls``,
