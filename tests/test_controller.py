@@ -366,6 +366,32 @@ def test_failing_request_stops_speculating_then_retries() -> None:
     assert ctrl.plan([7])[0].max_nodes <= 2  # retried cautiously: a short chain
 
 
+def test_a_request_learns_its_acceptance_from_its_first_steps() -> None:
+    """A new request starts at the population's acceptance, worth ``prior_weight`` observations
+    (not the EMA's whole weight): two missed first drafts put it well below the population, two
+    accepted ones well above. Idle steps move the estimate back toward the prior and fade the
+    request's own evidence with it, so a retry's first misses stop it again within a few steps
+    (a retry at an estimate as firm as a busy request's kept a batch of 8 drafting for 20 losing
+    steps in vLLM, ``docs/vllm.md``)."""
+    ctrl = SpeculationController(CostModel({1: 10.0, 2: 12.0, 256: 60.0}), BUDGET)
+    for rid, hit in ((1, False), (2, True)):
+        for _ in range(2):
+            ctrl.observe(rid, DraftTree.chain(0, [1]), [0, 1] if hit else [0])
+    assert ctrl.alpha(1) < 0.3 < 0.45 < ctrl.population_alpha < 0.55 < 0.7 < ctrl.alpha(2)
+    _feed(ctrl, 7, accept_all=False)
+    for _ in range(200):  # idle steps (a quiet spell's, which plan nothing): back toward the prior
+        ctrl._relax(7)
+    assert ctrl.alpha(7) > 0.45
+    drafting = 0
+    for _ in range(10):  # every retried draft misses
+        plan = ctrl.plan([7])[0]
+        if plan.mode == "none":
+            break
+        drafting += 1
+        ctrl.observe(7, DraftTree.chain(0, list(range(1, plan.max_nodes + 1))), [0])
+    assert drafting <= 3
+
+
 def test_larger_batches_shrink_to_chains_then_plain() -> None:
     # Memory-bound up to 128 query tokens, then compute-bound.
     ctrl = SpeculationController(CostModel({1: 10.0, 128: 11.0, 2048: 176.0}), BUDGET)
@@ -385,7 +411,8 @@ def test_larger_batches_shrink_to_chains_then_plain() -> None:
 def test_budget_goes_to_the_requests_that_accept() -> None:
     ctrl = SpeculationController(CostModel({1: 10.0, 24: 10.2, 64: 30.0}), BUDGET)
     _feed(ctrl, 1, accept_all=True)
-    ctrl.observe(2, DraftTree.chain(0, [1, 2]), [0, 1])  # middling: one of two accepted
+    for step in range(20):  # middling: half its first drafts accepted
+        ctrl.observe(2, DraftTree.chain(0, [1, 2]), [0, 1] if step % 2 else [0])
     plans = ctrl.plan([1, 2, 3])
     assert plans[0].max_nodes > plans[1].max_nodes > 0
 
@@ -741,8 +768,8 @@ def test_plans_the_drafter_cannot_fill_are_priced_down() -> None:
 
     full, sparse = run(1), run(5)
     assert full.delivery(0) == pytest.approx(1.0) and any(p.mode != "none" for p in full.plan([0, 1]))
-    # learned well below full delivery (once it stops speculating, the estimate drifts back up: relax)
-    assert sparse.delivery(0) < 0.7 and all(p.mode == "none" for p in sparse.plan([0, 1]))
+    # learned below full delivery (once it stops speculating, the estimate drifts back up: relax)
+    assert sparse.delivery(0) < 0.8 and all(p.mode == "none" for p in sparse.plan([0, 1]))
     e_full, _ = full.expected_table(0.6)
     e_half, _ = full.expected_table(0.6, delivery=0.5)
     assert e_half == pytest.approx([e / 2 for e in e_full])

@@ -24,10 +24,14 @@
   siblings catch the token a first child missed. A request that keeps being accepted gets deep,
   large trees; one that keeps failing gets a short chain or nothing (each draft node must be
   worth ``min_node_value`` accepted tokens), and drifts back toward the prior (and full delivery)
-  while idle so it is retried now and then. A drafter that knows something before drafting that
-  moves its acceptance (``Drafter.evidence``: the n-gram index's longest match, in classes of 1,
-  2-3, 4-7, ... tokens) has alpha kept per request and class, each class starting where it stands
-  over every request: a request that starts copying a passage is planned by what copied passages
+  while idle so it is retried now and then. A request's own alpha starts at its population's
+  worth ``prior_weight`` observations, and idle steps fade its evidence back to that weight as
+  they move it, so a new request's or a retry's first steps decide (started at a prior as firm
+  as 20 observations, a batch of 8 chat requests kept drafting for 20 steps that lost in vLLM).
+  A drafter that knows something before drafting that moves its acceptance
+  (``Drafter.evidence``: the n-gram index's longest match, in classes of 1, 2-3, 4-7, ...
+  tokens) has alpha kept per request and class, each class starting where it stands over every
+  request: a request that starts copying a passage is planned by what copied passages
   are accepted at from its first such step, not after an EMA has climbed out of its last misses.
 * Per batch, a :class:`CostModel` (ms of one target forward vs. its number of query tokens,
   piecewise linear, seeded from start-up timings and refined online) prices the verify forward.
@@ -293,8 +297,15 @@ class SpeculationController:
         s = self._state(rid)
         if s.cls not in s.acc:
             h, t = self._class_pop(s.cls)
-            s.acc[s.cls] = [h / t * self.options.prior_weight, self.options.prior_weight]
+            s.acc[s.cls] = [h / t * self._fresh, self._fresh]
         return s.acc[s.cls]
+
+    @property
+    def _fresh(self) -> float:
+        """The weight of a request's acceptance prior in its EMA: ``prior_weight`` observations
+        (an observation weighs ``ema`` in it, and the EMA's full weight is 1)."""
+        o = self.options
+        return o.ema * o.prior_weight
 
     @property
     def population_alpha(self) -> float:
@@ -691,7 +702,9 @@ class SpeculationController:
         good drafter's speculation for the rest of a request)."""
         o, s, acc = self.options, self._state(rid), self._acc(rid)
         h, t = self._class_pop(s.cls)
-        acc[0] += o.relax * (max(h / t, o.alpha_prior) * acc[1] - acc[0])
+        alpha = acc[0] / acc[1]
+        acc[1] += o.relax * (self._fresh - acc[1])
+        acc[0] = acc[1] * (alpha + o.relax * (max(h / t, o.alpha_prior) - alpha))
         s.got += o.relax * (s.want - s.got)
 
     def _relax_outcome(self, rows: int, branching_only: bool = False) -> None:

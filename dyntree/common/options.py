@@ -142,7 +142,12 @@ class ControllerOptions(BaseModel):
         0.5, ge=0, le=1, description="top-1 draft acceptance assumed before any is observed (then new "
         "requests start from the acceptance observed over all requests)"
     )
-    prior_weight: float = Field(2.0, gt=0, description="pseudo-levels of the prior in the EMA start")
+    prior_weight: float = Field(
+        2.0, gt=0,
+        description="how much a prior weighs: a request's acceptance starts at its population's as if observed "
+        "this many times (its idle steps fade its own observations back to that weight) and a deeper tree level's "
+        "at the level above's; the population statistics start at theirs with this many times an EMA's full weight",
+    )
     relax: float = Field(
         0.02,
         ge=0,
