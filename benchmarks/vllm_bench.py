@@ -71,6 +71,8 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
 #: against ``none`` is the machine's noise.
 ENGINE_ARGS: dict[str, dict[str, Any]] = {"none_sync": {"async_scheduling": False}}
 CONFIGS["none_sync"] = None
+#: A controller held to no drafting (plans never pass the bar, no probes): what an engine costs every step.
+_NO_DRAFTING = {"min_gain": 1000, "probe_steps": 0}
 #: Controls, run only when named in ``--configs``: for the adaptive controller, each drafter pinned
 #: to the shape vLLM's own n-gram verifies (a chain of 4, every step it can draft), and the default
 #: held to chains (the controller still picks their length, or no draft); the default with vLLM's
@@ -79,9 +81,7 @@ CONFIGS["none_sync"] = None
 #: catch-up priced whole at the step that pays it (``catch_up_steps: 1``, the pricing before it was
 #: spread over the steps it serves); what a speculative config costs when it never drafts: dyntree
 #: with a bar no plan clears and no probes, vLLM's n-gram with a match length no prompt reaches; the
-#: default without probes.
-#: a controller held to no drafting (plans never pass the bar, no probes): what an engine costs every step
-_NO_DRAFTING = {"min_gain": 1000, "probe_steps": 0}
+#: default without probes; Hydra alone and the self-draft held to no drafting, Hydra without probes.
 CONTROLS: dict[str, dict[str, Any]] = {
     "dyntree_chains": {"method": "dyntree", "tree": "chain"},
     "dyntree_fullhead": {"method": "dyntree", "screened_head": False},
@@ -228,8 +228,9 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     then has a plain call just before and just after it (:func:`bracketed`). Engines are built
     in :func:`build_order`, after a spare plain engine that is never called (engines in processes
     of their own; :func:`_build_engines`). ``settle``: seconds of sleep before each call, so the
-    engine whose call just ended has stopped spinning: vLLM's shared-memory message queue keeps a reader (each idle
-    engine's worker and engine core) busy-looping for a second after its last read, and on a CPU
+    engine whose call just ended has stopped spinning: vLLM's shared-memory message queue keeps a
+    reader (each idle engine's worker and engine core) busy-looping for a second after its last
+    read, and on a CPU
     every engine's worker is bound to the same core. Returns per round, per config and cell, what
     :meth:`_Cell.result` gives (a plain call that only brackets another is not in it); ``calls``,
     when given, gets a record of every call in the order run (:func:`bracketed` reads them).

@@ -372,7 +372,7 @@ def test_a_request_learns_its_acceptance_from_its_first_steps() -> None:
     accepted ones well above. Idle steps move the estimate back toward the prior and fade the
     request's own evidence with it, so a retry's first misses stop it again within a few steps
     (from a prior as firm as a busy request's history, a batch of 8 chat requests in vLLM drafted
-    on 19 of a call's 65 steps and lost, ``docs/vllm.md``)."""
+    on 20 of a call's ~60 steps and lost, ``docs/vllm.md``)."""
     ctrl = SpeculationController(CostModel({1: 10.0, 2: 12.0, 256: 60.0}), BUDGET)
     for rid, hit in ((1, False), (2, True)):
         for _ in range(2):
