@@ -26,7 +26,10 @@ outside the forward per token beyond plain decoding's, as a share of plain decod
 (``outside_forward_vs_none``): drafting, verification and hooks. ``--bracket`` also runs plain
 decoding right after every other config's call and reads each call over the plain calls just before
 and after it (``bracketed``, with every call's record): at batch 8 and 16 a shared machine's speed
-drifts within a round by more than the few percent a config is judged by. ``--preload`` runs every
+drifts within a round by more than the few percent a config is judged by. Every run with plain
+decoding also pools each call over the round's plain engines in the same cell (``pooled``: the
+mean of ``none`` and ``none_sync`` where both run): two engines of one config run at speeds up to
+~9% apart for as long as they live, so one plain engine alone is a noisy yardstick. ``--preload`` runs every
 engine with the libraries vLLM's CPU install guide preloads (tcmalloc, Intel OpenMP).
 ``--fresh-engines`` builds every config's engines anew at each round; ``--warm-up N`` has each new
 engine run every call of the run N times (1 when no N is given) before its counted calls
@@ -608,8 +611,7 @@ def main() -> int:
         for c, v in doc["bracketed"].items():
             for cell, ratio in v["cells"].items():
                 doc["configs"][c][cell]["speedup_vs_none"] = ratio
-    else:
-        doc["pooled"] = pooled(doc["configs"])
+    doc["pooled"] = pooled(doc["configs"])
     if "none" in configs and "dyntree" in configs:
         doc["summary"] = {
             f"{cell}: default dyntree": (f"{v['speedup_vs_none']:.2f}x none"
@@ -618,7 +620,8 @@ def main() -> int:
                                          + (f", {v['speedup_vs_vllm_ngram']:.2f}x vLLM ngram" if "speedup_vs_vllm_ngram" in v else ""))
             for cell, v in doc["configs"]["dyntree"].items()}
         if any(not cell.endswith("/b1") for cell in doc["configs"]["none"]):  # batch 8 / 16: every call pooled too
-            doc["summary"].update({f"pooled: {c}": f"{v['ratio']:.3f}x [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] over {v['over']}"
+            doc["summary"].update({f"pooled: {c}": f"{v['ratio']:.3f}x [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] over {v['over']} "
+                                                   "(the round's engines, same cell)"
                                    for c, v in doc.get("pooled", {}).items()})
     doc.setdefault("summary", {}).update({
         f"bracketed: {c}": f"{v['ratio']:.3f}x [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] over the plain calls around it "
