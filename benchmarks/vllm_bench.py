@@ -620,8 +620,7 @@ def main() -> int:
                                          + (f", {v['speedup_vs_vllm_ngram']:.2f}x vLLM ngram" if "speedup_vs_vllm_ngram" in v else ""))
             for cell, v in doc["configs"]["dyntree"].items()}
         if any(not cell.endswith("/b1") for cell in doc["configs"]["none"]):  # batch 8 / 16: every call pooled too
-            doc["summary"].update({f"pooled: {c}": f"{v['ratio']:.3f}x [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] over {v['over']} "
-                                                   "(the round's engines, same cell)"
+            doc["summary"].update({f"pooled: {c}": f"{v['ratio']:.3f}x [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] over {v['over']}"
                                    for c, v in doc.get("pooled", {}).items()})
     doc.setdefault("summary", {}).update({
         f"bracketed: {c}": f"{v['ratio']:.3f}x [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] over the plain calls around it "
