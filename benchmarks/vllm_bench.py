@@ -19,11 +19,14 @@ per round (generated tokens over the wall time of ``LLM.generate``), their media
 (1 + accepted draft tokens per drafting step, from vLLM's spec-decode counters), drafting steps, the
 median over rounds of the per-round speedup against no speculation and against vLLM ``ngram``, and
 the share of outputs identical to no speculation's (token for token; in bf16 a verify pass may flip
-a near-tied argmax, so only fp32 promises identity). ``--in-process`` runs every engine in this one
-process instead (vLLM's engine in-process: no core reserved, no threads bound), and adds each call's
-time inside vLLM's model forward, and per config the median over rounds of the time it spends
-outside the forward per token beyond plain decoding's, as a share of plain decoding's time per token
-(``outside_forward_vs_none``): drafting, verification and hooks. ``--bracket`` also runs plain
+a near-tied argmax, so only fp32 promises identity). Each engine's worker times its model forwards
+(:func:`_worker_forwards`): each call's time inside them, the median forward of its plain steps at
+the full batch (``plain_forward_ms``: every request one query token; the same work in every
+config, so it shows how fast that engine runs), and per config the median over rounds of the time
+it spends outside the forward per token beyond plain decoding's, as a share of plain decoding's
+time per token (``outside_forward_vs_none``): drafting, verification and hooks. ``--in-process``
+runs every engine in this one process instead (vLLM's engine in-process: no core reserved, no
+threads bound). ``--bracket`` also runs plain
 decoding right after every other config's call and reads each call over the plain calls just before
 and after it (``bracketed``, with every call's record): at batch 8 and 16 a shared machine's speed
 drifts within a round by more than the few percent a config is judged by. Every run with plain
@@ -48,13 +51,13 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-_FORWARD_S: dict[int, float] = defaultdict(float)  # seconds in vLLM's model forward, per model runner
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_BENCH = Path(os.environ.get("DYNTREE_SHARED", ROOT.parent / "shared")) / "data" / "spec_bench" / "question.jsonl"
@@ -153,59 +156,65 @@ def _engine(config: str, dtype: str, sets: dict[str, list[str]]) -> Any:
 
     llm = LLM(model=str(model_path("smollm2")), dtype=dtype, max_model_len=2048, seed=0, enforce_eager=True,
               disable_log_stats=False, speculative_config=CONFIGS[config], **ENGINE_ARGS.get(config, {}))
+    _time_forwards(llm)
     llm.generate(sets["chat"] + sets["code"], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     return llm
 
 
-def _time_forwards() -> None:
-    """Sum each model runner's time in vLLM's model forward (``_FORWARD_S``; this process's
-    runners: an in-process engine's)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+def _worker_forwards(worker: Any, read: bool) -> list[tuple[int, int, float]] | None:
+    """Run in an engine's worker (``LLM.collective_rpc``, in this process or another): time its
+    model runner's forward (once: installs the timer), or with ``read`` return and clear what it
+    timed since the last read: per forward, the batch's requests, its query tokens and seconds."""
+    runner = worker.model_runner
+    if read:
+        timed, runner._bench_forwards = runner._bench_forwards, []
+        return timed
+    if not hasattr(runner, "_bench_forwards"):
+        runner._bench_forwards = []
+        forward = runner._model_forward
 
-    if getattr(GPUModelRunner, "_bench_timed", False):
-        return
-    forward = GPUModelRunner._model_forward
+        def timed_forward(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                ids = kwargs.get("input_ids")
+                runner._bench_forwards.append((int(runner.input_batch.num_reqs), int(ids.shape[0]) if ids is not None else -1,
+                                               time.perf_counter() - t))
 
-    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return forward(self, *args, **kwargs)
-        finally:
-            _FORWARD_S[id(self)] += time.perf_counter() - t
-
-    GPUModelRunner._model_forward = timed
-    GPUModelRunner._bench_timed = True
+        runner._model_forward = timed_forward
+    return None
 
 
-def _runner_key(llm: Any) -> int | None:
-    """The key of an in-process engine's model runner in ``_FORWARD_S`` (None: another process's)."""
-    try:
-        return id(llm.llm_engine.model_executor.driver_worker.worker.model_runner)
-    except AttributeError:
-        return None
+def _time_forwards(llm: Any) -> None:
+    """Have ``llm``'s worker time its model forwards (:func:`_worker_forwards`): this module's
+    function goes to a worker in another process by value, as a script's own does."""
+    import cloudpickle
+
+    if __name__ != "__main__" and __name__ in sys.modules:
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    llm.collective_rpc(_worker_forwards, args=(False,))
 
 
 class _Cell:
-    """One config's runs of one cell: generated tokens, wall time of ``LLM.generate`` (and of
-    vLLM's model forward inside it, for an in-process engine), outputs and the engine's
-    spec-decode counters over those calls."""
+    """One config's runs of one cell: generated tokens, wall time of ``LLM.generate`` and of
+    vLLM's model forward inside it, the forwards of plain steps at the full batch (every request
+    one query token), outputs and the engine's spec-decode counters over those calls."""
 
     def __init__(self) -> None:
-        self.tokens, self.wall, self.drafts, self.accepted = 0, 0.0, 0.0, 0.0
-        self.forward: float | None = 0.0
+        self.tokens, self.wall, self.drafts, self.accepted, self.forward = 0, 0.0, 0.0, 0.0, 0.0
+        self.plain_forwards: list[float] = []
         self.outputs: list[list[int]] = []
 
     def run(self, llm: Any, prompts: list[str], params: Any) -> None:
         before = _counters(llm)
-        key = _runner_key(llm)
-        forward = _FORWARD_S[key] if key is not None else 0.0
+        llm.collective_rpc(_worker_forwards, args=(True,))  # what the engine timed before this call
         t = time.perf_counter()
         res = llm.generate(prompts, params, use_tqdm=False)
         self.wall += time.perf_counter() - t
-        if key is None or self.forward is None:
-            self.forward = None
-        else:
-            self.forward += _FORWARD_S[key] - forward
+        timed = llm.collective_rpc(_worker_forwards, args=(True,))[0]
+        self.forward += sum(s for _, _, s in timed)
+        self.plain_forwards += [s for reqs, tokens, s in timed if reqs == tokens == len(prompts)]
         after = _counters(llm)
         self.outputs += [list(o.outputs[0].token_ids) for o in res]
         self.tokens += sum(len(o.outputs[0].token_ids) for o in res)
@@ -213,7 +222,9 @@ class _Cell:
         self.accepted += after.get("accepted", 0) - before.get("accepted", 0)
 
     def result(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "wall_s": self.wall, "forward_s": self.forward, "tokens_per_s": self.tokens / self.wall,
+        plain = round(1e3 * statistics.median(self.plain_forwards), 3) if self.plain_forwards else None
+        return {"tokens": self.tokens, "wall_s": self.wall, "forward_s": self.forward, "plain_forward_ms": plain,
+                "tokens_per_s": self.tokens / self.wall,
                 "tau": 1 + self.accepted / self.drafts if self.drafts else 1.0, "drafting_steps": int(self.drafts),
                 "outputs": self.outputs}
 
@@ -248,6 +259,8 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
         raise ValueError("interleaved: fresh engines are shut down by ending their processes, not with in_process")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # the forward timer goes to each engine's worker as a function (_time_forwards)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     # vLLM's ngram drafts with numba; numba's default threading layer is an OpenMP pool whose
     # threads, once started, contend with torch's own OpenMP pool: every other engine in this
     # process then ran torch's CPU attention kernel (SDPA: dyntree's branching trees) up to ~70x
@@ -255,7 +268,6 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
     os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
     from vllm import SamplingParams
 
-    _time_forwards()
     sets = _prompt_sets()
     engines: dict[str, Any] = {}
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -276,11 +288,14 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
                     if settle > 0:
                         time.sleep(settle)
                     tokens, wall, start = tally.tokens, tally.wall, time.perf_counter()
+                    plain = len(tally.plain_forwards)
                     tally.run(engines[c], prompts[i : i + b], params)
                     if calls is not None:
+                        mine = tally.plain_forwards[plain:]
                         calls.append({"round": r, "cell": cell, "chunk": k, "config": c, "counted": counted,
                                       "start_s": round(start - origin, 3), "tokens": tally.tokens - tokens,
-                                      "wall_s": round(tally.wall - wall, 4)})
+                                      "wall_s": round(tally.wall - wall, 4),
+                                      "plain_forward_ms": round(1e3 * statistics.median(mine), 3) if mine else None})
             for c in configs:
                 out[-1][c][cell] = acc[c].result()
         cells = "  ".join(f"{cell} {v['tokens_per_s'] / out[-1]['none'][cell]['tokens_per_s']:.2f}x"
@@ -426,6 +441,9 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], configs: list[str]) -> di
                      "spread": [round(min(tps), 3), round(max(tps), 3)],
                      "tau": round(statistics.median(x["tau"] for x in runs), 3),
                      "drafting_steps": int(statistics.median(x["drafting_steps"] for x in runs))}
+            plain = [x["plain_forward_ms"] for x in runs if x.get("plain_forward_ms") is not None]
+            if plain:  # this config's engines' speed at the same work as plain decoding's
+                entry["plain_forward_ms"] = round(statistics.median(plain), 3)
             for base in ("none", "none_sync", "vllm_ngram"):
                 if base in configs and base != c:
                     entry[f"speedup_vs_{base}"] = round(_median_ratio(tps, [r[base][cell]["tokens_per_s"] for r in rounds]), 4)

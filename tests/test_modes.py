@@ -388,6 +388,9 @@ def test_vllm_bench_warm_up_runs_every_call_on_each_new_engine(monkeypatch) -> N
             ran.append((self.config, prompts))
             return [type("Res", (), {"outputs": [out]})() for _ in prompts]
 
+        def collective_rpc(self, method, args=()) -> list:
+            return [[]]
+
     monkeypatch.setattr(mod, "_engine", lambda c, dtype, sets: Fake(c))
     engines: dict = {}
     first: dict = {}
@@ -397,6 +400,57 @@ def test_vllm_bench_warm_up_runs_every_call_on_each_new_engine(monkeypatch) -> N
     assert ran == [(c, p) for c in ("none", "dyntree") for p in warm] * 2
     assert sorted(first) == ["dyntree", "none"] and all(len(v) == 2 and all(len(r) == 2 and min(r) > 0 for r in v)
                                                         for v in first.values())
+
+
+def test_vllm_bench_times_each_engines_forwards_and_its_plain_steps() -> None:
+    """Each engine's worker times its model forwards (installed once); a call's record sums them
+    and takes the median of its plain steps at the full batch (every request one query token),
+    not verify steps, prefill chunks or steps after a request finished."""
+    import torch
+
+    mod = _vllm_bench()
+
+    class Runner:
+        def __init__(self) -> None:
+            self.input_batch = type("Batch", (), {"num_reqs": 0})()
+            self.ms: dict[int, float] = {}
+
+        def _model_forward(self, input_ids=None, positions=None) -> str:
+            time.sleep(self.ms[int(input_ids.shape[0])] / 1e3)
+            return "hidden"
+
+    worker = type("Worker", (), {"model_runner": Runner()})()
+
+    class Fake:
+        def __init__(self, steps: list[tuple[int, int, float]]) -> None:
+            self.steps = steps
+            self.llm_engine = type("Engine", (), {"logger_manager": type("Loggers", (), {"stat_loggers": []})()})()
+
+        def collective_rpc(self, method, args=()) -> list:
+            return [method(worker, *args)]
+
+        def generate(self, prompts: list[str], params: object, use_tqdm: bool) -> list:
+            runner = worker.model_runner
+            for reqs, tokens, ms in self.steps:
+                runner.input_batch.num_reqs, runner.ms[tokens] = reqs, ms
+                assert runner._model_forward(input_ids=torch.zeros(tokens), positions=None) == "hidden"
+            out = type("Out", (), {"token_ids": [1]})()
+            return [type("Res", (), {"outputs": [out]})() for _ in prompts]
+
+    # a prefill chunk, three plain steps of 4, a verify of 4 requests, a plain step of 3
+    llm = Fake([(4, 40, 50.0), (4, 4, 10.0), (4, 4, 12.0), (4, 4, 11.0), (4, 9, 50.0), (3, 3, 50.0)])
+    mod._time_forwards(llm)
+    mod._time_forwards(llm)  # installed once: each forward is timed once
+    worker.model_runner._bench_forwards.append((4, 4, 99.0))  # before the call: not its own
+    cell = mod._Cell()
+    cell.run(llm, ["a", "b", "c", "d"], None)
+    res = cell.result()
+    assert 0.183 <= res["forward_s"] < 0.3
+    assert len(cell.plain_forwards) == 3
+    assert 11.0 <= res["plain_forward_ms"] < 13.0  # the median of 10, 11 and 12 ms (sleeps run over)
+    empty = mod._Cell()  # a cell without plain steps reads none
+    empty.tokens, empty.wall = 1, 1.0
+    assert empty.result()["plain_forward_ms"] is None
 
 
 def test_vllm_bench_warm_up_passes_repeat_every_call_of_the_run() -> None:
