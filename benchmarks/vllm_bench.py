@@ -196,6 +196,11 @@ def _time_forwards(llm: Any) -> None:
     llm.collective_rpc(_worker_forwards, args=(False,))
 
 
+def _median_ms(seconds: list[float]) -> float | None:
+    """The median of ``seconds`` in milliseconds (``None`` for none)."""
+    return round(1e3 * statistics.median(seconds), 3) if seconds else None
+
+
 class _Cell:
     """One config's runs of one cell: generated tokens, wall time of ``LLM.generate`` and of
     vLLM's model forward inside it, the forwards of plain steps at the full batch (every request
@@ -222,8 +227,8 @@ class _Cell:
         self.accepted += after.get("accepted", 0) - before.get("accepted", 0)
 
     def result(self) -> dict[str, Any]:
-        plain = round(1e3 * statistics.median(self.plain_forwards), 3) if self.plain_forwards else None
-        return {"tokens": self.tokens, "wall_s": self.wall, "forward_s": self.forward, "plain_forward_ms": plain,
+        return {"tokens": self.tokens, "wall_s": self.wall, "forward_s": self.forward,
+                "plain_forward_ms": _median_ms(self.plain_forwards),
                 "tokens_per_s": self.tokens / self.wall,
                 "tau": 1 + self.accepted / self.drafts if self.drafts else 1.0, "drafting_steps": int(self.drafts),
                 "outputs": self.outputs}
@@ -291,11 +296,10 @@ def interleaved(configs: list[str], dtype: str, max_tokens: int, rounds: int,
                     plain = len(tally.plain_forwards)
                     tally.run(engines[c], prompts[i : i + b], params)
                     if calls is not None:
-                        mine = tally.plain_forwards[plain:]
                         calls.append({"round": r, "cell": cell, "chunk": k, "config": c, "counted": counted,
                                       "start_s": round(start - origin, 3), "tokens": tally.tokens - tokens,
                                       "wall_s": round(tally.wall - wall, 4),
-                                      "plain_forward_ms": round(1e3 * statistics.median(mine), 3) if mine else None})
+                                      "plain_forward_ms": _median_ms(tally.plain_forwards[plain:])})
             for c in configs:
                 out[-1][c][cell] = acc[c].result()
         cells = "  ".join(f"{cell} {v['tokens_per_s'] / out[-1]['none'][cell]['tokens_per_s']:.2f}x"

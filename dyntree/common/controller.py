@@ -26,9 +26,8 @@
   worth ``min_node_value`` accepted tokens), and drifts back toward the prior (and full delivery)
   while idle so it is retried now and then. A request's own alpha starts at its population's
   worth ``prior_weight`` observations, and idle steps fade its evidence back to that weight as
-  they move it, so a new request's or a retry's first steps decide (from a prior as firm as 20
-  observations, a batch of chat requests in vLLM drafted on 20 of a call's ~60 steps at 0.132
-  committed tokens per ms, where its plain steps ran 0.166).
+  they move it, so a new request's or a retry's first steps decide (``docs/vllm.md``: a prior as
+  firm as an EMA's whole history kept a batch drafting at a loss).
   A drafter that knows something before drafting that moves its acceptance
   (``Drafter.evidence``: the n-gram index's longest match, in classes of 1, 2-3, 4-7, ...
   tokens) has alpha kept per request and class, each class starting where it stands over every
