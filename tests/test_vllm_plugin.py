@@ -95,6 +95,32 @@ def test_a_step_nobody_drafted_for_has_no_trees_and_stray_drafts_are_refused() -
         plan_trees(["a", "b"], {"a": [9], "b": [4]}, np.array([2, 2]), computed, {"b": tree})
 
 
+def test_the_trees_logits_are_their_sampled_rows_and_a_view_when_they_follow_each_other() -> None:
+    """``_tree_logits``: each tree request's sampled rows (the last ``size`` of its rows in vLLM's
+    ``cu_num_sampled_tokens``), in flat node order. Trees whose rows follow each other (a step of
+    trees alone) read the logits in place, no ``[N, vocab]`` copy; a request between them that is
+    not a tree (one sampled row) is left out by a gather."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from dyntree.common.tree import DraftTree
+    from dyntree.vllm_plugin.runner import _tree_logits
+    from dyntree.vllm_plugin.step import plan_trees
+
+    logits = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4)
+    trees = {"a": DraftTree.chain(3, [4, 5]), "c": DraftTree.chain(6, [7])}
+    # a (3 rows), b a request without a tree (1 row), c (2 rows)
+    step = plan_trees(["a", "b", "c"], {"a": [4, 5], "c": [7]}, np.array([3, 1, 2]), np.array([5, 7, 9]), trees)
+    meta = SimpleNamespace(cu_num_sampled_tokens=torch.tensor([3, 4, 6]))
+    got = _tree_logits(logits, step, meta)
+    assert torch.equal(got, logits[[0, 1, 2, 4, 5]])
+    # the same trees alone in their step: their rows follow each other
+    step = plan_trees(["a", "c"], {"a": [4, 5], "c": [7]}, np.array([3, 2]), np.array([5, 9]), trees)
+    got = _tree_logits(logits, step, SimpleNamespace(cu_num_sampled_tokens=torch.tensor([3, 5])))
+    assert torch.equal(got, logits[:5]) and got.data_ptr() == logits.data_ptr()
+
+
 def test_unsupported_vllm_versions_are_refused() -> None:
     from dyntree.vllm_plugin import check_version
 

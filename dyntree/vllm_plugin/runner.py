@@ -128,16 +128,11 @@ def _sample(orig: Any) -> Any:
             tree.accept = proposer.speculator.accept(tree.batch, sampled.cpu().to(torch.int64), proposer.generator,
                                                      forward_ms=forward_ms if step.decode_tokens else None)
             return out
-        # each tree's logits: the last of its request's sampled rows (vLLM samples one row per
-        # scheduled token); host lists, as a step holds a few small trees
-        ends = spec_decode_metadata.cu_num_sampled_tokens.cpu().tolist()
-        sizes = tree.batch.qo_indptr.diff().tolist()
-        flat = torch.tensor([i for r, size in zip(tree.rows, sizes) for i in range(ends[r] - size, ends[r])])
         width = spec_decode_metadata.max_spec_len + 1
         # verified first: vLLM's sampler may scale the logits in place. A whole step of decoding
         # rows is reported as such: the controller checks its outcome, as the standalone engine's
         tree.accept = res = proposer.speculator.accept(
-            tree.batch, logits[flat.to(logits.device)], proposer.generator,
+            tree.batch, _tree_logits(logits, tree, spec_decode_metadata), proposer.generator,
             forward_ms=forward_ms if whole and step.decode_tokens else None, overhead_ms=tree_ms)
         committed = _padded_rows(res.tokens, width)
         if whole:  # every row is a tree, in batch order (plan_trees): vLLM's sampler has nothing left to do
@@ -150,6 +145,19 @@ def _sample(orig: Any) -> Any:
         return out
 
     return wrapper
+
+
+def _tree_logits(logits: torch.Tensor, tree: TreeStep, spec_decode_metadata: Any) -> torch.Tensor:
+    """The trees' logits rows, in the batch's flat node order: the last of each tree request's
+    sampled rows (vLLM samples one row per scheduled token; host lists, as a step holds a few small
+    trees). Rows that follow each other, as in a step of trees alone, are a view, not a copy of
+    ``[N, vocab]`` logits (nothing writes them before the trees are verified)."""
+    ends = spec_decode_metadata.cu_num_sampled_tokens.cpu().tolist()
+    sizes = tree.batch.qo_indptr.diff().tolist()
+    flat = [i for r, size in zip(tree.rows, sizes) for i in range(ends[r] - size, ends[r])]
+    if flat[-1] - flat[0] + 1 == len(flat):  # increasing (rows in batch order), so one run
+        return logits[flat[0] : flat[-1] + 1]
+    return logits[torch.tensor(flat, device=logits.device)]
 
 
 def _padded_rows(tokens: list[list[int]], width: int) -> torch.Tensor:
