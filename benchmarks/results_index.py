@@ -67,8 +67,9 @@ SUITES: dict[str, tuple[str, str]] = {
     "w4a16": ("the W4A16 Triton matmul against bf16 cuBLAS on Llama-3-8B shapes", "python benchmarks/w4a16.py"),
     "vllm": ("the vLLM plugin against vLLM without speculation and vLLM's own n-gram",
              "python benchmarks/vllm_bench.py"),
-    "vllm_step_profile": ("where a batch-1 step's time goes inside vLLM, with and without dyntree: vLLM's forward, "
-                          "tree attention, drafting, verification, engine loop",
+    "vllm_step_profile": ("where a step's time goes inside vLLM, with and without dyntree: vLLM's forward, its LM "
+                          "head, tree attention, drafting (plan, Hydra prefix layer and heads, n-gram, merge), "
+                          "verification, engine loop",
                           "python benchmarks/vllm_step_profile.py"),
 }
 
