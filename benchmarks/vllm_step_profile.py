@@ -149,7 +149,7 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return round(statistics.median((r[key] if sub is None else r[key].get(sub, 0.0)) for r in runs), 3)
 
     phases = {k: med("phases_ms", k) for k in runs[0]["phases_ms"]}
-    pieces = {k: med("drafting_ms", k) for k in runs[0]["drafting_ms"]}
+    pieces = {k: med("drafting_ms", k) for k in dict.fromkeys(k for r in runs for k in r["drafting_ms"])}
     step_ms = med("step_ms")
     return {"rounds": len(runs), "tokens_per_s": med("tokens_per_s"), "step_ms": step_ms,
             "query_rows_per_step": med("query_rows_per_step"), "phases_ms": phases, "drafting_ms": pieces,

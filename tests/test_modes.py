@@ -535,3 +535,27 @@ def test_vllm_bench_brackets_every_call_with_plain_decoding() -> None:
     counted = next(x for x in calls if x["config"] == "none" and x["counted"])
     b = next(x for x in calls if x["config"] == "b")
     assert (b["tokens"] / b["wall_s"]) / (counted["tokens"] / counted["wall_s"]) == pytest.approx(1.2 * 0.9 / 0.8)
+
+
+def test_vllm_step_profile_takes_each_numbers_median_over_rounds_and_shares_of_the_median_step() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_step_profile.py"
+    spec_ = importlib.util.spec_from_file_location("vllm_step_profile", path)
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+
+    def run(step: float, forward: float, drafting: float, plan: float | None) -> dict:
+        phases = {"vllm_forward": forward, "tree_attention": 1.0, "lm_head": 2.0, "drafting": drafting}
+        return {"steps": 10, "tokens_per_s": 1e3 / step, "step_ms": step, "query_rows_per_step": 3.0,
+                "phases_ms": phases, "drafting_ms": {} if plan is None else {"plan": plan, "rest": drafting - plan}}
+
+    # the round without drafting pieces counts as 0 for each of them; the step's shares come from the medians
+    res = mod._median([run(40.0, 26.0, 5.0, None), run(30.0, 20.0, 3.0, 1.0), run(34.0, 22.0, 4.0, 2.0)])
+    assert res["rounds"] == 3 and len(res["per_round"]) == 3
+    assert res["step_ms"] == 34.0 and res["phases_ms"]["vllm_forward"] == 22.0 and res["phases_ms"]["drafting"] == 4.0
+    assert res["drafting_ms"] == {"plan": 1.0, "rest": 2.0}
+    assert res["share_outside_vllm_forward"] == pytest.approx(round(1 - 22 / 34, 4))
+    assert res["share_outside_forward_and_lm_head"] == pytest.approx(round(1 - 24 / 34, 4))
+    assert res["share_drafting_and_tree_attention"] == pytest.approx(round(5 / 34, 4))
