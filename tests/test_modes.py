@@ -274,14 +274,20 @@ def test_lockstep_runs_equal_separate_runs_and_time_their_own_steps(monkeypatch)
     assert max(walls) < 0.9 * total and sum(walls) <= total + 0.01
 
 
-def test_modes_eval_runs_dyntree_once_per_threshold() -> None:
+def _benchmark_script(name: str):
+    """``benchmarks/<name>.py`` as a module (a script, not part of the package)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "modes_eval.py"
-    spec_ = importlib.util.spec_from_file_location("modes_eval", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec_ = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec_)
     spec_.loader.exec_module(mod)
+    return mod
+
+
+def test_modes_eval_runs_dyntree_once_per_threshold() -> None:
+    mod = _benchmark_script("modes_eval")
     base = SpecConfig(drafter="ngram", max_nodes=16, max_depth=8, tree_options={"max_children": 6})
     runs = mod.variants(["chain", "dyntree"], base, [0.02, 0.0])
     assert [(m, s.tree_options.threshold) for m, s in runs] == [("chain", 0.02), ("dyntree", 0.02), ("dyntree", 0.0)]
@@ -327,22 +333,10 @@ def test_modes_eval_runs_dyntree_once_per_threshold() -> None:
     assert lines[1].endswith("tau 2.700; target >= 2.5: met") and lines[3].endswith("target >= 2.2: not met")
 
 
-def _vllm_bench():
-    """``benchmarks/vllm_bench.py`` as a module (it is a script, not part of the package)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_bench.py"
-    spec_ = importlib.util.spec_from_file_location("vllm_bench", path)
-    mod = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(mod)
-    return mod
-
-
 def test_vllm_bench_fresh_engines_replace_the_old_ones(monkeypatch) -> None:
     """``--fresh-engines``: each round's engines are built anew in the build order, every old one
     (the spare plain engine too) shut down first; refused with every engine in one process."""
-    mod = _vllm_bench()
+    mod = _benchmark_script("vllm_bench")
     built: list[str] = []
 
     class Fake:
@@ -374,7 +368,7 @@ def test_vllm_bench_fresh_engines_replace_the_old_ones(monkeypatch) -> None:
 def test_vllm_bench_warm_up_runs_every_call_on_each_new_engine(monkeypatch) -> None:
     """``--warm-up``: each new engine runs the given calls once before it is used, and their
     tokens/s are kept per config and build (``first_calls``)."""
-    mod = _vllm_bench()
+    mod = _benchmark_script("vllm_bench")
     ran: list[tuple[str, list[str]]] = []
     out = type("Out", (), {"token_ids": [1, 2, 3]})()
 
@@ -408,7 +402,7 @@ def test_vllm_bench_times_each_engines_forwards_and_its_plain_steps() -> None:
     not verify steps, prefill chunks or steps after a request finished."""
     import torch
 
-    mod = _vllm_bench()
+    mod = _benchmark_script("vllm_bench")
 
     class Runner:
         def __init__(self) -> None:
@@ -456,7 +450,7 @@ def test_vllm_bench_times_each_engines_forwards_and_its_plain_steps() -> None:
 def test_vllm_bench_warm_up_passes_repeat_every_call_of_the_run() -> None:
     """``--warm-up N``: a new engine's untimed calls are every call of the run (each cell's
     batches in order), N times over; none without warm-up."""
-    mod = _vllm_bench()
+    mod = _benchmark_script("vllm_bench")
     sets = {"chat": [f"c{i}" for i in range(8)], "code": [f"k{i}" for i in range(8)]}
     once = mod.warm_calls(sets, (8, 16), 1)
     assert once == [sets["chat"], sets["code"], sets["chat"] + sets["code"]]
@@ -468,7 +462,7 @@ def test_vllm_bench_warm_up_passes_repeat_every_call_of_the_run() -> None:
 def test_vllm_bench_fresh_engines_rotate_the_build_order() -> None:
     """Plain decoding's engines are built first and vLLM's n-gram last; with fresh engines each
     round starts one config further on, so no config is always built first."""
-    mod = _vllm_bench()
+    mod = _benchmark_script("vllm_bench")
     configs = ["vllm_ngram", "dyntree", "none", "none_sync"]
     assert mod.build_order(configs, 0) == mod.build_order(configs, 3) == ["none", "none_sync", "dyntree", "vllm_ngram"]
     firsts = [mod.build_order(configs, r, fresh=True)[0] for r in range(4)]
@@ -480,7 +474,7 @@ def test_vllm_bench_pools_every_call_over_the_plain_engines_of_its_round() -> No
     """The pooled ratio is each call's tokens/s over the plain engines' in the same cell and round
     (a slow round hits them all), the geometric mean over calls with a bootstrap interval; the
     A/A control (``none_sync``) is read over ``none`` alone."""
-    mod = _vllm_bench()
+    mod = _benchmark_script("vllm_bench")
     rounds = {"chat/b8": [40.0, 30.0, 50.0], "chat+code/b16": [70.0, 60.0, 80.0]}
     cfg = lambda scale: {cell: {"tokens_per_s": [t * s for t, s in zip(tps, scale)]} for cell, tps in rounds.items()}  # noqa: E731
     configs = {"none": cfg([1.0, 1.0, 1.0]), "none_sync": cfg([1.02, 1.02, 1.02]), "slow": cfg([0.9, 0.9, 0.9]),
@@ -502,7 +496,7 @@ def test_vllm_bench_brackets_every_call_with_plain_decoding() -> None:
     call (and which plain call counts with it); each call is then read over the plain calls right
     before and after it, so a machine that slows down steadily through a slot cancels, where the
     slot's counted plain call alone would not."""
-    mod = _vllm_bench()
+    mod = _benchmark_script("vllm_bench")
     configs = ["none", "none_sync", "a", "b"]
     assert mod.call_order(configs, 2) == [(c, True) for c in ("none_sync", "a", "b", "none")]
     assert mod.call_order(configs, 1) == [(c, True) for c in ("b", "a", "none_sync", "none")]  # odd: reversed
@@ -538,13 +532,7 @@ def test_vllm_bench_brackets_every_call_with_plain_decoding() -> None:
 
 
 def test_vllm_step_profile_takes_each_numbers_median_over_rounds_and_shares_of_the_median_step() -> None:
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_step_profile.py"
-    spec_ = importlib.util.spec_from_file_location("vllm_step_profile", path)
-    mod = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(mod)
+    mod = _benchmark_script("vllm_step_profile")
 
     def run(step: float, forward: float, drafting: float, plan: float | None) -> dict:
         phases = {"vllm_forward": forward, "tree_attention": 1.0, "lm_head": 2.0, "drafting": drafting}
