@@ -51,6 +51,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -383,6 +384,20 @@ def call_order(configs: list[str], shift: int, bracket: bool = False) -> list[tu
     return order
 
 
+def code_version() -> dict[str, Any] | None:
+    """The dyntree code a run measures: the git tree of ``dyntree/`` at HEAD and whether the working
+    tree changes it (``None`` outside a git checkout), so that runs can be told apart or pooled
+    (``vllm_runs.py``)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        tree = subprocess.run(["git", "rev-parse", "HEAD:dyntree"], cwd=root, capture_output=True, text=True, check=True)
+        status = subprocess.run(["git", "status", "--porcelain", "--", "dyntree"], cwd=root, capture_output=True,
+                                text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {"dyntree_tree": tree.stdout.strip(), "modified": bool(status.stdout.strip())}
+
+
 def bracketed(calls: list[dict[str, Any]], samples: int = 2000, seed: int = 0) -> dict[str, dict[str, Any]]:
     """Per config, from the records of a ``bracket`` run (:func:`interleaved`): each call's
     tokens/s over the mean of the plain calls right before and right after it in the same
@@ -600,6 +615,7 @@ def main() -> int:
         print(f"engines run with LD_PRELOAD={os.environ['LD_PRELOAD']}", flush=True)
     calls: list[dict[str, Any]] = []
     first_calls: dict[str, list[list[float]]] = {}
+    code = code_version()
     rounds = interleaved(configs, args.dtype, args.max_tokens, args.rounds, batches, args.in_process, args.bracket, calls,
                          args.settle, args.fresh_engines, args.warm_up, first_calls)
     import vllm
@@ -609,7 +625,7 @@ def main() -> int:
     doc: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_kind(), "cpu": cpu,
         "cores": os.cpu_count(), "dtype": short, "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-        "model": "SmolLM2-135M-Instruct", "max_tokens": args.max_tokens, "rounds": args.rounds, "batches": list(batches),
+        "code": code, "model": "SmolLM2-135M-Instruct", "max_tokens": args.max_tokens, "rounds": args.rounds, "batches": list(batches),
         "mode": ("in-process: every engine in one process" if args.in_process
                  else "engines: every config's engine in processes of its own (vLLM's multiprocess engine core), "
                      "after a spare plain engine that is never called")
