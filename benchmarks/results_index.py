@@ -71,6 +71,9 @@ SUITES: dict[str, tuple[str, str]] = {
                           "head, tree attention, drafting (plan, Hydra prefix layer and heads, n-gram, merge), "
                           "verification, engine loop",
                           "python benchmarks/vllm_step_profile.py"),
+    "vllm_runs": ("several bracketed batch-8/16 `vllm_bench` runs of the same dyntree code on one machine, read "
+                  "as one: every call over the plain calls around it in its own run, pooled",
+                  "python benchmarks/vllm_runs.py RUN RUN ... (result files, or REV:PATH in git history)"),
 }
 
 MACHINES = {

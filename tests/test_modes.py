@@ -7,6 +7,7 @@ speculated. Fast unit tests cover the n-gram drafter's ``expand`` (the builder's
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -529,6 +530,38 @@ def test_vllm_bench_brackets_every_call_with_plain_decoding() -> None:
     counted = next(x for x in calls if x["config"] == "none" and x["counted"])
     b = next(x for x in calls if x["config"] == "b")
     assert (b["tokens"] / b["wall_s"]) / (counted["tokens"] / counted["wall_s"]) == pytest.approx(1.2 * 0.9 / 0.8)
+
+
+def test_vllm_runs_reads_each_call_over_its_own_runs_plain_neighbours_and_pools_only_like_runs(tmp_path) -> None:
+    """Pooled runs read every call over the plain calls around it in its own run: two runs whose
+    slots share round, cell and chunk (and start times) are not merged, so a run on a faster
+    spell of the machine does not become the other's neighbours. Runs that differ in what they
+    measured, or in the dyntree code, are refused by field; a run that is not bracketed, or names
+    no code outside git history, is refused when read."""
+    mod = _benchmark_script("vllm_runs")
+
+    def run(source: str, plain: float, own: float, code: str = "tree", starts=(0.0, 1.0, 2.0), **fields) -> dict:
+        calls = [{"round": 0, "cell": "chat/b8", "chunk": 0, "config": c, "counted": True, "start_s": start,
+                  "tokens": 100, "wall_s": 100 / (50 * speed)}
+                 for start, (c, speed) in zip(starts, [("none", plain), ("a", plain * own), ("none", plain)])]
+        return {**{key: "same" for key in mod.SAME}, **fields, "calls": calls, "bracketed": {}, "source": source,
+                "code": {"dyntree_tree": code, "modified": False}, "date": "d", "rounds": 1, "mode": "m"}
+
+    # the second run's calls fall between the first's: merged, each "a" would read the other run's plain calls
+    doc = mod.pool([run("r1", 1.0, 0.9), run("r2", 2.0, 0.8, starts=(0.5, 2.1, 3.0))])
+    assert doc["bracketed"]["a"]["ratio"] == pytest.approx(0.72 ** 0.5, abs=1e-4) and doc["bracketed"]["a"]["calls"] == 2
+    assert [r["source"] for r in doc["runs"]] == ["r1", "r2"] and doc["code"] == "tree"
+    with pytest.raises(ValueError, match="differ in 'dtype'"):
+        mod.pool([run("r1", 1.0, 0.9), run("r2", 1.0, 0.9, dtype="fp32")])
+    with pytest.raises(ValueError, match="different dyntree code"):
+        mod.pool([run("r1", 1.0, 0.9), run("r2", 1.0, 0.9, code="other")])
+    unbracketed, nameless = tmp_path / "plain.json", tmp_path / "nameless.json"
+    unbracketed.write_text(json.dumps({"configs": {}}))
+    nameless.write_text(json.dumps({k: v for k, v in run("r", 1.0, 0.9).items() if k != "code"}))
+    with pytest.raises(SystemExit, match="not a bracketed run"):
+        mod.load(str(unbracketed))
+    with pytest.raises(SystemExit, match="pass it as REV:PATH"):
+        mod.load(str(nameless))
 
 
 def test_vllm_step_profile_takes_each_numbers_median_over_rounds_and_shares_of_the_median_step() -> None:
