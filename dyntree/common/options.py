@@ -182,7 +182,7 @@ class ControllerOptions(BaseModel):
         "quiet_share; 0: plan every step)",
     )
     quiet_share: float = Field(
-        0.005, ge=0, lt=1,
+        0.002, ge=0, lt=1,
         description="a quiet spell may also grow past quiet_steps (doubling, up to 64 steps) until the plan that "
         "ends it costs at most this share of the spell's plain decoding: in a big batch a plan that drafts nothing "
         "costs milliseconds (0: spells stop at quiet_steps)",
