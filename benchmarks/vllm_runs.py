@@ -102,8 +102,8 @@ def main() -> int:
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / "vllm_runs" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
-    for name, line in doc["summary"].items():
-        print(f"{name}: {line}")
+    for config, line in doc["summary"].items():
+        print(f"{config}: {line}")
     print(f"wrote {out}")
     return 0
 
