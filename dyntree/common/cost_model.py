@@ -300,9 +300,10 @@ class DraftCost:
                  rows: int | np.ndarray = 1) -> float | np.ndarray:
         """Predicted ms (0 without nodes); numbers, or arrays of as many steps."""
         a, b, c, e = self.coef
-        ms = np.where(np.asarray(nodes) > 0, a + b * np.asarray(depth) + c * np.asarray(nodes)
-                      + e * np.asarray(depth) * np.asarray(rows), 0.0)
-        return ms if isinstance(nodes, np.ndarray) else float(ms)
+        if not isinstance(nodes, np.ndarray):  # one step (the planner's bound asks every plan): plain Python
+            return a + b * depth + c * nodes + e * depth * rows if nodes > 0 else 0.0
+        depth = np.asarray(depth)
+        return np.where(nodes > 0, a + b * depth + c * nodes + e * depth * np.asarray(rows), 0.0)
 
     def observe(self, depth: int, nodes: int, ms: float, rows: int = 1) -> None:
         """One measured drafting step (``nodes`` > 0, ``rows`` >= 1 requests drafting)."""
@@ -360,11 +361,12 @@ class DraftCosts:
         if not isinstance(nodes, np.ndarray):
             return self.model(int(rows))(int(depth), int(nodes), int(rows))  # type: ignore[arg-type]
         depth, rows = np.broadcast_to(depth, nodes.shape), np.broadcast_to(rows, nodes.shape)
-        counts, where = np.unique(rows, return_inverse=True)  # a batch's few drafting counts
-        where = where.reshape(nodes.shape)
+        models = {id(m): m for m in map(self.model, set(rows.ravel().tolist()))}  # a batch's few classes
+        if len(models) == 1:
+            return next(iter(models.values()))(depth, nodes, rows)
         ms = np.zeros(nodes.shape)
-        for i, count in enumerate(counts.tolist()):
-            at = where == i
+        for count in set(rows.ravel().tolist()):
+            at = rows == count
             ms[at] = self.model(count)(depth[at], nodes[at], rows[at])
         return ms
 
