@@ -392,7 +392,9 @@ def test_a_request_learns_its_acceptance_from_its_first_steps() -> None:
             break
         drafting += 1
         ctrl.observe(7, DraftTree.chain(0, list(range(1, plan.max_nodes + 1))), [0])
-    assert drafting <= 3
+    # a node costs a fiftieth of a step here (12 to 60 ms over 2 to 256 tokens), so wide trees
+    # pay while the request's alpha is above ~0.14: five misses from 0.49
+    assert drafting <= 5
 
 
 def test_larger_batches_shrink_to_chains_then_plain() -> None:
@@ -456,8 +458,11 @@ def test_evidence_that_promises_more_than_the_plan_judged_ends_a_quiet_spell() -
     # drafter says it cannot draft, no evidence at all (a drafter without it), or a batch size
     # whose plans have not paid for their own cost lately (where the drafter is not even asked)
     # keep it quiet.
+    # (nodes worth under 0.05 tokens are not drafted: on this nearly flat forward a class-1 plan
+    # would otherwise draft a wide tree of siblings at its low alpha)
     ctrl = SpeculationController(CostModel({1: 10.0, 24: 10.2, 64: 30.0}, lr=0.0), BUDGET,
-                                 ControllerOptions(quiet_steps=8, probe_steps=0, outcome_ema=0, draft_ms_fixed=3.0))
+                                 ControllerOptions(quiet_steps=8, probe_steps=0, outcome_ema=0, draft_ms_fixed=3.0,
+                                                   min_node_value=0.05))
     tree = DraftTree.chain(0, [1, 2, 3, 4])
     for step in range(80):
         cls = 4 if step % 2 else 1
