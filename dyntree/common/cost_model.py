@@ -361,13 +361,13 @@ class DraftCosts:
         if not isinstance(nodes, np.ndarray):
             return self.model(int(rows))(int(depth), int(nodes), int(rows))  # type: ignore[arg-type]
         depth, rows = np.broadcast_to(depth, nodes.shape), np.broadcast_to(rows, nodes.shape)
-        models = {id(m): m for m in map(self.model, set(rows.ravel().tolist()))}  # a batch's few classes
-        if len(models) == 1:
+        models = {count: self.model(count) for count in set(rows.ravel().tolist())}  # a batch's few counts
+        if len({id(m) for m in models.values()}) == 1:  # one class: every step by its model at once
             return next(iter(models.values()))(depth, nodes, rows)
         ms = np.zeros(nodes.shape)
-        for count in set(rows.ravel().tolist()):
+        for count, model in models.items():
             at = rows == count
-            ms[at] = self.model(count)(depth[at], nodes[at], rows[at])
+            ms[at] = model(depth[at], nodes[at], rows[at])
         return ms
 
     def observe(self, depth: int, nodes: int, ms: float, rows: int = 1) -> None:
