@@ -57,6 +57,18 @@ def test_cost_model_prices_one_size_as_it_prices_an_array_of_sizes() -> None:
     assert [one(n) for n in (2, 9)] == pytest.approx(list(one(np.array([2.0, 9.0]))), abs=1e-12)
 
 
+def test_cost_model_least_is_the_cheapest_size_in_its_range() -> None:
+    # least(lo, hi) reads the ends and the knots between; a dip between knots (more tokens
+    # costing less, as vLLM's CPU forward at batch 1) must be found, and a knot outside the range not
+    model = CostModel({1: 22.0, 2: 24.0, 3: 21.0, 5: 21.5, 16: 30.0, 64: 40.0}, attn_ms=0.001, kv_ref=100, row_ms=0.002)
+    model.observe(4, 20.0, 300)
+    for lo, hi, kv, rows in [(2, 16, None, 1), (2, 16, 300, 1), (4, 40, 50, 1), (17, 64, 500, 16), (6, 7, None, 1)]:
+        brute = min(model(float(n), kv, rows) for n in range(lo, hi + 1))
+        assert model.least(lo, hi, kv, rows) == pytest.approx(brute, abs=1e-9)
+    assert model.least(4, 5) > model.least(3, 5)  # the dip at 3 lies outside 4..5
+    assert CostModel({4: 10.0}).least(2, 9) == pytest.approx(10.0)
+
+
 def test_one_spike_of_the_machine_is_not_learned_as_a_cost() -> None:
     """A forward that took twice its usual time once (the machine stalled) moves the knots by at
     most 1.25x the prediction; the same time measured again and again is learned."""
@@ -823,6 +835,57 @@ def test_expected_tables_are_shared_at_a_grain_of_one_hundredth() -> None:
         acc[0] = (0.501 + 0.0005 * r) * acc[1]
     ctrl.plan(list(range(8)))
     assert len(ctrl._tables) == tables
+
+
+def test_expected_tables_and_hulls_follow_their_definition() -> None:
+    # E(n) = max over depths d <= n of sum_j prod_{i<=j} (1 - (1 - a_i)^(1 + g (n / d - 1))), and
+    # the hull steps from each corner to the farthest-reaching best gain per node, cut below
+    # min_node_value; computed here directly for trees, chains and scaled (delivery) tables
+    budget, mnv = Budget(15, 6), 0.02
+    ctrl = SpeculationController(CostModel({1: 10.0, 64: 13.0}), budget, ControllerOptions(min_node_value=mnv))
+    for rid in range(3):  # move the level acceptance and sibling gain off their priors
+        for _ in range(5):
+            ctrl.plan([rid])
+            ctrl.observe(rid, DraftTree(torch.arange(7), torch.tensor([-1, 0, 1, 2, 0, 1, 4]), torch.ones(7)), [0, 1, 2])
+    gain, levels = ctrl._shape(0)
+
+    def expected(alpha: float, chains: bool) -> list[float]:
+        miss = [1 - min(max(a, 0.0), 1 - 1e-9) for a in ctrl._level_rates(alpha, levels)]
+        out = [0.0]
+        for n in range(1, budget.max_nodes + 1):
+            best = -1.0
+            for d in range(1, min(n, budget.max_depth) + 1):
+                if chains and d != n:
+                    continue
+                reach, e = 1.0, 0.0
+                for j in range(d):
+                    reach *= 1 - miss[j] ** (1 + gain * (n / d - 1))
+                    e += reach
+                best = max(best, e)
+            out.append(best)
+        return out
+
+    def hull(e: list[float]) -> list[tuple[int, int]]:
+        steps, n = [], 0
+        while n < budget.max_nodes:
+            gains = [((e[m] - e[n]) / (m - n) if e[m] >= 0 else -1.0, m) for m in range(n + 1, budget.max_nodes + 1)]
+            best = max(g for g, _ in gains)
+            if best < mnv:
+                break
+            m = next(m for g, m in gains if g == best)
+            steps.append((n, m))
+            n = m
+        return steps
+
+    for alpha in (0.05, 0.3, 0.62, 0.9):
+        for chains in (False, True):
+            for delivery in (1.0, 0.55, 0.1):
+                (e, depth), steps = ctrl._table(alpha, delivery, chains, (gain, levels))
+                want = [delivery * x if x >= 0 else -1.0 for x in expected(round(alpha, 2), chains)]
+                assert e == pytest.approx(want, rel=1e-12)
+                assert [(n, m) for _, n, m in steps] == hull(e)
+                assert all(g == pytest.approx((e[m] - e[n]) / (m - n)) for g, n, m in steps)
+                assert depth[0] == 0 and all(1 <= d <= min(n, budget.max_depth) for n, d in enumerate(depth) if e[n] >= 0 and n)
 
 
 def test_level_acceptance_makes_trees_shallower_when_later_levels_are_weaker() -> None:

@@ -231,6 +231,8 @@ class SpeculationController:
         # (per class: [hits, reaches, the reaching requests' alpha summed as reaches are, prior];
         # index k: level k + 1, the first below the root's first child, whose hits are alpha's)
         self._lvl: dict[int, list[list[float]]] = {}
+        # _shape per evidence class, until observe learns (it is all that moves a shape)
+        self._shapes: dict[int, tuple[float, tuple[tuple[float, float], ...]]] = {}
         # expected_table and its hull steps, by rounded inputs
         self._tables: dict[tuple, tuple[tuple[list[float], list[int]], list[tuple[float, int, int]]]] = {}
         # The outcome check, per batch size (its power-of-two class, batch_bucket): EMAs of the tokens
@@ -404,15 +406,14 @@ class SpeculationController:
         measured at 0.77 of their prediction and chains of 4-7 nodes at 0.90 both read 0.88 under a
         plain factor of 1.1, and trees that did not pay kept being planned)."""
         ratios = self._outcome_ratios(rows)
-        out = np.ones((2, int(self._classes[-1]) + 1))
-        measured = np.zeros(out.shape, dtype=bool)
+        out = [[1.0] * (int(self._classes[-1]) + 1) for _ in range(2)]
         bound = self.options.outcome_bound
-        for (k, c), own in ratios.items():
-            out[int(k), c] = _factor(own, ratios.values(), bound)
-            measured[int(k), c] = True
-        if ratios:
-            out[measured] *= max(1.0, floor / float(out[measured].max()))
-        return out
+        measured = {(int(k), c): _factor(own, ratios.values(), bound) for (k, c), own in ratios.items()}
+        if measured:
+            lift = max(1.0, floor / max(measured.values()))
+            for (k, c), f in measured.items():
+                out[k][c] = f * lift
+        return np.array(out)
 
     def plain_factor(self, rows: int = 1) -> float:
         """At batches of ``rows`` requests, the measured over predicted throughput of plain steps
@@ -455,7 +456,11 @@ class SpeculationController:
     def _shape(self, cls: int = 0) -> tuple[float, tuple[tuple[float, float], ...]]:
         """The sibling gain and evidence class ``cls``'s level acceptance as the tables are kept
         by (rounded to 0.01)."""
-        return round(self.sibling_gain, 2), tuple((round(r, 2), round(a, 2)) for r, a in self.level_acceptance(cls))
+        shape = self._shapes.get(cls)
+        if shape is None:
+            shape = self._shapes[cls] = (round(self.sibling_gain, 2), tuple(
+                (round(r, 2), round(a, 2)) for r, a in self.level_acceptance(cls)))
+        return shape
 
     def _table(self, alpha: float, delivery: float, chains: bool,
                shape: tuple[float, tuple[tuple[float, float], ...]],
@@ -480,7 +485,7 @@ class SpeculationController:
                 return base
             e, depth = base[0]
             scaled = [key[1] * x if x >= 0 else -1.0 for x in e]
-            entry = self._tables[key] = ((scaled, depth), self._hull(scaled))
+            entry = self._tables[key] = ((scaled, depth), self._hull(scaled, base[1] if 0 < key[1] <= 1 else None))
         return entry
 
     def _expected(self, alpha: float, gain: float, levels: Sequence[tuple[float, float]],
@@ -490,23 +495,26 @@ class SpeculationController:
         (1 - alpha_j)^(1 + g (n / d - 1))``, and ``E = beta_1 + beta_1 beta_2 + ...`` (-1: no such
         tree; ``chains``: only ``d = n``)."""
         o = self.options
-        miss = [1 - min(max(a, 0.0), 1 - 1e-9) for a in self._level_rates(alpha, levels)]
-        best, depth = [0.0], [0]
-        for n in range(1, self.budget.max_nodes + 1):
-            e_best, d_best = -1.0, 0  # -1: no such tree
-            for d in range(1, min(n, self.budget.max_depth) + 1):
-                if (chains or not o.allow_trees) and d != n:
-                    continue
-                expo = 1 + gain * (max(n / d, 1.0) - 1)
-                e, reach = 0.0, 1.0
-                for j in range(d):
-                    reach *= 1 - miss[j] ** expo
+        rates = self._level_rates(alpha, levels)
+        miss = [1 - min(max(a, 0.0), 1 - 1e-9) for a in rates]
+        n_max, d_max = self.budget.max_nodes, len(rates)
+        if chains or not o.allow_trees:  # one node per level: E(n) sums the first n levels' reach
+            best, e, reach = [0.0], 0.0, 1.0
+            for j in range(n_max):
+                if j < d_max:
+                    reach *= 1 - miss[j]
                     e += reach
-                if e > e_best:
-                    e_best, d_best = e, d
-            best.append(e_best)
-            depth.append(d_best)
-        return best, depth
+                best.append(e if j < d_max else -1.0)
+            return best, [n if n <= d_max else 0 for n in range(n_max + 1)]
+        n = np.arange(1, n_max + 1, dtype=np.float64)[:, None]
+        d = np.arange(1, d_max + 1, dtype=np.float64)[None, :]
+        expo = 1 + gain * (np.maximum(n / d, 1.0) - 1)  # [n, d]
+        # [n, d, j]: level j's catch in a tree of n nodes and depth d; E(n, d) sums levels j < d
+        reach = np.cumprod(1 - np.array(miss)[None, None, :] ** expo[:, :, None], axis=2)
+        e = np.cumsum(reach, axis=2)[:, np.arange(d_max), np.arange(d_max)]
+        e = np.where(d <= n, e, -np.inf)
+        d_best = np.argmax(e, axis=1)  # the first of the best depths
+        return [0.0] + e[np.arange(n_max), d_best].tolist(), [0] + (d_best + 1).tolist()
 
     # -- planning -------------------------------------------------------------------------------
     def plan(self, request_ids: Sequence[Hashable], kv: int | None = None,
@@ -731,17 +739,13 @@ class SpeculationController:
     def _least_forward(self, b: int, kv: int | None, plain_ms: float) -> float:
         """The cheapest forward a plan for ``b`` requests can take, a plain step's included: a
         verify may cost less than a plain step (vLLM's CPU forward at batch 1 costs more at 1-2
-        query tokens than at 3-5). The cost is piecewise linear in tokens, so its least over the
-        verify sizes is at one of their ends or at a knot between them."""
+        query tokens than at 3-5)."""
         n_max = self.budget.max_nodes
         if self.padded:
             tokens = b * (1 + np.arange(1, n_max + 1, dtype=np.float64))
-        else:
-            hi = min(b * (1 + n_max), self.options.max_batch_tokens)
-            if hi <= b:
-                return plain_ms
-            tokens = np.array([b + 1, hi] + [x for x in self.cost.xs if b + 1 < x < hi], dtype=np.float64)
-        return min(plain_ms, float(np.min(self.cost(tokens, kv, b))))
+            return min(plain_ms, float(np.min(self.cost(tokens, kv, b))))
+        hi = min(b * (1 + n_max), self.options.max_batch_tokens)
+        return plain_ms if hi <= b else min(plain_ms, self.cost.least(b + 1, hi, kv, b))
 
     def _beyond_reach(self, tables: Sequence[tuple[list[float], list[int]]], hulls: Sequence[list[tuple[float, int, int]]],
                       slack: np.ndarray | None, floor_ms: float, factor: float, bar: float,
@@ -850,18 +854,34 @@ class SpeculationController:
         ``batch x (1 + widest)``."""
         return batch * (1 + widest) if self.padded else batch + nodes
 
-    def _hull(self, e: list[float]) -> list[tuple[float, int, int]]:
-        """Upper-concave-hull steps ``(gain per node, n_from, n_to)`` of ``E[n]`` worth taking."""
+    def _hull(self, e: list[float], within: list[tuple[float, int, int]] | None = None) -> list[tuple[float, int, int]]:
+        """Upper-concave-hull steps ``(gain per node, n_from, n_to)`` of ``E[n]`` worth taking;
+        ``within``: the steps of a table that ``e`` scales down (a delivery below 1), whose hull
+        has the same corners, of which it keeps those still worth taking."""
         o = self.options
-        steps, n = [], 0
+        if within is not None:
+            steps = []
+            for _, n, m in within:
+                gain = (e[m] - e[n]) / (m - n)
+                if gain < o.min_node_value:
+                    break
+                steps.append((gain, n, m))
+            return steps
         n_max = self.budget.max_nodes
+        x = np.asarray(e, dtype=np.float64)
+        m = np.arange(n_max + 1)
+        # gains[n, m]: E's gain per node from n to m nodes (m > n; -1: no tree of m nodes)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            gains = np.where(x[None, :] >= 0, (x[None, :] - x[:, None]) / (m[None, :] - m[:, None]), -1.0)
+        gains = np.where(m[None, :] > m[:, None], gains, -np.inf)
+        first = gains.argmax(axis=1)  # the first of the largest
+        to, best = first.tolist(), gains[m, first].tolist()
+        steps, n = [], 0
         while n < n_max:
-            gains = [(e[m] - e[n]) / (m - n) if e[m] >= 0 else -1.0 for m in range(n + 1, n_max + 1)]
-            j = max(range(len(gains)), key=gains.__getitem__)  # first of the largest
-            if gains[j] < o.min_node_value:
+            if best[n] < o.min_node_value:
                 break
-            steps.append((gains[j], n, n + j + 1))
-            n = n + j + 1
+            steps.append((best[n], n, to[n]))
+            n = to[n]
         return steps
 
     # -- feedback -------------------------------------------------------------------------------
@@ -880,6 +900,7 @@ class SpeculationController:
             self._pop_want = keep * self._pop_want + (1 - keep) * planned
         if tree.size == 1:
             return
+        self._shapes.clear()
         children: dict[int, list[int]] = {}
         for i, par in enumerate(tree.parents.tolist()[1:], start=1):
             children.setdefault(par, []).append(i)
