@@ -839,7 +839,7 @@ def test_expected_tables_are_shared_at_a_grain_of_one_hundredth() -> None:
 
 def test_expected_tables_and_hulls_follow_their_definition() -> None:
     # E(n) = max over depths d <= n of sum_j prod_{i<=j} (1 - (1 - a_i)^(1 + g (n / d - 1))), and
-    # the hull steps from each corner to the farthest-reaching best gain per node, cut below
+    # the hull steps from each corner to the nearest of the best gains per node, cut below
     # min_node_value; computed here directly for trees, chains and scaled (delivery) tables
     budget, mnv = Budget(15, 6), 0.02
     ctrl = SpeculationController(CostModel({1: 10.0, 64: 13.0}), budget, ControllerOptions(min_node_value=mnv))

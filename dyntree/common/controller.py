@@ -130,6 +130,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Literal, Sequence
@@ -485,7 +486,10 @@ class SpeculationController:
                 return base
             e, depth = base[0]
             scaled = [key[1] * x if x >= 0 else -1.0 for x in e]
-            entry = self._tables[key] = ((scaled, depth), self._hull(scaled, base[1] if 0 < key[1] <= 1 else None))
+            # scaled down, a table keeps its hull's corners: the full table's steps, rescaled
+            steps = (self._worth([((scaled[m] - scaled[n]) / (m - n), n, m) for _, n, m in base[1]])
+                     if 0 < key[1] <= 1 else self._hull(scaled))
+            entry = self._tables[key] = ((scaled, depth), steps)
         return entry
 
     def _expected(self, alpha: float, gain: float, levels: Sequence[tuple[float, float]],
@@ -500,12 +504,11 @@ class SpeculationController:
         n_max, d_max = self.budget.max_nodes, len(rates)
         if chains or not o.allow_trees:  # one node per level: E(n) sums the first n levels' reach
             best, e, reach = [0.0], 0.0, 1.0
-            for j in range(n_max):
-                if j < d_max:
-                    reach *= 1 - miss[j]
-                    e += reach
-                best.append(e if j < d_max else -1.0)
-            return best, [n if n <= d_max else 0 for n in range(n_max + 1)]
+            for m in miss[:n_max]:
+                reach *= 1 - m
+                e += reach
+                best.append(e)
+            return best + [-1.0] * (n_max + 1 - len(best)), [n if n <= d_max else 0 for n in range(n_max + 1)]
         n = np.arange(1, n_max + 1, dtype=np.float64)[:, None]
         d = np.arange(1, d_max + 1, dtype=np.float64)[None, :]
         expo = 1 + gain * (np.maximum(n / d, 1.0) - 1)  # [n, d]
@@ -854,19 +857,8 @@ class SpeculationController:
         ``batch x (1 + widest)``."""
         return batch * (1 + widest) if self.padded else batch + nodes
 
-    def _hull(self, e: list[float], within: list[tuple[float, int, int]] | None = None) -> list[tuple[float, int, int]]:
-        """Upper-concave-hull steps ``(gain per node, n_from, n_to)`` of ``E[n]`` worth taking;
-        ``within``: the steps of a table that ``e`` scales down (a delivery below 1), whose hull
-        has the same corners, of which it keeps those still worth taking."""
-        o = self.options
-        if within is not None:
-            steps = []
-            for _, n, m in within:
-                gain = (e[m] - e[n]) / (m - n)
-                if gain < o.min_node_value:
-                    break
-                steps.append((gain, n, m))
-            return steps
+    def _hull(self, e: list[float]) -> list[tuple[float, int, int]]:
+        """Upper-concave-hull steps ``(gain per node, n_from, n_to)`` of ``E[n]`` worth taking."""
         n_max = self.budget.max_nodes
         x = np.asarray(e, dtype=np.float64)
         m = np.arange(n_max + 1)
@@ -878,11 +870,14 @@ class SpeculationController:
         to, best = first.tolist(), gains[m, first].tolist()
         steps, n = [], 0
         while n < n_max:
-            if best[n] < o.min_node_value:
-                break
             steps.append((best[n], n, to[n]))
             n = to[n]
-        return steps
+        return self._worth(steps)
+
+    def _worth(self, steps: list[tuple[float, int, int]]) -> list[tuple[float, int, int]]:
+        """The hull ``steps`` (gains non-increasing) before the first worth less than
+        ``min_node_value`` a node."""
+        return list(itertools.takewhile(lambda s: s[0] >= self.options.min_node_value, steps))
 
     # -- feedback -------------------------------------------------------------------------------
     def observe(self, request_id: Hashable, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:

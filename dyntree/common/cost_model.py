@@ -177,9 +177,9 @@ class CostModel:
         else:
             i, w = self._segment_of(n)
             base = ys[i] + w * (ys[i + 1] - ys[i])
-        return self._attended(base, n, kv, rows)
+        return self._with_attention(base, n, kv, rows)
 
-    def _attended(self, base: float, n: float, kv: int | None, rows: int) -> float:
+    def _with_attention(self, base: float, n: float, kv: int | None, rows: int) -> float:
         """``base`` ms of a forward of ``n`` query tokens with the attention terms added."""
         if kv is not None and (self.attn_ms or self.row_ms):
             return base + max((kv - self.kv_ref) * (self.attn_ms * n + self.row_ms * rows), -0.5 * base)
@@ -189,7 +189,7 @@ class CostModel:
         """The least predicted ms over forwards of ``lo..hi`` query tokens (``rows`` requests,
         ``kv`` as in :meth:`__call__`): the cost is piecewise linear in tokens, so it is at one of
         the ends or at a knot between them."""
-        between = [self._attended(y, x, kv, rows) for x, y in zip(self.xs, self.knots(rows)) if lo < x < hi]
+        between = [self._with_attention(y, x, kv, rows) for x, y in zip(self.xs, self.knots(rows)) if lo < x < hi]
         return min([self._scalar(float(lo), kv, rows), self._scalar(float(hi), kv, rows)] + between)
 
     def observe(self, n_tokens: int, ms: float, kv: int | None = None, rows: int = 1) -> None:
