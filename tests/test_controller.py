@@ -84,6 +84,9 @@ def test_cost_model_measure_times_the_forward() -> None:
     calls: list[int] = []
     cm = CostModel.measure(calls.append, [1, 8], repeats=3)
     assert calls == [1, 8] * 4 and cm.xs == [1, 8] and all(y > 0 for y in cm.ys)  # warm-up, then 3 rounds
+    calls.clear()  # one request's verifies on rounds of their own, then the larger sizes' fewer rounds
+    cm = CostModel.measure(calls.append, [1, 8, 16, 32, 64], repeats=3, large_repeats=1)
+    assert calls == [1, 8, 16] * 4 + [32, 64] * 2 and cm.xs == [1, 8, 16, 32, 64]
 
 
 def test_cost_model_measure_keeps_each_size_fastest_round(monkeypatch) -> None:
@@ -97,8 +100,8 @@ def test_cost_model_measure_keeps_each_size_fastest_round(monkeypatch) -> None:
         slow = len(calls) in (5, 6)  # warm-ups are calls 1-3; round 1 times 1, 2, 4 as calls 4-6
         now[0] += (70.0 + n + (50.0 if slow else 0.0)) / 1e3
 
-    cm = CostModel.measure(forward, [1, 2, 4], repeats=2)
-    assert [cm(n) for n in (1, 2, 4)] == pytest.approx([71.0, 72.0, 74.0])
+    cm = CostModel.measure(forward, [1, 2, 4, 32], repeats=2, large_repeats=1)  # 32: one round of its own
+    assert [cm(n) for n in (1, 2, 4, 32)] == pytest.approx([71.0, 72.0, 74.0, 102.0])
 
 
 def test_online_cost_model_starts_flat_at_the_first_forward_then_learns() -> None:

@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Sequence, overload
 
 import numpy as np
 
-__all__ = ["CostModel", "DraftCost", "DraftCosts", "batch_bucket", "knot_sizes"]
+__all__ = ["CostModel", "DraftCost", "DraftCosts", "DENSE", "batch_bucket", "knot_sizes"]
 
 
 class CostModel:
@@ -79,7 +79,7 @@ class CostModel:
     def measure(
         cls, forward: Callable[[int], object], sizes: Sequence[int], repeats: int = 5, lr: float = 0.2,
         kv_forward: Callable[[int, int, int], object] | None = None, kv_ref: int = 0, kv_long: int = 0,
-        rows: int = 8,
+        rows: int = 8, large_repeats: int | None = None,
     ) -> "CostModel":
         """Time ``forward(n)`` (which must block until the forward is done) at each size, against
         ``kv_ref`` cached tokens. With ``kv_forward(r, n, kv)`` (a forward of ``r`` requests x
@@ -91,16 +91,23 @@ class CostModel:
         Each size keeps its fastest of ``repeats`` timings, taken in interleaved rounds over all
         sizes: noise only ever adds time, and a slow spell of a shared machine then has to hit one
         size in every round to distort it (timed back to back, one slow spell can price small
-        verifies far above a plain step and keep the controller from speculating for a whole run)."""
-        timed: list[Callable[[], object]] = [lambda n=int(n): forward(n) for n in sizes]
+        verifies far above a plain step and keep the controller from speculating for a whole run).
+        The sizes up to :data:`DENSE` (one request's verifies) take their rounds on their own,
+        back to back as a verify's steps run, not each after a forward of hundreds of tokens;
+        the larger sizes and the attention probes take ``large_repeats`` rounds (default
+        ``repeats``): their forwards cost many small ones, and noise is a smaller share of each."""
+        small = [int(n) for n in sizes if n <= DENSE]
+        large = [int(n) for n in sizes if n > DENSE]
+        timed: list[Callable[[], object]] = [lambda n=n: forward(n) for n in large]
         n_long = max((int(m) for m in sizes if m < 64), default=min(int(m) for m in sizes))
         probe = kv_forward is not None and kv_long > kv_ref and n_long > 1 and rows > 1
         if probe:
             assert kv_forward is not None
             timed += [lambda r=r, n=n, kv=kv: kv_forward(r, n, kv)
                       for r, n in ((1, n_long), (rows, 1)) for kv in (kv_ref, kv_long)]
-        best = _fastest_ms(timed, repeats)
-        points = dict(zip((int(n) for n in sizes), best[: len(sizes)]))
+        best = _fastest_ms([lambda n=n: forward(n) for n in small], repeats)
+        best += _fastest_ms(timed, repeats if large_repeats is None else large_repeats) if timed else []
+        points = dict(zip(small + large, best[: len(sizes)]))
         attn = row = 0.0
         if probe:
             span = kv_long - kv_ref
@@ -243,12 +250,17 @@ class CostModel:
 _CLIP_LOW, _CLIP_HIGH = 0.8, 1.25  # CostModel.observe: how far one measurement may pull
 
 
-def knot_sizes(limit: int, dense: int = 16) -> list[int]:
-    """Sizes to time a forward at, up to ``limit`` query tokens: every size up to ``dense`` (the
-    verifies of one request's trees, whose cost need not grow with their tokens there), then
+#: the sizes of one request's verifies: every one is a knot (:func:`knot_sizes`), timed on its own
+#: rounds at start-up (:meth:`CostModel.measure`)
+DENSE = 16
+
+
+def knot_sizes(limit: int) -> list[int]:
+    """Sizes to time a forward at, up to ``limit`` query tokens: every size up to :data:`DENSE`
+    (the verifies of one request's trees, whose cost need not grow with their tokens there), then
     powers of two."""
-    return [n for n in range(1, dense + 1) if n <= limit] + [1 << i for i in range(dense.bit_length(), 31)
-                                                              if (1 << i) <= limit and (1 << i) > dense]
+    return [n for n in range(1, DENSE + 1) if n <= limit] + [1 << i for i in range(DENSE.bit_length(), 31)
+                                                              if (1 << i) <= limit and (1 << i) > DENSE]
 
 
 def batch_bucket(rows: int) -> int:
