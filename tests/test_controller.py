@@ -247,6 +247,29 @@ def test_draft_cost_fit_is_non_negative_least_squares_not_a_clipped_one() -> Non
     assert cost(1, 1) < 3.0 and cost(3, 3) < 4.5 and cost(4, 4) < 5.5
 
 
+def test_draft_cost_fit_from_the_last_support_is_the_searched_optimum() -> None:
+    """The fit starts from the previous fit's support (one solve when the optimum keeps it); each
+    fit equals the search over every support, and a guess that is not the optimum (a coefficient
+    held at 0 whose slope says it should grow, or a support whose solution goes negative) falls
+    back to the search."""
+    rng = random.Random(3)
+    warm, cold = DraftCost((0.1, 0.0, 0.0, 0.0)), DraftCost((0.1, 0.0, 0.0, 0.0))
+    supports = set()
+    for _ in range(300):
+        depth = rng.choice((1, 2, 3, 4, 6))
+        nodes, rows = depth + rng.choice((0, 0, 1, 3, 8)), rng.choice((1, 1, 2, 8))
+        ms = max(0.0, 0.5 + rng.gauss(0, 0.2) + rng.choice((-0.05, 0.02, 0.1)) * depth)
+        warm.observe(depth, nodes, ms, rows)
+        cold._support = None  # the search over every support
+        cold.observe(depth, nodes, ms, rows)
+        assert warm.coef == pytest.approx(cold.coef, abs=1e-9)
+        supports.add(warm._support)
+    assert len(supports) > 2  # the optimum's support moved: guesses were wrong and searched
+    a, b = [[2.0, 1.0], [1.0, 2.0]], [-1.0, 3.0]  # optimum (0, 1.5): the unconstrained one is negative
+    for guess in (None, (0,), (1,), ()):
+        assert cost_module._nonnegative_solve(a, b, guess) == ((0.0, 1.5), (1,))
+
+
 def test_draft_costs_learn_each_class_of_drafting_requests_apart() -> None:
     """One cold step of four requests (11 ms for two levels: a warm-up's), then one-node chains at
     one request, 2.3 ms each: one fit over both prices a one-row level by the wide step's

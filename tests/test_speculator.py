@@ -372,15 +372,21 @@ def test_a_self_draft_starts_with_its_levels_priced() -> None:
 def test_a_quiet_step_tells_the_controller_what_the_drafter_knows() -> None:
     """``quiet`` hands the controller each request's evidence and whether the drafter can draft
     for it (the n-gram index's longest match: 5 tokens is class 3; none, class 0 and no draft),
-    so a spell can end on a longer match; a drafter that knows nothing beforehand hands none."""
+    so a spell can end on a longer match; a drafter that knows nothing beforehand is not asked,
+    and the step's requests are not even built for it."""
     from dyntree.common.cost_model import CostModel
 
     seen: list[tuple] = []
+    built: list[str] = []
 
-    def quiet(ids: list, foresight: Callable[[], tuple[list | None, list | None]]) -> bool:
-        available, evidence = foresight()
+    def quiet(ids: list, foresight: Callable[[], tuple[list | None, list | None]] | None = None) -> bool:
+        available, evidence = foresight() if foresight is not None else ("not asked", "not asked")
         seen.append((ids, evidence, available))
         return True
+
+    def requests() -> list[SpecRequest]:
+        built.append("built")
+        return [SpecRequest("a", [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5]), SpecRequest("b", [7, 8, 9])]
 
     for name in ("ngram", "none"):
         sp = Speculator(make_drafter(name), SpecConfig(adaptive=True, max_nodes=4, max_depth=4), vocab_size=V,
@@ -388,8 +394,9 @@ def test_a_quiet_step_tells_the_controller_what_the_drafter_knows() -> None:
         sp.prepare()
         assert sp.controller is not None
         sp.controller.quiet = quiet  # type: ignore[method-assign]
-        assert sp.quiet(["a", "b"], lambda: [SpecRequest("a", [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5]), SpecRequest("b", [7, 8, 9])])
-    assert seen == [(["a", "b"], [3, 0], [True, False]), (["a", "b"], None, None)]
+        assert sp.quiet(["a", "b"], requests)
+    assert seen == [(["a", "b"], [3, 0], [True, False]), (["a", "b"], "not asked", "not asked")]
+    assert built == ["built"]  # for the n-gram drafter only
 
 
 def test_a_chain_planned_for_a_drafter_with_its_own_trees_is_drafted_as_a_chain() -> None:

@@ -312,6 +312,7 @@ class DraftCost:
         self._xx = [[0.0] * 4 for _ in range(4)]
         self._xy = [0.0] * 4
         self.coef = self.prior
+        self._support: tuple[int, ...] | None = None  # the last fit's non-zero coefficients: the next fit's guess
 
     @overload
     def __call__(self, depth: int, nodes: int, rows: int = 1) -> float: ...
@@ -338,7 +339,8 @@ class DraftCost:
         self._xy = [f * v + xi * ms for v, xi in zip(self._xy, x)]
         ws = (w * _FIXED_RIDGE, w, w, w)
         ridged = [[v + (ws[i] if i == j else 0.0) for j, v in enumerate(row)] for i, row in enumerate(self._xx)]
-        self.coef = _nonnegative_solve(ridged, [v + wi * p for v, wi, p in zip(self._xy, ws, self.prior)])
+        self.coef, self._support = _nonnegative_solve(ridged, [v + wi * p for v, wi, p in zip(self._xy, ws, self.prior)],
+                                                      self._support)
 
 
 #: DraftCost: the fixed cost's pull toward its prior, relative to the other terms'
@@ -401,30 +403,52 @@ class DraftCosts:
         self._models[cls].observe(depth, nodes, ms, rows)
 
 
-def _nonnegative_solve(a: list[list[float]], b: list[float]) -> tuple[float, ...]:
+def _nonnegative_solve(a: list[list[float]], b: list[float],
+                       support: tuple[int, ...] | None = None) -> tuple[tuple[float, ...], tuple[int, ...]]:
     """The non-negative ``x`` that minimises ``x.a.x - 2 b.x`` (a least-squares fit's normal
-    equations ``a x = b``, ``a`` positive definite): the unconstrained solution when it is
-    non-negative, else the best over the subsets of coefficients held at 0 (each subset's
-    optimum is ``-b.x`` there). Clipping the unconstrained solution instead is wrong where
-    terms move together (a chain's nodes are its depth, and at one row so is ``depth x rows``):
-    one term's large positive coefficient, offset by its twins' negative ones, was kept alone,
-    and after one 11-node tree a chain of 4 was priced at 15 ms where its steps took ~3."""
+    equations ``a x = b``, ``a`` positive definite), and its support (the coefficients not held at
+    0): the unconstrained solution when it is non-negative, else the best over the subsets of
+    coefficients held at 0 (each subset's optimum is ``-b.x`` there). Clipping the unconstrained
+    solution instead is wrong where terms move together (a chain's nodes are its depth, and at one
+    row so is ``depth x rows``): one term's large positive coefficient, offset by its twins'
+    negative ones, was kept alone, and after one 11-node tree a chain of 4 was priced at 15 ms
+    where its steps took ~3. ``support``: a guess (the previous fit's); the problem is strictly
+    convex, so its one optimum is the guess's solution when that is non-negative and no
+    coefficient held at 0 would lower the objective (``(a x - b)_i >= 0`` there): then one solve
+    replaces the search over subsets."""
     n = len(b)
     x = _solve(a, b)
     if min(x) >= 0:
-        return tuple(x)
-    best, best_value = (0.0,) * n, 0.0  # every coefficient at 0
+        return tuple(x), tuple(range(n))
+    if support is not None and len(support) < n:
+        guess = _on_support(a, b, support)
+        # the objective's slope along each coefficient held at 0 (rounding's share allowed)
+        if guess is not None and all(sum(a[i][j] * guess[j] for j in support) - b[i] >= -1e-9 * abs(b[i])
+                                     for i in range(n) if i not in support):
+            return guess, support
+    best, best_value, best_free = (0.0,) * n, 0.0, ()  # every coefficient at 0
     for free in itertools.chain.from_iterable(itertools.combinations(range(n), k) for k in range(n - 1, 0, -1)):
-        sub = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
-        if min(sub) < 0:
+        full = _on_support(a, b, free)
+        if full is None:
             continue
-        value = -sum(b[i] * v for i, v in zip(free, sub))
+        value = -sum(b[i] * full[i] for i in free)
         if value < best_value:
-            full = [0.0] * n
-            for i, v in zip(free, sub):
-                full[i] = v
-            best, best_value = tuple(full), value
-    return best
+            best, best_value, best_free = full, value, free
+    return best, best_free
+
+
+def _on_support(a: list[list[float]], b: list[float], free: tuple[int, ...]) -> tuple[float, ...] | None:
+    """The optimum with every coefficient outside ``free`` held at 0, or ``None`` where it is
+    negative somewhere (not feasible)."""
+    if not free:
+        return (0.0,) * len(b)
+    sub = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+    if min(sub) < 0:
+        return None
+    full = [0.0] * len(b)
+    for i, v in zip(free, sub):
+        full[i] = v
+    return tuple(full)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

@@ -283,6 +283,12 @@ class Drafter:
         return type(self).expand is not Drafter.expand
 
     @property
+    def has_evidence(self) -> bool:
+        """Implements :meth:`evidence` (a class of what it knows before drafting), which a quiet
+        step asks about (:meth:`~dyntree.common.speculator.Speculator.quiet`)."""
+        return type(self).evidence is not Drafter.evidence
+
+    @property
     def has_own_trees(self) -> bool:
         """Implements :meth:`propose` (``SpecConfig.tree`` unset uses it; else the ``beam`` tree)."""
         return type(self).propose is not Drafter.propose

@@ -384,9 +384,11 @@ class Speculator:
         every request plainly, keeps pushing hidden states (:meth:`observe_hidden`) and reports
         the forward to :meth:`observe_forward`. ``requests()`` builds the step's requests (in
         ``request_ids``' order) for the drafter to be asked; it is called only on a step of a spell
-        that evidence may end."""
+        that evidence may end, and never for a drafter that has none (:attr:`Drafter.has_evidence`)."""
         if self.controller is None:
             return False
+        if not self.drafter.has_evidence:
+            return self.controller.quiet(request_ids)
         return self.controller.quiet(request_ids,
                                      lambda: self._foresight([self._draft_request(r, None) for r in requests()]))
 
