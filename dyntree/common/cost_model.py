@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Sequence, overload
 
 import numpy as np
 
-__all__ = ["CostModel", "DraftCost", "DraftCosts", "DENSE", "batch_bucket", "knot_sizes"]
+__all__ = ["CostModel", "DraftCost", "DraftCosts", "batch_bucket", "knot_sizes"]
 
 
 class CostModel:
