@@ -88,7 +88,9 @@ _NO_DRAFTING = {"min_gain": 1000, "probe_steps": 0}
 #: catch-up priced whole at the step that pays it (``catch_up_steps: 1``, the pricing before it was
 #: spread over the steps it serves); what a speculative config costs when it never drafts: dyntree
 #: with a bar no plan clears and no probes, vLLM's n-gram with a match length no prompt reaches; the
-#: default without probes; Hydra alone and the self-draft held to no drafting, Hydra without probes.
+#: default without probes; Hydra alone and the self-draft held to no drafting, Hydra without probes;
+#: dyntree's n-gram with a request's acceptance prior weighing 8 observations (``dyntree_ngram_pw8``:
+#: its acceptance after one-token matches, a rare hit, then moves less with each miss).
 CONTROLS: dict[str, dict[str, Any]] = {
     "dyntree_chains": {"method": "dyntree", "tree": "chain"},
     "dyntree_fullhead": {"method": "dyntree", "screened_head": False},
@@ -102,6 +104,7 @@ CONTROLS: dict[str, dict[str, Any]] = {
     "dyntree_hydra_noprobe": {"method": "dyntree", "drafter": "hydra", "controller": {"probe_steps": 0}},
     "dyntree_qspec_idle": {"method": "dyntree", "drafter": "qspec", "controller": _NO_DRAFTING},
     "dyntree_max8": {"method": "dyntree", "max_nodes": 8},
+    "dyntree_ngram_pw8": {"method": "dyntree", "drafter": "ngram", "controller": {"prior_weight": 8}},
     "vllm_ngram_idle": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4096,
                         "prompt_lookup_min": 4096},
 }
