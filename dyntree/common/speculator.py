@@ -387,10 +387,9 @@ class Speculator:
         that evidence may end, and never for a drafter that has none (:attr:`Drafter.has_evidence`)."""
         if self.controller is None:
             return False
-        if not self.drafter.has_evidence:
-            return self.controller.quiet(request_ids)
-        return self.controller.quiet(request_ids,
-                                     lambda: self._foresight([self._draft_request(r, None) for r in requests()]))
+        foresight = ((lambda: self._foresight([self._draft_request(r, None) for r in requests()]))
+                     if self.drafter.has_evidence else None)
+        return self.controller.quiet(request_ids, foresight)
 
     def _foresight(self, full: Sequence[DraftRequest]) -> tuple[list[bool] | None, list[int] | None]:
         """What the drafter knows before drafting ``full`` (requests at the full budget): which it
