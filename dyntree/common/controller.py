@@ -33,6 +33,10 @@
   tokens) has alpha kept per request and class, each class starting where it stands over every
   request: a request that starts copying a passage is planned by what copied passages
   are accepted at from its first such step, not after an EMA has climbed out of its last misses.
+  A request's alpha also keeps its class's acceptance over finished requests beside its own EMA,
+  at the weight those requests earn it (:class:`Dispersion`: how much they differed beyond
+  chance): where requests hardly differ, as in the n-gram's one-token matches, a request's
+  ten-step EMA is mostly scatter, and a few misses in a row would stop drafting that pays.
 * Per batch, a :class:`CostModel` (ms of one target forward vs. its number of query tokens,
   piecewise linear, seeded from start-up timings and refined online) prices the verify forward.
   Every request's node increments, ordered by expected accepted tokens per added query token
@@ -139,6 +143,7 @@ import numpy as np
 
 from dyntree.common.cost_model import CostModel, DraftCosts, batch_bucket
 from dyntree.common.options import Budget, ControllerOptions
+from dyntree.common.shrinkage import Dispersion
 from dyntree.common.tree import DraftTree
 
 __all__ = ["Plan", "SpeculationController"]
@@ -161,6 +166,9 @@ class _RequestState:
     # root's first child, and the class of the request's last plan (what alpha reads)
     acc: dict[int, list[float]] = field(default_factory=dict)
     cls: int = 0
+    # per evidence class: undecayed [hits, trials] of the root's first child, for the class's
+    # dispersion over requests once the request is released (Dispersion)
+    seen: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -208,6 +216,9 @@ class SpeculationController:
         # the population's acceptance then, and the class learns its own (a drafter without
         # evidence has only class 0, the population itself).
         self._pop_class: dict[int, list[float]] = {}
+        # How much the requests of each evidence class differ (Dispersion over released requests):
+        # the weight, in observations, of the class's acceptance in a request's alpha.
+        self._dispersion: dict[int, Dispersion] = {}
         # Extra-sibling trials: (decayed) catches, trials, and the sum of the requests' alpha.
         catch = 1 - (1 - o.alpha_prior) ** o.sibling_gain_prior
         self._gain_hits = catch * o.prior_weight
@@ -270,6 +281,9 @@ class SpeculationController:
         self._plan_value: dict[int, float] = {}
         self._plan_idle: dict[int, float] = {}
         self._plan_cost: dict[int, float] = {}
+        # ... and the part of that cost spent before the forward (planning and lookups), which a
+        # plan that drafts also pays: plain decoding at a step that planned is priced with it
+        self._planning: dict[int, float] = {}
         # per batch size (a power-of-two bucket) and apart for steps with drafts (theirs or the
         # previous step's) and without: the EMA of each step's time that neither the forward nor
         # the drafting accounts for (observe_cycle): the engine's own work between forwards, which
@@ -322,18 +336,32 @@ class SpeculationController:
         return 1 - self.options.ema / 4
 
     def alpha(self, request_id: Hashable) -> float:
-        """Current top-1 acceptance estimate of a request, in the evidence class of its last plan."""
-        hits, trials = self._acc(request_id)
-        return hits / trials
+        """Current top-1 acceptance estimate of a request, in the evidence class of its last plan:
+        its own EMA shrunk toward the class's acceptance over every request (:meth:`_shrunk`)."""
+        return self._shrunk(self._acc(request_id), self._state(request_id).cls)
 
     def _class_alpha(self, request_id: Hashable, cls: int) -> float:
         """What :meth:`alpha` would read for a request planned in evidence class ``cls`` (its own
         statistics there, else the class's over every request, else the population's), changing
         nothing."""
         s = self._requests.get(request_id)
-        hits, trials = (s.acc[cls] if s is not None and cls in s.acc
-                        else self._pop_class.get(cls, [self.population_alpha, 1.0]))
+        if s is not None and cls in s.acc:
+            return self._shrunk(s.acc[cls], cls)
+        hits, trials = self._pop_class.get(cls, [self.population_alpha, 1.0])
         return hits / trials
+
+    def _shrunk(self, acc: Sequence[float], cls: int) -> float:
+        """A request's decayed ``[hits, trials]`` in class ``cls``, with the acceptance of the
+        class's released requests added at the weight their dispersion gives it (none until two
+        are measured; :class:`Dispersion`): where requests hardly differ, a few misses in a row
+        do not stop one request's drafting. The released requests' rate moves only as requests
+        finish, so a spell of misses that stops every request's drafting in the class does not
+        also pull the shared estimate down with it."""
+        d = self._dispersion.get(cls)
+        w = self.options.ema * d.strength() if d is not None else 0.0
+        if w == 0.0:
+            return acc[0] / acc[1]
+        return (acc[0] + w * d.rate) / (acc[1] + w)
 
     def delivery(self, request_id: Hashable) -> float:
         """Expected fraction of planned draft nodes the drafter delivers for a request."""
@@ -563,7 +591,11 @@ class SpeculationController:
         # every step pays it: plans are ranked with it (a plain step's, a step with drafts')
         between = (self.between_ms(b, False), self.between_ms(b, True))
         raise_bar = self.plain_factor(b)
-        bar = b / (plain_ms + between[0]) * raise_bar  # what plain decoding delivers, as measured
+        # what plain decoding delivers, as measured, after this plan: its drafting is priced in
+        # full (planning included, as measured), so the planning it pays anyway is priced here too
+        planning = self._planning.get(bucket, 0.0)
+        plain_step = plain_ms + between[0] + planning
+        bar = b / plain_step * raise_bar
         # the two checks together move the best measured plan class by at most outcome_bound, as each
         # does alone (the other classes keep their measured shortfall against it)
         factors = self._outcome_factors(b, raise_bar / o.outcome_bound)
@@ -596,7 +628,8 @@ class SpeculationController:
             else:  # the batch's pace: water-filling, the slowest request's next step first
                 segs.sort(key=lambda s: (slack[s[1]] * (1 + tabs[s[1]][0][s[2]]), s[1], s[2]))
             rate, k, branching, tokens_rate, f, w = self._scan(segs, tabs, keys, kv, plain_ms, factors, catch_ms, slack,
-                                                               o.probe_loss * plain_ms if probe else None, between)
+                                                               o.probe_loss * plain_ms if probe else None, between,
+                                                               planning)
             if rate > best_rate:
                 best_rate, best_k, tables, segments, best_tokens, best_branching = rate, k, tabs, segs, tokens_rate, branching
                 used, widest = f, w
@@ -612,7 +645,7 @@ class SpeculationController:
         # what planning earns at this batch size: the ms a plan saves over plain decoding (0 when
         # it drafts nothing, or a probe's predicted loss), against what a plan that drafts nothing
         # costs (observe_plan_cost)
-        saved = (plain_ms + between[0]) * max(best_rate / bar - 1, 0.0) if speculate else 0.0
+        saved = plain_step * max(best_rate / bar - 1, 0.0) if speculate else 0.0
         _ema_into(self._plan_value, bucket, saved, o.ema)
         _ema_into(self._plan_idle, bucket, 0.0 if speculate else 1.0, o.ema)
         hopeless = not speculate and (hopeless or all(can))
@@ -775,7 +808,8 @@ class SpeculationController:
               keys: list[tuple[float, float, int]], kv: int | None, plain_ms: float,
               factors: np.ndarray, catch_ms: list[float], slack: np.ndarray | None = None,
               max_loss_ms: float | None = None,
-              between_ms: tuple[float, float] = (0.0, 0.0)) -> tuple[float, int, int, float, float, int]:
+              between_ms: tuple[float, float] = (0.0, 0.0),
+              planning_ms: float = 0.0) -> tuple[float, int, int, float, float, int]:
         """The best prefix of ``segments`` (merged hull steps in the order they are taken): its
         predicted rate, length, branching trees, predicted committed tokens per ms, outcome
         factor and largest tree's nodes, the rates times the outcome factor of chains-only plans
@@ -792,7 +826,8 @@ class SpeculationController:
         and of a step with drafts, which every step pays (a plan's at the chance that some planned
         tree arrives, else a plain step's): in the rate a plan is ranked by, not in the committed
         tokens per ms returned for the outcome check (which measures the forward and the drafting
-        only)."""
+        only). ``planning_ms``: what planning costs a plain step after it (:meth:`observe_plan_cost`),
+        in the plain decoding a probe's loss is measured against."""
         if not segments:
             return 0.0, 0, 0, 0.0, 1.0, 0
         b, n = len(keys), len(segments)
@@ -827,7 +862,7 @@ class SpeculationController:
         paid = spent + (1.0 - no_tree) * between_ms[1] + no_tree * between_ms[0]
         rate = tokens / paid if slack is None else factor * b * self._pace(r, lo, hi, tables, slack) / paid
         if max_loss_ms is not None:  # a probe: the best of the plans that lose little, else the least loss
-            loss = paid - tokens * (plain_ms + between_ms[0]) / b  # ms over plain decoding's for the same tokens
+            loss = paid - tokens * (plain_ms + between_ms[0] + planning_ms) / b  # ms over plain decoding's for the same tokens
             rate = np.where(loss <= max(max_loss_ms, float(loss.min())), rate, -np.inf)
         k = int(np.argmax(rate))  # the first of the best
         return float(rate[k]), k + 1, int(branching[k]), float(committed[k]), float(factor[k]), int(widest[k])
@@ -928,7 +963,11 @@ class SpeculationController:
             self._gain_trials = keep * self._gain_trials + (1 - keep) * g_trials
             self._gain_alpha = keep * self._gain_alpha + (1 - keep) * g_trials * self.alpha(request_id)
         if trials:
-            acc, pop = self._acc(request_id), self._class_pop(self._state(request_id).cls)
+            s = self._state(request_id)
+            acc, pop = self._acc(request_id), self._class_pop(s.cls)
+            seen = s.seen.setdefault(s.cls, [0, 0])
+            seen[0] += hits
+            seen[1] += trials
             acc[0] = (1 - o.ema) * acc[0] + o.ema * hits
             acc[1] = (1 - o.ema) * acc[1] + o.ema * trials
             pop[0] = keep * pop[0] + (1 - keep) * hits
@@ -957,14 +996,19 @@ class SpeculationController:
         # side fades with the EMA (~1 / outcome_ema steps): it cannot hold off a later veto for long
         ratios[key] = (got0 + e * (tokens - got0), want0 + e * (want - want0))
 
-    def observe_plan_cost(self, rows: int, ms: float) -> None:
+    def observe_plan_cost(self, rows: int, ms: float, planning_ms: float | None = None) -> None:
         """A step of ``rows`` requests whose plan drafted nothing cost ``ms`` beside the forward
         (planning, the drafter's lookups, verifying root-only trees), learned per batch size (EMA):
         a batch that the drafter's missing drafts hold back goes quiet while its plans earn less
-        than that (:meth:`quiet`)."""
-        if not ms >= 0:
-            raise ValueError(f"observe_plan_cost({rows}, {ms}): ms >= 0 needed")
+        than that (:meth:`quiet`). ``planning_ms``: the part of it before the forward (the plan
+        and the lookups, which a plan that drafts pays too, in its measured drafting): plain
+        decoding after a plan is priced with it, so a plan's drafting is weighed by what it adds
+        to the planning already paid (learned the same way; priced at 0 until reported)."""
+        if not ms >= 0 or (planning_ms is not None and not 0 <= planning_ms <= ms):
+            raise ValueError(f"observe_plan_cost({rows}, {ms}, {planning_ms}): 0 <= planning_ms <= ms needed")
         _ema_into(self._plan_cost, batch_bucket(rows), ms, self.options.ema)
+        if planning_ms is not None:
+            _ema_into(self._planning, batch_bucket(rows), planning_ms, self.options.ema)
 
     def observe_cycle(self, rows: int, ms: float, drafted: bool = False) -> None:
         """One step of ``rows`` requests spent ``ms`` outside its measured forward and drafting
@@ -1047,7 +1091,13 @@ class SpeculationController:
         return self._branch_ms
 
     def release(self, request_id: Hashable) -> None:
-        self._requests.pop(request_id, None)
+        """Forget a finished request; its first-draft hits and trials per evidence class join
+        the class's dispersion (how much requests differ there)."""
+        s = self._requests.pop(request_id, None)
+        if s is not None:
+            o = self.options
+            for cls, (hits, trials) in s.seen.items():
+                self._dispersion.setdefault(cls, Dispersion(self._keep, 4 / o.ema)).add(hits, trials)
         self._planned.pop(request_id, None)
 
     def predicted_rate(self, request_ids: Sequence[Hashable], plans: Sequence[Plan], kv: int | None = None) -> float:

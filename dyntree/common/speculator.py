@@ -332,7 +332,7 @@ class Speculator:
         spent = time.perf_counter() - t0
         self.stats.accept_s += spent
         if planned_ms is not None and self.controller is not None:
-            self.controller.observe_plan_cost(batch.batch_size, planned_ms + spent * 1e3)
+            self.controller.observe_plan_cost(batch.batch_size, planned_ms + spent * 1e3, planned_ms)
         return result
 
     def first_tokens(self, requests: Sequence[SpecRequest], target: torch.Tensor,
