@@ -1435,3 +1435,62 @@ def test_a_slow_first_branching_tree_does_not_price_trees_out_for_good() -> None
     for _ in range(ctrl.options.probe_steps):
         ctrl.plan([0])
     assert ctrl.branch_ms == learned
+
+
+def _release_alike(ctrl: SpeculationController, cls: int, first: int, count: int, hits: int, trials: int) -> None:
+    """``count`` requests planned in evidence class ``cls``, each with ``hits`` of ``trials`` first
+    drafts accepted (hits first), then released."""
+    tree = DraftTree.chain(0, [1, 2])
+    for rid in range(first, first + count):
+        for t in range(trials):
+            ctrl.plan([rid], evidence=[cls])
+            ctrl.observe(rid, tree, [0, 1] if t < hits else [0])
+        ctrl.release(rid)
+
+
+def test_a_request_in_a_class_of_alike_requests_keeps_the_class_rate_through_a_few_misses() -> None:
+    # Released requests of class 1 all accepted 6 of 20 first drafts: they differ no more than
+    # chance, so a request that then misses 8 times in a row still reads about the class's rate
+    # (its own EMA alone reads a fraction of it). Where the released requests differed (0 or 12
+    # of 20), the same request reads its own misses.
+    alike = SpeculationController(CostModel({1: 10.0, 64: 12.0}), BUDGET)
+    unlike = SpeculationController(CostModel({1: 10.0, 64: 12.0}), BUDGET)
+    _release_alike(alike, 1, 0, 8, 6, 20)
+    for first in (0, 1, 2, 3):
+        _release_alike(unlike, 1, 2 * first, 1, 12, 20)
+        _release_alike(unlike, 1, 2 * first + 1, 1, 0, 20)
+    tree = DraftTree.chain(0, [1, 2])
+    for ctrl in (alike, unlike):
+        for _ in range(8):
+            ctrl.plan([99], evidence=[1])
+            ctrl.observe(99, tree, [0])
+    own = alike._acc(99)
+    assert own[0] / own[1] < 0.15
+    assert alike.alpha(99) > 0.22
+    assert unlike.alpha(99) < 0.12
+    # a class of its own: nothing released there, the request's own EMA alone
+    alike.plan([99], evidence=[2])
+    alike.observe(99, tree, [0])
+    assert alike.alpha(99) == pytest.approx(alike._acc(99)[0] / alike._acc(99)[1])
+
+
+def test_plain_decoding_after_a_plan_pays_the_planning_too() -> None:
+    # One-node drafts; verifies of up to 64 tokens cost a plain step (10 ms); drafting (planning
+    # included, as measured) costs 1 ms a step, and the request's alpha is ~0.09. Priced against
+    # plain decoding alone, the draft loses; once plans without drafts report 0.8 ms of planning
+    # before the forward, plain decoding after a plan pays it too, and the draft pays.
+    ctrl = SpeculationController(CostModel({1: 10.0, 64: 10.0}), Budget(1, 1),
+                                 ControllerOptions(draft_ms_fixed=1.0, probe_steps=0))
+    tree = DraftTree.chain(0, [1])
+    for step in range(120):
+        ctrl.observe(1, tree, [0, 1] if step % 10 == 4 else [0])
+    assert 0.07 < ctrl.alpha(1) < 0.11
+    ctrl.observe_draft(1, 1, 1.0)
+    assert ctrl.plan([1])[0].max_nodes == 0
+    ctrl.observe_plan_cost(1, 1.0)  # without the part before the forward: nothing changes
+    assert ctrl.plan([1])[0].max_nodes == 0
+    for _ in range(60):
+        ctrl.observe_plan_cost(1, 1.0, planning_ms=0.8)
+    assert ctrl.plan([1])[0] == Plan("chain", 1, 1)
+    with pytest.raises(ValueError, match="planning_ms"):
+        ctrl.observe_plan_cost(1, 1.0, planning_ms=1.5)
