@@ -55,7 +55,10 @@
   whose overhead eats the gain is turned down. Every step also pays the engine's time between
   forwards (:meth:`SpeculationController.observe_cycle`: its sampling, bookkeeping and input
   preparation), learned apart for steps with drafts, which prepare, verify and roll back more
-  rows, and plain ones: a plan that drafts pays the first, plain decoding the second. An engine
+  rows, and plain ones: a plan that drafts pays the first, plain decoding the second. A plan's
+  measured drafting includes the planning itself, which a plan without drafts pays too
+  (:meth:`SpeculationController.observe_plan_cost`'s ``planning_ms``), so plain decoding after a
+  plan is priced with it: drafts are weighed by what they add to a step that planned. An engine
   that spends time per branching tree outside the target's forward (vLLM's CPU tree attention
   beside its own kernel; a chain needs none) reports it
   (:meth:`SpeculationController.observe_branching`): each branching tree of a plan is then
@@ -217,7 +220,7 @@ class SpeculationController:
         # evidence has only class 0, the population itself).
         self._pop_class: dict[int, list[float]] = {}
         # How much the requests of each evidence class differ (Dispersion over released requests):
-        # the weight, in observations, of the class's acceptance in a request's alpha.
+        # the weight, in observations, of their pooled acceptance in a request's alpha.
         self._dispersion: dict[int, Dispersion] = {}
         # Extra-sibling trials: (decayed) catches, trials, and the sum of the requests' alpha.
         catch = 1 - (1 - o.alpha_prior) ** o.sibling_gain_prior
@@ -337,7 +340,7 @@ class SpeculationController:
 
     def alpha(self, request_id: Hashable) -> float:
         """Current top-1 acceptance estimate of a request, in the evidence class of its last plan:
-        its own EMA shrunk toward the class's acceptance over every request (:meth:`_shrunk`)."""
+        its own EMA shrunk toward the class's finished requests' acceptance (:meth:`_shrunk`)."""
         return self._shrunk(self._acc(request_id), self._state(request_id).cls)
 
     def _class_alpha(self, request_id: Hashable, cls: int) -> float:
@@ -1096,7 +1099,7 @@ class SpeculationController:
         s = self._requests.pop(request_id, None)
         if s is not None:
             o = self.options
-            for cls, (hits, trials) in s.seen.items():
+            for cls, (hits, trials) in s.seen.items():  # weighed at most as the population's memory
                 self._dispersion.setdefault(cls, Dispersion(self._keep, 4 / o.ema)).add(hits, trials)
         self._planned.pop(request_id, None)
 
