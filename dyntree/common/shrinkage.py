@@ -13,7 +13,7 @@ where they do. Pure bookkeeping on floats: the controller decides what to read i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Dispersion:
     hits: float = 0.0
     trials_sq: float = 0.0
     hits_sq_over_trials: float = 0.0
-    _strength: float | None = None
+    _strength: float | None = field(default=None, init=False, repr=False)  # strength(), until the next add
 
     def add(self, hits: int, trials: int) -> None:
         """A finished request's first-draft ``hits`` of ``trials`` in this class (none: ignored)."""
