@@ -193,6 +193,56 @@ def test_cost_model_learns_each_batch_size_apart() -> None:
     assert cm.copy()(16, rows=8) == pytest.approx(cm(16, rows=8))
 
 
+def _observe_reference(cm: CostModel, n: int, ms: float, kv: int | None, rows: int) -> None:
+    """:meth:`CostModel.observe`'s three moves written out one after the other on the knots of
+    ``rows``' batch size: the level, the shape at the observed segment, the anchor's drift of the
+    other knots back toward the start-up shape, then the floor."""
+    ys = cm._ys.setdefault(cost_module.batch_bucket(rows), list(cm._start))
+    predicted = cm(n, kv, rows)
+    ratio = min(max(ms / max(predicted, 1e-6), 0.8), 1.25)
+    level = 1 + cm.lr / 2 * (ratio - 1)
+    ys[:] = [y * level for y in ys]
+    err = ratio * predicted - cm(n, kv, rows)
+    if len(cm.xs) == 1:
+        ys[0] += cm.lr * err * cm.xs[0] / max(n, cm.xs[0])
+    else:
+        i = min(max(int(np.searchsorted(cm.xs, n, side="right")) - 1, 0), len(cm.xs) - 2)
+        w = 0.0 if n <= cm.xs[0] else min((n - cm.xs[i]) / (cm.xs[i + 1] - cm.xs[i]), 1.0)
+        ys[i] += cm.lr * (1 - w) * err
+        ys[i + 1] += cm.lr * w * err
+        at_start = cm._start[i] + w * (cm._start[i + 1] - cm._start[i])
+        scale = (ys[i] + w * (ys[i + 1] - ys[i])) / max(at_start, 1e-6)
+        pull = cm.lr / 20 if cm._anchored else 0.0
+        kept = {i: 1 - w, i + 1: w}
+        ys[:] = [y + pull * (1 - kept.get(k, 0.0)) * (scale * s0 - y) for k, (y, s0) in enumerate(zip(ys, cm._start))]
+    ys[:] = [max(y, 1e-6) for y in ys]
+
+
+def test_cost_model_update_is_its_three_moves_in_one_pass() -> None:
+    """The engines' every-step update (one pass over the knots) moves them exactly as the level,
+    the shape and the anchor's drift do one after the other: measured and online models, one knot
+    or many, with and without the attention terms, at several batch sizes and beyond the last knot."""
+    rng = random.Random(0)
+    for trial in range(60):
+        xs = [rng.randint(1, 4)] if trial % 6 == 0 else cost_module.knot_sizes(rng.choice([8, 64, 512]))
+        points = {x: 5 + 0.05 * x + rng.random() for x in xs}
+        terms = {"attn_ms": rng.choice([0.0, 1e-4]), "kv_ref": rng.choice([0, 100]), "row_ms": rng.choice([0.0, 2e-4])}
+        fast, ref = CostModel(points, 0.2, **terms), CostModel(points, 0.2, **terms)
+        if trial % 4 == 0:
+            fast, ref = CostModel.online(xs, 0.3), CostModel.online(xs, 0.3)
+        for _ in range(80):
+            n, ms = rng.choice([1, 2, 5, 9, 16, 17, 40, 600, 2000]), rng.uniform(1, 80)
+            kv, rows = rng.choice([None, 50, 300]), rng.choice([1, 2, 8, 16])
+            fast.observe(n, ms, kv, rows)
+            if ref._unseen:
+                ref.observe(n, ms, kv, rows)
+            else:
+                _observe_reference(ref, n, ms, kv, rows)
+            assert set(fast._ys) == set(ref._ys)
+            for b in ref._ys:
+                assert fast._ys[b] == pytest.approx(ref._ys[b], rel=1e-12, abs=1e-15)
+
+
 def test_compute_bound_forward_means_plain_decoding() -> None:
     # Cost proportional to tokens: each draft token costs as much as a whole decode step, and
     # is accepted with probability < 1, so speculation can never pay, even at batch 1.

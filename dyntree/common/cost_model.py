@@ -218,33 +218,49 @@ class CostModel:
             self._start, self._unseen = [float(ms)] * len(self.xs), False
             self._ys = {1: list(self._start)}
             return
-        ys = self._ys.setdefault(batch_bucket(rows), list(self._start))
+        bucket = batch_bucket(rows)
+        ys = self._ys.get(bucket)
+        if ys is None:
+            ys = self._ys[bucket] = list(self._start)
+        n = float(n_tokens)
+        if len(self.xs) == 1:
+            predicted = self._scalar(n, kv, rows)
+            ratio = min(max(ms / max(predicted, 1e-6), _CLIP_LOW), _CLIP_HIGH)
+            level = 1 + self.lr / 2 * (ratio - 1)
+            y0 = ys[0] * level
+            y0 += self.lr * (ratio * predicted - self._with_attention(y0 * max(n, self.xs[0]) / self.xs[0], n, kv, rows)) \
+                * self.xs[0] / max(n_tokens, self.xs[0])
+            ys[0] = max(y0, 1e-6)
+            return
+        # one pass over the knots (engines call this every step): the prediction and its segment
+        # are read once, the level's scaling, the drift back and the floor are one list
+        i, w = self._segment_of(n)
+        predicted = self._with_attention(ys[i] + w * (ys[i + 1] - ys[i]), n, kv, rows)
         # one odd step moves it little: a measurement counts as at most 1.25x (at least 0.8x) the
         # prediction, so a spike of the machine at a size that is rarely timed again (the verify
         # shape that then looks too dear to plan) is not learned as that size's cost
-        predicted = self(n_tokens, kv, rows)
         ratio = min(max(ms / max(predicted, 1e-6), _CLIP_LOW), _CLIP_HIGH)
-        target = ratio * predicted
         level = 1 + self.lr / 2 * (ratio - 1)
-        ys[:] = [y * level for y in ys]
-        err = target - self(n_tokens, kv, rows)
-        i, w = self._segment_of(float(n_tokens))
-        if len(self.xs) == 1:
-            ys[0] += self.lr * err * self.xs[0] / max(n_tokens, self.xs[0])
-        else:
-            w = min(w, 1.0)
-            ys[i] += self.lr * (1 - w) * err
-            ys[i + 1] += self.lr * w * err
-            # the shape's anchor: every other knot drifts back (at lr / 20) toward the start-up
-            # shape at the level just observed. Knots that are not timed again only ever moved
-            # with the level, which the observed knot's noise walks up and down; they now follow
-            # it back. The observed segment keeps its own.
-            at_start = self._start[i] + w * (self._start[i + 1] - self._start[i])
-            scale = (ys[i] + w * (ys[i + 1] - ys[i])) / max(at_start, 1e-6)
-            pull = self.lr / 20 if self._anchored else 0.0
-            kept = {i: 1 - w, i + 1: w}  # the share of the shape move each knot of the segment took
-            ys[:] = [y + pull * (1 - kept.get(k, 0.0)) * (scale * s0 - y) for k, (y, s0) in enumerate(zip(ys, self._start))]
-        ys[:] = [max(y, 1e-6) for y in ys]
+        lo, hi = ys[i] * level, ys[i + 1] * level
+        err = ratio * predicted - self._with_attention(lo + w * (hi - lo), n, kv, rows)
+        w = min(w, 1.0)
+        lo += self.lr * (1 - w) * err
+        hi += self.lr * w * err
+        start = self._start
+        if not self._anchored:
+            ys[:] = [max(y * level, 1e-6) for y in ys]
+            ys[i], ys[i + 1] = max(lo, 1e-6), max(hi, 1e-6)
+            return
+        # the shape's anchor: every other knot drifts back (at lr / 20) toward the start-up shape
+        # at the level just observed. Knots that are not timed again only ever moved with the
+        # level, which the observed knot's noise walks up and down; they now follow it back. The
+        # observed segment keeps the share of the shape move each of its knots took.
+        at_start = start[i] + w * (start[i + 1] - start[i])
+        scale = (lo + w * (hi - lo)) / max(at_start, 1e-6)
+        pull = self.lr / 20
+        ys[:] = [max(y + pull * (scale * s0 - y), 1e-6) for y, s0 in zip([y * level for y in ys], start)]
+        ys[i] = max(lo + pull * (1 - (1 - w)) * (scale * start[i] - lo), 1e-6)
+        ys[i + 1] = max(hi + pull * (1 - w) * (scale * start[i + 1] - hi), 1e-6)
 
 
 _CLIP_LOW, _CLIP_HIGH = 0.8, 1.25  # CostModel.observe: how far one measurement may pull
