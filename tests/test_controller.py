@@ -1175,6 +1175,25 @@ def test_probe_after_a_plain_run() -> None:
     assert not any(_engine_steps(SpeculationController(dear, Budget(1, 1), opts), 200, available=False))
 
 
+def test_a_probe_that_finds_nothing_paying_keeps_the_quiet_spells_long() -> None:
+    """The quiet spells around a probe below the bar: doubling up to ``quiet_steps`` before it,
+    and at ``quiet_steps`` right after it, not 1, 2, 4 again (each plan that ends a spell costs a
+    plan's milliseconds at a big batch on a CPU)."""
+    dear = CostModel({1: 10.0, 2: 40.0, 64: 40.0}, lr=0.0)
+    ctrl = SpeculationController(dear, Budget(1, 1), ControllerOptions(alpha_prior=0.9, probe_steps=64, quiet_steps=8))
+    spells: list[tuple[bool, int]] = []  # per plan: whether it speculated, the quiet steps after it
+    for _ in range(200):
+        if ctrl.quiet([0]):
+            spells[-1] = (spells[-1][0], spells[-1][1] + 1)
+            continue
+        plan = ctrl.plan([0])[0]
+        ctrl.observe(0, DraftTree.chain(0, [1]) if plan.max_nodes else DraftTree.root_only(0), [0, 1] if plan.max_nodes else [0])
+        spells.append((plan.max_nodes > 0, 0))
+    probe = next(i for i, (speculated, _) in enumerate(spells) if speculated)
+    assert [n for _, n in spells[:4]] == [1, 2, 4, 8] and spells[probe][1] == 0
+    assert all(n == 8 for _, n in spells[probe + 1 : probe + 4])
+
+
 def test_probe_pays_a_catch_up_that_kept_speculation_off() -> None:
     """A drafter's one-time catch-up (Hydra's prefix layer over a new request's context) priced
     whole into one step (``catch_up_steps=1``) makes every plan lose to plain decoding, so the
