@@ -399,6 +399,41 @@ def test_a_quiet_step_tells_the_controller_what_the_drafter_knows() -> None:
     assert built == ["built"]  # for the n-gram drafter only
 
 
+def test_a_step_the_drafter_has_nothing_for_goes_without_a_plan() -> None:
+    """An n-gram lookup without a match for any request: ``quiet`` says so without a plan (the
+    controller's ``plan`` is not called, and neither planning's worth nor the steps toward a probe
+    move); one match in the batch plans. A union with a part that cannot tell beforehand (Hydra)
+    always plans."""
+    from dyntree.common.cost_model import CostModel
+    from dyntree.common.drafters.ngram import NgramDrafter
+    from dyntree.common.drafters.union import UnionDrafter
+
+    class Blind(NgramDrafter):  # drafts like the n-gram, but cannot tell beforehand
+        can_draft = Drafter.can_draft  # type: ignore[assignment]
+
+    def speculator(drafter: Drafter) -> Speculator:
+        sp = Speculator(drafter, SpecConfig(adaptive=True, max_nodes=4, max_depth=4), vocab_size=V,
+                        cost_model=CostModel({1: 10.0, 16: 20.0}))
+        sp.prepare()
+        return sp
+
+    unmatched = [SpecRequest("a", [1, 2, 3]), SpecRequest("b", [7, 8, 9])]
+    sp = speculator(make_drafter("ngram"))
+    assert sp.controller is not None
+    planned = sp.controller.plan
+    sp.controller.plan = lambda *a, **k: pytest.fail("a step with nothing to draft is planned")  # type: ignore[method-assign]
+    learned = (dict(sp.controller._plan_value), dict(sp.controller._plan_idle), dict(sp.controller._plain_run))
+    assert sp.quiet(["a", "b"], lambda: unmatched)
+    assert learned == (dict(sp.controller._plan_value), dict(sp.controller._plan_idle), dict(sp.controller._plain_run))
+    sp.controller.plan = planned  # type: ignore[method-assign]
+    matched = [SpecRequest("a", [1, 2, 3, 4, 1, 2, 3]), unmatched[1]]
+    assert not sp.quiet(["a", "b"], lambda: matched)
+    assert sp.propose(matched).trees[0].size > 1
+    assert NgramDrafter().knows_availability and UnionDrafter([NgramDrafter(), NgramDrafter()]).knows_availability
+    blind = UnionDrafter([NgramDrafter(), Blind()])
+    assert not blind.knows_availability and not speculator(blind).quiet(["a", "b"], lambda: unmatched)
+
+
 def test_a_chain_planned_for_a_drafter_with_its_own_trees_is_drafted_as_a_chain() -> None:
     """The n-gram drafter grows its own trie ("5 1" went on with 3 twice and with 2 once: two
     children, each likelier than what follows 3). Where the controller plans a chain (trees

@@ -747,6 +747,18 @@ class SpeculationController:
         self._relax_outcome(len(request_ids))
         return True
 
+    def idle(self, request_ids: Sequence[Hashable]) -> None:
+        """A step of ``request_ids`` decoded plainly without a plan, as the drafter had nothing for
+        any of them (``Drafter.can_draft``: an n-gram lookup without a match anywhere). There was
+        no choice to make, so planning's worth at this batch size and the steps counted toward a
+        probe stay as they were. Where planning pays its way (:meth:`_planning_pays`), the quiet
+        spells' backoff restarts, as it does after a plan held back by requests without drafts
+        (matches come and go: the next one is planned afresh); where it does not, the backoff
+        stands. The outcome check relaxes as on any step without drafts."""
+        if self._planning_pays(batch_bucket(len(request_ids))):
+            self._quiet = _Spell()
+        self._relax_outcome(len(request_ids))
+
     def _relax(self, rid: Hashable) -> None:
         """A step without a draft for a request that could have had one: no evidence, so its
         acceptance drifts back toward the better of the population's and the prior (and its

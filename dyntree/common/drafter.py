@@ -289,6 +289,13 @@ class Drafter:
         return type(self).evidence is not Drafter.evidence
 
     @property
+    def knows_availability(self) -> bool:
+        """Implements :meth:`can_draft` (it knows beforehand which requests it has nothing for), so
+        a step it has nothing for at all decodes plainly without a plan
+        (:meth:`~dyntree.common.speculator.Speculator.quiet`)."""
+        return type(self).can_draft is not Drafter.can_draft
+
+    @property
     def has_own_trees(self) -> bool:
         """Implements :meth:`propose` (``SpecConfig.tree`` unset uses it; else the ``beam`` tree)."""
         return type(self).propose is not Drafter.propose

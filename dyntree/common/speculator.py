@@ -380,16 +380,27 @@ class Speculator:
         """Whether this step may go without :meth:`propose` and :meth:`accept`: the adaptive
         controller's recent plans for this same batch could not pay whatever the drafter found,
         and what the drafter knows now (its evidence: a longer n-gram match) promises no better
-        (:meth:`~dyntree.common.controller.SpeculationController.quiet`). The engine then decodes
+        (:meth:`~dyntree.common.controller.SpeculationController.quiet`); or the drafter knows
+        beforehand that it has nothing for any of the requests (:attr:`Drafter.knows_availability`:
+        an n-gram lookup without a match for every one), so there is no plan to make
+        (:meth:`~dyntree.common.controller.SpeculationController.idle`). The engine then decodes
         every request plainly, keeps pushing hidden states (:meth:`observe_hidden`) and reports
         the forward to :meth:`observe_forward`. ``requests()`` builds the step's requests (in
-        ``request_ids``' order) for the drafter to be asked; it is called only on a step of a spell
-        that evidence may end, and never for a drafter that has none (:attr:`Drafter.has_evidence`)."""
+        ``request_ids``' order) for the drafter to be asked; it is called only when the drafter is
+        asked."""
         if self.controller is None:
             return False
         foresight = ((lambda: self._foresight([self._draft_request(r, None) for r in requests()]))
                      if self.drafter.has_evidence else None)
-        return self.controller.quiet(request_ids, foresight)
+        if self.controller.quiet(request_ids, foresight):
+            return True
+        if not self.drafter.knows_availability:
+            return False
+        can, _ = self._foresight([self._draft_request(r, None) for r in requests()])
+        if can is None or any(can):
+            return False
+        self.controller.idle(request_ids)
+        return True
 
     def _foresight(self, full: Sequence[DraftRequest]) -> tuple[list[bool] | None, list[int] | None]:
         """What the drafter knows before drafting ``full`` (requests at the full budget): which it

@@ -83,9 +83,13 @@ class UnionDrafter(Drafter):
                entropy: bool = True) -> Candidates:
         return merge_candidates([p.expand(requests, frontiers, partials, k, shaping, entropy) for p in self.parts], k)
 
+    @property
+    def knows_availability(self) -> bool:
+        return all(p.knows_availability for p in self.parts)
+
     def can_draft(self, requests: Sequence[DraftRequest]) -> list[bool] | None:
         """Any part would draft (unknown if a part cannot tell: the others are not asked)."""
-        if any(type(p).can_draft is Drafter.can_draft for p in self.parts):
+        if not self.knows_availability:
             return None
         answers = [p.can_draft(requests) for p in self.parts]
         if any(a is None for a in answers):
