@@ -1394,11 +1394,12 @@ def _quiet_spells(ctl: SpeculationController, ids: list[int], plans: int) -> lis
 def test_a_step_with_nothing_to_draft_restarts_the_spells_where_planning_pays() -> None:
     """``idle`` (no request had anything to draft, so no plan): where planning pays its way the
     quiet spells' backoff restarts (matches come and go: the next is planned afresh); where the
-    plans without drafts cost more than planning saves, the doubling goes on. It touches neither
-    planning's worth nor the steps counted toward a probe."""
+    plans without drafts cost more than planning saves, the next spell begins at once, doubled
+    (the steps after it are not asked again one by one). It touches neither planning's worth nor
+    the steps counted toward a probe."""
     cost = CostModel({1: 10.0, 64: 11.0}, lr=0.0)
     ids = [0, 1]
-    for plan_ms, after in ((None, [1, 2]), (0.5, [8, 16])):
+    for plan_ms, after in ((None, [0, 1, 2]), (0.5, [8, 16, 24])):
         ctl = SpeculationController(cost, BUDGET, ControllerOptions(draft_ms_fixed=50.0, quiet_steps=8, outcome_ema=0))
         if plan_ms is not None:
             ctl.observe_plan_cost(len(ids), plan_ms)
@@ -1406,7 +1407,7 @@ def test_a_step_with_nothing_to_draft_restarts_the_spells_where_planning_pays() 
         learned = (dict(ctl._plan_value), dict(ctl._plan_idle), dict(ctl._plain_run))
         ctl.idle(ids)
         assert learned == (dict(ctl._plan_value), dict(ctl._plan_idle), dict(ctl._plain_run))
-        assert _quiet_spells(ctl, ids, 2) == after
+        assert [sum(1 for _ in iter(lambda: ctl.quiet(ids), False)), *_quiet_spells(ctl, ids, 2)] == after
 
 
 def test_what_is_left_of_a_quiet_batch_stays_quiet_at_its_batch_size() -> None:

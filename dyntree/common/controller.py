@@ -658,16 +658,15 @@ class SpeculationController:
             # while a plan saves more on average than the plans that draft nothing cost, each
             # as often as they come (a plan that drafts pays its own planning in its drafting time)
             hopeless = not self._planning_pays(bucket)
-        last = self._quiet.backoff
-        backoff = min(2 * last, self._spell_cap(bucket, plain_ms)) if last else min(1, o.quiet_steps)
         if hopeless:
-            self._quiet = _Spell(frozenset(request_ids), backoff, backoff, tuple(r for r, c in zip(request_ids, can) if c),
-                                 max((key[0] for key, c in zip(keys, can) if c), default=self.population_alpha),
-                                 tuple((r, key[2]) for r, key in zip(request_ids, keys)))
+            self._go_quiet(request_ids, plain_ms, tuple(r for r, c in zip(request_ids, can) if c),
+                           max((key[0] for key, c in zip(keys, can) if c), default=self.population_alpha),
+                           tuple((r, key[2]) for r, key in zip(request_ids, keys)))
         else:  # a probe below the bar ends the spell but keeps its backoff: a probe that finds
             # nothing paying does not restart the spells at one step (each plan that ends one
             # costs what a plan does: at batch 8 on a CPU, milliseconds)
-            self._quiet = _Spell(backoff=last) if speculate and best_rate < bar * o.min_gain else _Spell()
+            keep = speculate and best_rate < bar * o.min_gain
+            self._quiet = _Spell(backoff=self._quiet.backoff) if keep else _Spell()
         if not speculate:
             alloc = [0] * b
             self._relax_outcome(b)
@@ -747,17 +746,34 @@ class SpeculationController:
         self._relax_outcome(len(request_ids))
         return True
 
-    def idle(self, request_ids: Sequence[Hashable]) -> None:
+    def idle(self, request_ids: Sequence[Hashable], kv: int | None = None,
+             evidence: Sequence[int] | None = None) -> None:
         """A step of ``request_ids`` decoded plainly without a plan, as the drafter had nothing for
-        any of them (``Drafter.can_draft``: an n-gram lookup without a match anywhere). There was
-        no choice to make, so planning's worth at this batch size and the steps counted toward a
-        probe stay as they were. Where planning pays its way (:meth:`_planning_pays`), the quiet
-        spells' backoff restarts, as it does after a plan held back by requests without drafts
-        (matches come and go: the next one is planned afresh); where it does not, the backoff
-        stands. The outcome check relaxes as on any step without drafts."""
-        if self._planning_pays(batch_bucket(len(request_ids))):
+        any of them (``Drafter.can_draft``: an n-gram lookup without a match anywhere; ``kv`` and
+        ``evidence`` as :meth:`plan` takes them). There was no choice to make, so planning's worth
+        at this batch size and the steps counted toward a probe stay as they were. The quiet
+        spells go on as after a plan held back by requests without drafts: where planning pays
+        its way (:meth:`_planning_pays`) the backoff restarts (matches come and go: the next one
+        is planned afresh), elsewhere the next spell begins, its backoff doubled. The outcome
+        check relaxes as on any step without drafts."""
+        b = len(request_ids)
+        if self._planning_pays(batch_bucket(b)):
             self._quiet = _Spell()
-        self._relax_outcome(len(request_ids))
+        else:
+            classes = evidence if evidence is not None else [0] * b
+            self._go_quiet(request_ids, self.cost(b, kv, b), (), self.population_alpha,
+                           tuple((r, int(c)) for r, c in zip(request_ids, classes)))
+        self._relax_outcome(b)
+
+    def _go_quiet(self, request_ids: Sequence[Hashable], plain_ms: float, could: tuple[Hashable, ...],
+                  judged: float, classes: tuple[tuple[Hashable, int], ...]) -> None:
+        """Begin the batch's next quiet spell (:meth:`quiet`): one step, or twice the last spell's
+        length up to :meth:`_spell_cap`; ``could``: the requests the drafter could have drafted
+        for, ``judged``: the best of their acceptance, ``classes``: each request's evidence class."""
+        last = self._quiet.backoff
+        backoff = (min(2 * last, self._spell_cap(batch_bucket(len(request_ids)), plain_ms)) if last
+                   else min(1, self.options.quiet_steps))
+        self._quiet = _Spell(frozenset(request_ids), backoff, backoff, could, judged, classes)
 
     def _relax(self, rid: Hashable) -> None:
         """A step without a draft for a request that could have had one: no evidence, so its

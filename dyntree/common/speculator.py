@@ -396,10 +396,11 @@ class Speculator:
             return True
         if not self.drafter.knows_availability:
             return False
-        can, _ = self._foresight([self._draft_request(r, None) for r in requests()])
+        reqs = requests()
+        can, evidence = self._foresight([self._draft_request(r, None) for r in reqs])
         if can is None or any(can):
             return False
-        self.controller.idle(request_ids)
+        self.controller.idle(request_ids, self._attended([len(r.token_ids) - 1 for r in reqs]), evidence)
         return True
 
     def _foresight(self, full: Sequence[DraftRequest]) -> tuple[list[bool] | None, list[int] | None]:
